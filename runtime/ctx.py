@@ -1,0 +1,132 @@
+"""Per-sequence bookkeeping of the DFlash drafter context (ctx K/V rows in drafter pages).
+
+The K/V rows live in `dkv_pool [Ld, 2, num_blocks, block_size, H, hd]`; K already carries
+RoPE at its absolute position, so rows are never recomputed or moved -- only pages freed.
+
+Representation (logical rows index the sequence's page list `pages`):
+    row r  ->  page pages[r // block_size], offset r % block_size
+    held rows   [start, end)     positions in `_pos` (absolute, contiguous, len end-start)
+    visible     [end - ctx_len, end),  ctx_len = min(total appended, window)
+Invariants after every finish_append: 0 <= start < block_size (pages holding only dropped
+rows are freed), end - start >= ctx_len, end <= max(2*window, window + block_size - 1).
+
+Capacity = 2*window rows. When `end` exceeds it, the window SLIDES: the newest `window` rows are
+kept (watermark = newest half of capacity); every page that holds only dropped rows is freed
+and the remaining offset into the first kept page simply stays in `start` (kv_start), no copy.
+
+Block tables are padded with 0 to `max_blocks` (static width for the graphs):
+    max_blocks = ceil((max(2*window, window + block_size - 1) + max_append) / block_size)
+which bounds the pages ever held; `max_append` (default: window) caps n per append.
+numpy only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .pools import BlockAllocator
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class CtxWindow:
+    def __init__(self, window: int, block_size: int, allocator: BlockAllocator,
+                 max_append: int | None = None):
+        if window <= 0 or block_size <= 0:
+            raise ValueError(f"window and block_size must be > 0 (got {window}, {block_size})")
+        self.window = int(window)
+        self.block_size = int(block_size)
+        self.allocator = allocator
+        self.max_append = int(max_append) if max_append is not None else self.window
+        self.capacity = 2 * self.window
+        self.max_blocks = _cdiv(
+            max(self.capacity, self.window + self.block_size - 1) + self.max_append,
+            self.block_size,
+        )
+        self.pages: list[int] = []
+        self.start = 0
+        self.end = 0
+        self.total = 0  # rows ever appended (== seq_len when every position is appended)
+        self._pos = np.zeros(0, dtype=np.int64)
+
+    # ---- queries ----------------------------------------------------------------------
+    @property
+    def ctx_len(self) -> int:
+        return min(self.total, self.window)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+    def block_table(self) -> np.ndarray:
+        bt = np.zeros(self.max_blocks, dtype=np.int32)
+        bt[: len(self.pages)] = self.pages
+        return bt
+
+    def visible(self) -> tuple[np.ndarray, int, int]:
+        """(block_table_row [max_blocks] int32, kv_start, kv_len): attend rows [kv_start, kv_len)."""
+        return self.block_table(), self.end - self.ctx_len, self.end
+
+    def positions_visible(self) -> np.ndarray:
+        """Absolute positions of the visible rows (contiguous, ending at the last appended)."""
+        return self._pos[len(self._pos) - self.ctx_len:].copy()
+
+    # ---- append -----------------------------------------------------------------------
+    def plan_append(self, n: int) -> tuple[np.ndarray, int]:
+        """Ensure pages for logical rows [end, end+n); returns (block_table_row, start_row=end).
+
+        All-or-nothing: PoolExhausted leaves this window unchanged. Advances nothing.
+        """
+        n = int(n)
+        if n < 0 or n > self.max_append:
+            raise ValueError(f"append of {n} rows outside [0, max_append={self.max_append}]")
+        need = _cdiv(self.end + n, self.block_size) - len(self.pages)
+        if need > 0:
+            self.pages.extend(self.allocator.alloc(need))  # raises before any change
+        assert len(self.pages) <= self.max_blocks
+        return self.block_table(), self.end
+
+    def finish_append(self, n: int, positions) -> None:
+        """Record n written rows (absolute positions), advance end, slide if over capacity."""
+        n = int(n)
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if pos.shape[0] != n:
+            raise ValueError(f"{n} rows but {pos.shape[0]} positions")
+        if len(self.pages) * self.block_size < self.end + n:
+            raise RuntimeError("finish_append without a matching plan_append (no pages)")
+        if n == 0:
+            return
+        prev = self._pos[-1] if self._pos.size else pos[0] - 1
+        if np.any(np.diff(np.concatenate([[prev], pos])) != 1):
+            raise ValueError(
+                f"ctx positions must be contiguous: last {int(prev)}, got {pos.tolist()}"
+            )
+        self._pos = np.concatenate([self._pos, pos])
+        self.end += n
+        self.total += n
+        if self.end > self.capacity:
+            self._slide()
+
+    def _slide(self) -> None:
+        keep = min(self.end - self.start, self.window)
+        if keep < self.ctx_len:  # would drop a row the drafter still attends to
+            raise AssertionError(f"slide would keep {keep} < ctx_len {self.ctx_len} rows")
+        new_start = self.end - keep
+        drop = new_start // self.block_size  # pages holding only dropped rows
+        if drop:
+            self.allocator.free(self.pages[:drop])
+            del self.pages[:drop]
+        self._pos = self._pos[len(self._pos) - keep:]
+        self.start = new_start - drop * self.block_size
+        self.end -= drop * self.block_size
+        assert 0 <= self.start < self.block_size and self.end - self.start == keep
+
+    def release(self) -> None:
+        """Free every page (idempotent); the window is empty afterwards."""
+        if self.pages:
+            self.allocator.free(self.pages)
+        self.pages = []
+        self.start = self.end = self.total = 0
+        self._pos = np.zeros(0, dtype=np.int64)

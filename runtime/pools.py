@@ -1,0 +1,126 @@
+"""State pools of the runtime: KV pages (refcounted block allocator) and fixed slots.
+
+numpy only (no torch / tensorrt). Exhaustion is all-or-nothing: a failed request raises
+`PoolExhausted` and leaves the pool exactly as it was (nothing leaked).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+import numpy as np
+
+
+class PoolExhausted(RuntimeError):
+    """A pool could not satisfy a request. Carries `.pool`, `.requested`, `.free`."""
+
+    def __init__(self, pool: str, requested: int, free: int):
+        self.pool = pool
+        self.requested = int(requested)
+        self.free = int(free)
+        super().__init__(
+            f"{pool} pool exhausted: asked for {self.requested}, only {self.free} free"
+        )
+
+
+class BlockAllocator:
+    """Refcounted page allocator. Free list is a deque; refcounts a numpy int32 array.
+
+    A block is free iff its refcount is 0 (and then it is in the free list exactly once).
+    """
+
+    def __init__(self, num_blocks: int, name: str = "kv pages"):
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.name = name
+        self._free: deque[int] = deque(range(int(num_blocks)))
+        self._ref = np.zeros(int(num_blocks), dtype=np.int32)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_total(self) -> int:
+        return int(self._ref.shape[0])
+
+    def refcount(self, block: int) -> int:
+        return int(self._ref[block])
+
+    def alloc(self, n: int) -> list[int]:
+        """n fresh blocks with refcount 1; all-or-nothing (PoolExhausted, state unchanged)."""
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free):
+            raise PoolExhausted(self.name, n, len(self._free))
+        out = [self._free.popleft() for _ in range(n)]
+        self._ref[out] = 1
+        return out
+
+    def _check(self, blocks: Iterable[int], what: str) -> np.ndarray:
+        b = np.asarray(list(blocks), dtype=np.int64).reshape(-1)
+        if b.size and (b.min() < 0 or b.max() >= self.num_total):
+            raise ValueError(f"{self.name}: {what} of out-of-range block in {b.tolist()}")
+        return b
+
+    def incref(self, blocks: Iterable[int]) -> None:
+        """Share already-allocated blocks (refcount += 1 per occurrence)."""
+        b = self._check(blocks, "incref")
+        if b.size and np.any(self._ref[b] <= 0):
+            bad = b[self._ref[b] <= 0].tolist()
+            raise ValueError(f"{self.name}: incref of free block(s) {bad}")
+        np.add.at(self._ref, b, 1)
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference per occurrence; a block returns to the free list at 0.
+
+        Validated before any change: freeing a block more times than it is referenced
+        (double free) raises ValueError and changes nothing.
+        """
+        b = self._check(blocks, "free")
+        if b.size == 0:
+            return
+        uniq, cnt = np.unique(b, return_counts=True)
+        over = self._ref[uniq] < cnt
+        if np.any(over):
+            raise ValueError(f"{self.name}: double free of block(s) {uniq[over].tolist()}")
+        self._ref[uniq] -= cnt.astype(np.int32)
+        for blk in uniq[self._ref[uniq] == 0].tolist():
+            self._free.append(int(blk))
+
+
+class SlotPool:
+    """Fixed slots (GDN state / conv state per sequence). alloc() -> int, free(slot)."""
+
+    def __init__(self, num_slots: int, name: str = "slots"):
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        self.name = name
+        self._free: deque[int] = deque(range(int(num_slots)))
+        self._used = np.zeros(int(num_slots), dtype=bool)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_total(self) -> int:
+        return int(self._used.shape[0])
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise PoolExhausted(self.name, 1, 0)
+        s = self._free.popleft()
+        self._used[s] = True
+        return s
+
+    def free(self, slot: int) -> None:
+        slot = int(slot)
+        if not 0 <= slot < self.num_total:
+            raise ValueError(f"{self.name}: free of out-of-range slot {slot}")
+        if not self._used[slot]:
+            raise ValueError(f"{self.name}: double free of slot {slot}")
+        self._used[slot] = False
+        self._free.append(slot)

@@ -1,0 +1,211 @@
+"""Fast CPU tests: pools, HostDevice commit kernels vs naive loops, CtxWindow bookkeeping."""
+
+import numpy as np
+import pytest
+
+from runtime.ctx import CtxWindow
+from runtime.device import HostDevice
+from runtime.pools import BlockAllocator, PoolExhausted, SlotPool
+
+
+# ---------------------------------------------------------------- pools
+def test_allocator_all_or_nothing():
+    a = BlockAllocator(10, name="test pages")
+    got = a.alloc(7)
+    assert len(set(got)) == 7 and a.num_free == 3
+    before = list(a._free)
+    with pytest.raises(PoolExhausted) as ei:
+        a.alloc(4)
+    msg = str(ei.value)
+    assert "test pages" in msg and "4" in msg and "3" in msg
+    assert ei.value.requested == 4 and ei.value.free == 3
+    assert list(a._free) == before and a.num_free == 3
+    a.free(got)
+    assert a.num_free == a.num_total == 10
+    assert a.alloc(0) == []
+
+
+def test_allocator_refcounts_and_double_free():
+    a = BlockAllocator(4)
+    b = a.alloc(2)
+    a.incref([b[0]])
+    a.free(b)
+    assert a.num_free == 3  # b[0] still referenced
+    a.free([b[0]])
+    assert a.num_free == 4
+    with pytest.raises(ValueError):
+        a.free([b[0]])
+    c = a.alloc(1)
+    with pytest.raises(ValueError):
+        a.free([c[0], c[0]])  # more frees than refs: rejected, nothing changed
+    assert a.refcount(c[0]) == 1 and a.num_free == 3
+    with pytest.raises(ValueError):
+        a.incref([b[1]] if b[1] != c[0] else [b[0]])
+    a.free(c)
+    assert a.num_free == 4
+
+
+def test_slot_pool():
+    p = SlotPool(2, "gdn slots")
+    s0, s1 = p.alloc(), p.alloc()
+    assert {s0, s1} == {0, 1} and p.num_free == 0
+    with pytest.raises(PoolExhausted, match="gdn slots"):
+        p.alloc()
+    p.free(s0)
+    with pytest.raises(ValueError):
+        p.free(s0)
+    assert p.num_free == 1
+
+
+# ---------------------------------------------------------------- kernels
+D = HostDevice()
+
+
+def test_kv_write_random_pages():
+    rng = np.random.default_rng(0)
+    L, nb, bs, H, hd, B, T, mb = 2, 40, 4, 2, 3, 3, 6, 5
+    pool = rng.standard_normal((L, 2, nb, bs, H, hd)).astype(np.float32)
+    ref = pool.copy()
+    perm = rng.permutation(nb)[: B * mb].reshape(B, mb)
+    start = np.array([0, 5, 13])
+    n = np.array([6, 0, 3])
+    rows = rng.standard_normal((L, 2, B, T, H, hd)).astype(np.float32)
+    D.kv_write(pool, rows, perm, start, n)
+    for b in range(B):
+        for i in range(n[b]):
+            r = start[b] + i
+            ref[:, :, perm[b, r // bs], r % bs] = rows[:, :, b, i]
+    np.testing.assert_array_equal(pool, ref)
+    got = D.gather_rows(pool, perm[2], start[2], n[2])
+    np.testing.assert_array_equal(got, rows[:, :, 2, : n[2]])
+
+
+def test_gdn_fold_vs_token_loop():
+    rng = np.random.default_rng(1)
+    L, S, B, T, Hk, Hv, dk, dv = 2, 5, 3, 5, 2, 4, 3, 4
+    pool = rng.standard_normal((L, S, Hv, dk, dv)).astype(np.float32)
+    ref = pool.astype(np.float64)
+    slots = np.array([3, 0, 4])
+    n = np.array([5, 0, 2])
+    k = rng.standard_normal((L, B, T, Hk, dk)).astype(np.float32)
+    v = rng.standard_normal((L, B, T, Hv, dv)).astype(np.float32)
+    g = -rng.uniform(0.0, 2.0, (L, B, T, Hv)).astype(np.float32)
+    gamma = np.cumsum(g, axis=2)
+    untouched = pool[:, [0, 1, 2]].copy()  # slot 0 is b=1 (n=0); 1, 2 unused
+    D.gdn_fold(pool, slots, k, v, gamma, n)
+    rep = Hv // Hk
+    for l in range(L):
+        for b in range(B):
+            for i in range(n[b]):
+                for h in range(Hv):
+                    Sm = ref[l, slots[b], h]
+                    ref[l, slots[b], h] = np.exp(g[l, b, i, h]) * Sm + np.outer(
+                        k[l, b, i, h // rep], v[l, b, i, h]
+                    )
+    np.testing.assert_allclose(pool, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(pool[:, [0, 1, 2]], untouched)
+    # n = 0 for every sequence: nothing changes, even with garbage gamma
+    before = pool.copy()
+    D.gdn_fold(pool, slots, k, v, np.full_like(gamma, np.nan), np.zeros(B, int))
+    np.testing.assert_array_equal(pool, before)
+
+
+def test_gdn_fold_ignores_rows_past_n():
+    rng = np.random.default_rng(2)
+    L, S, B, T, H, dk, dv = 1, 2, 2, 4, 2, 2, 2
+    pool = rng.standard_normal((L, S, H, dk, dv)).astype(np.float32)
+    k = rng.standard_normal((L, B, T, H, dk)).astype(np.float32)
+    v = rng.standard_normal((L, B, T, H, dv)).astype(np.float32)
+    gamma = np.cumsum(-rng.uniform(0, 1, (L, B, T, H)), axis=2).astype(np.float32)
+    p1, p2 = pool.copy(), pool.copy()
+    D.gdn_fold(p1, [0, 1], k, v, gamma, np.array([2, 1]))
+    k2, v2, g2 = k.copy(), v.copy(), gamma.copy()
+    k2[:, 0, 2:] = 1e30; v2[:, 0, 2:] = np.nan; g2[:, 0, 2:] = -1e30
+    k2[:, 1, 1:] = 1e30; v2[:, 1, 1:] = np.nan; g2[:, 1, 1:] = 1e30
+    D.gdn_fold(p2, [0, 1], k2, v2, g2, np.array([2, 1]))
+    np.testing.assert_array_equal(p1, p2)
+
+
+def test_gdn_set():
+    rng = np.random.default_rng(3)
+    pool = np.zeros((2, 4, 2, 3, 3), np.float32)
+    st = rng.standard_normal((2, 3, 2, 3, 3)).astype(np.float32)
+    D.gdn_set(pool, [2, 0, 1], st, np.array([1, 0, 7]))
+    np.testing.assert_array_equal(pool[:, 2], st[:, 0])
+    np.testing.assert_array_equal(pool[:, 1], st[:, 2])
+    assert not pool[:, 0].any() and not pool[:, 3].any()
+
+
+def test_conv_roll_vs_naive():
+    rng = np.random.default_rng(4)
+    L, S, C, W, B, T = 2, 6, 5, 4, 4, 7
+    pool = rng.standard_normal((L, S, C, W - 1)).astype(np.float32)
+    ref = pool.copy()
+    slots = np.array([5, 1, 2, 0])
+    n = np.array([1, 0, 7, 2])
+    cols = rng.standard_normal((L, B, T, C)).astype(np.float32)
+    D.conv_roll(pool, slots, cols, n)
+    for b in range(B):
+        st = ref[:, slots[b]].copy()
+        for i in range(n[b]):
+            st = np.concatenate([st[..., 1:], cols[:, b, i][..., None]], axis=-1)
+        ref[:, slots[b]] = st
+    np.testing.assert_array_equal(pool, ref)
+
+
+# ---------------------------------------------------------------- ctx window
+@pytest.mark.parametrize("window", [8, 20, 33])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_ctx_window_random(window, block_size):
+    rng = np.random.default_rng(window * 100 + block_size)
+    Ld, H, hd, nb = 2, 1, 2, 64
+    alloc = BlockAllocator(nb, name="drafter kv pages")
+    pool = np.full((Ld, 2, nb, block_size, H, hd), np.nan, np.float32)
+    cw = CtxWindow(window, block_size, alloc, max_append=17)
+    seq = 0
+    for step in range(120):
+        n = int(rng.integers(1, 18))
+        bt, start = cw.plan_append(n)
+        assert bt.shape == (cw.max_blocks,)
+        pos = np.arange(seq, seq + n)
+        # row content encodes its absolute position (distinct rows)
+        rows = np.broadcast_to(
+            pos[None, None, :, None, None].astype(np.float32)
+            + np.arange(Ld)[:, None, None, None, None] * 1e4
+            + np.arange(2)[None, :, None, None, None] * 1e5,
+            (Ld, 2, n, H, hd),
+        )[:, :, None]
+        D.kv_write(pool, rows, bt[None], np.array([start]), np.array([n]))
+        cw.finish_append(n, pos)
+        seq += n
+        vbt, kv_start, kv_len = cw.visible()
+        vis = cw.positions_visible()
+        assert len(vis) == min(seq, window) == kv_len - kv_start
+        assert vis[-1] == seq - 1 and np.all(np.diff(vis) == 1)
+        assert cw.num_pages <= cw.max_blocks
+        assert cw.num_pages == alloc.num_total - alloc.num_free
+        got = D.gather_rows(pool, vbt, kv_start, kv_len - kv_start)
+        want = (vis[None, None, :, None, None].astype(np.float32)
+                + np.arange(Ld)[:, None, None, None, None] * 1e4
+                + np.arange(2)[None, :, None, None, None] * 1e5)
+        np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
+    cw.release()
+    cw.release()
+    assert alloc.num_free == nb
+
+
+def test_ctx_window_exhaustion_and_contiguity():
+    alloc = BlockAllocator(2, name="drafter kv pages")
+    cw = CtxWindow(8, 4, alloc)
+    cw.plan_append(8)
+    cw.finish_append(8, np.arange(8))
+    with pytest.raises(PoolExhausted, match="drafter kv pages"):
+        cw.plan_append(1)
+    assert cw.num_pages == 2 and cw.end == 8 and alloc.num_free == 0
+    cw.release()
+    assert alloc.num_free == 2
+    cw.plan_append(2)
+    with pytest.raises(ValueError):
+        cw.finish_append(2, [0, 2])
+    with pytest.raises(ValueError):
+        cw.plan_append(9)  # > max_append (default window)
