@@ -1,0 +1,211 @@
+"""Plain-torch reference math for the Gated DeltaNet (GDN) custom ops (DESIGN.md §2 step 2-5, §3).
+
+These are the oracles the ONNX function bodies, the TensorRT plugins and the runtime commit
+kernels are tested against, so they favour clarity over speed and never mutate their inputs.
+
+Dtypes: all state math runs in float32, or in float64 when any input is float64 (so tests can
+check the algebra exactly). `o` is returned in q's dtype (like HF's torch_recurrent_gated_delta_rule);
+states and fold data stay in the compute dtype (the design keeps GDN state in fp32).
+
+Shapes: q,k [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; state [B,Hv,dk,dv]. Value head h uses
+key head h // (Hv // Hk).
+"""
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "GdnOut",
+    "l2norm",
+    "gdn_gates",
+    "gdn_recurrent",
+    "gdn_chunk_wy16",
+    "gdn_fold",
+    "conv_verify",
+    "conv_roll",
+]
+
+
+def _cdtype(*ts):
+    """Compute dtype: float64 if any floating input is float64, else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _expand_heads(x, hv):
+    """[B,T,Hk,d] -> [B,T,Hv,d]: value head h reads key head h // (Hv // Hk)."""
+    hk = x.shape[2]
+    assert hv % hk == 0, f"Hv={hv} not a multiple of Hk={hk}"
+    return x if hv == hk else x.repeat_interleave(hv // hk, dim=2)
+
+
+def l2norm(x, eps=1e-6):
+    # Same form as HF Qwen3Next's l2norm (eps inside the rsqrt, not max(norm, eps)).
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gdn_gates(a, b, A_log, dt_bias):
+    """a, b [..., Hv] -> (g, beta) in float32 (float64 if inputs are float64).
+
+    g = -exp(A_log) * softplus(a + dt_bias) is the per-token log-decay (<= 0); beta = sigmoid(b).
+    """
+    dt = _cdtype(a, b, A_log, dt_bias)
+    g = -torch.exp(A_log.to(dt)) * F.softplus(a.to(dt) + dt_bias.to(dt))
+    beta = torch.sigmoid(b.to(dt))
+    return g, beta
+
+
+def _prep(q, k, v, g, beta, state, scale):
+    """Shared prologue: cast to compute dtype, l2-normalise q/k, scale q, expand k-heads."""
+    dt = _cdtype(q, k, v, g, beta, state)
+    dk = q.shape[-1]
+    if scale is None:
+        scale = dk ** -0.5
+    k_hat = l2norm(k.to(dt))  # per K-head (this is what the fold data stores)
+    q_hat = l2norm(q.to(dt)) * scale
+    hv = v.shape[2]
+    return (dt, _expand_heads(q_hat, hv), k_hat, _expand_heads(k_hat, hv),
+            v.to(dt), g.to(dt), beta.to(dt), state.to(dt))
+
+
+def gdn_recurrent(q, k, v, g, beta, state, scale=None):
+    """Token-by-token gated delta rule (the ground truth, DESIGN §2 step 5).
+
+    Per v-head: S' = e^g S; u = beta (v - S'^T k̂); S = S' + k̂ u^T; o = S^T q̂.
+    Returns (o [B,T,Hv,dv] in q's dtype, final_state [B,Hv,dk,dv]).
+    """
+    dt, qh, _, kh, v, g, beta, S = _prep(q, k, v, g, beta, state, scale)
+    T = q.shape[1]
+    outs = []
+    for t in range(T):
+        S = S * torch.exp(g[:, t])[..., None, None]                   # S' = e^g S
+        pred = torch.einsum("bhkv,bhk->bhv", S, kh[:, t])              # S'^T k̂
+        u = beta[:, t, :, None] * (v[:, t] - pred)                     # delta-rule correction
+        S = S + kh[:, t, :, :, None] * u[:, :, None, :]                # + k̂ u^T
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, qh[:, t]))        # o = S^T q̂
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return o.to(q.dtype), S
+
+
+class GdnOut(NamedTuple):
+    o: torch.Tensor        # [B,T,Hv,dv] (q's dtype)
+    state: torch.Tensor    # [B,Hv,dk,dv] final state
+    k_hat: torch.Tensor    # [B,T,Hk,dk] l2-normalised k, per K-head
+    v_new: torch.Tensor    # [B,T,Hv,dv] V' rows (== recurrence's u_i)
+    gamma: torch.Tensor    # [B,T,Hv] cumsum of g over all T rows
+
+
+def _inv_unit_lower(A):
+    """(I + A)^-1 for strictly lower A of size C <= 16, as (I-A)(I+A^2)(I+A^4)(I+A^8).
+
+    Why: A is nilpotent (A^16 = 0), so (I+A)(I-A)(I+A^2)(I+A^4)(I+A^8) = I - A^16 = I. This is
+    four squarings + four matmuls, no triangular solve -- the form the plugin/ONNX body uses.
+    """
+    C = A.shape[-1]
+    assert C <= 16
+    eye = torch.eye(C, dtype=A.dtype, device=A.device)
+    Tm = eye - A
+    P = A
+    for _ in range(3):
+        P = P @ P                                                        # A^2, A^4, A^8
+        Tm = Tm @ (eye + P)
+    return Tm
+
+
+def gdn_chunk_wy16(q, k, v, g, beta, state, scale=None, chunk=16):
+    """Chunked WY form of the gated delta rule (DESIGN §3, GdnChunkWY16).
+
+    Per chunk of C <= 16 rows with local γ = cumsum(g):
+      A_ij = β_i (k̂_i·k̂_j) e^{γ_i-γ_j} (i>j), T = (I+A)^-1,
+      W = T diag(β e^γ) K, U = T diag(β) V, V' = U - W S,
+      O = diag(e^γ) Q S + ((Q K^T) ⊙ M) V'  (M_ij = e^{γ_i-γ_j}, i>=j),
+      S_next = e^{γ_C} S + K^T diag(e^{γ_C-γ}) V'.
+    Returns GdnOut(o, state, k_hat, v_new, gamma); gamma is the *global* cumsum (what the fold needs).
+    """
+    assert 1 <= chunk <= 16, "log-depth inverse is exact only for chunk <= 16"
+    dt, qh, k_hat, kh, v, g, beta, S = _prep(q, k, v, g, beta, state, scale)
+    B, T, Hv, dv = v.shape
+    # Work head-major: [B,Hv,T,d].
+    qh, kh, v = (x.transpose(1, 2) for x in (qh, kh, v))
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+    o_chunks, vn_chunks = [], []
+    for c0 in range(0, T, chunk):
+        c1 = min(c0 + chunk, T)
+        C = c1 - c0
+        Qc, Kc, Vc = qh[:, :, c0:c1], kh[:, :, c0:c1], v[:, :, c0:c1]
+        bc = beta[:, :, c0:c1]
+        gam = torch.cumsum(g[:, :, c0:c1], dim=-1)                     # local γ [B,Hv,C]
+        diff = gam[..., :, None] - gam[..., None, :]                    # γ_i - γ_j
+        # Mask the exponent before exp so the (never used) upper triangle cannot overflow.
+        lower_eq = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+        decay = torch.exp(torch.where(lower_eq, diff, diff.new_tensor(float("-inf"))))  # M
+        strict = decay.tril(-1)
+        A = bc[..., :, None] * (Kc @ Kc.transpose(-1, -2)) * strict
+        Tinv = _inv_unit_lower(A)
+        W = Tinv @ ((bc * torch.exp(gam))[..., None] * Kc)
+        U = Tinv @ (bc[..., None] * Vc)
+        Vn = U - W @ S                                                  # V' rows == u_i
+        O = torch.exp(gam)[..., None] * (Qc @ S) + ((Qc @ Kc.transpose(-1, -2)) * decay) @ Vn
+        gC = gam[..., -1:]                                              # γ_C [B,Hv,1]
+        S = torch.exp(gC)[..., None] * S + Kc.transpose(-1, -2) @ (torch.exp(gC - gam)[..., None] * Vn)
+        o_chunks.append(O)
+        vn_chunks.append(Vn)
+    if T:
+        o = torch.cat(o_chunks, dim=2).transpose(1, 2)
+        v_new = torch.cat(vn_chunks, dim=2).transpose(1, 2)
+    else:
+        o = v.transpose(1, 2).clone()
+        v_new = o.clone()
+    gamma = torch.cumsum(g, dim=-1).transpose(1, 2)                     # global, not reset per chunk
+    return GdnOut(o.to(q.dtype), S, k_hat, v_new, gamma)
+
+
+def gdn_fold(state, k_hat, v_new, gamma, n):
+    """State after the first n rows of a verify, from the fold data (DESIGN §3, fold-accepted).
+
+    S_n = e^{γ_n} S0 + Σ_{i<=n} e^{γ_n-γ_i} k̂_i v'_i^T  (1-based i, n in [0, T]; n=0 -> S0).
+    state [B,Hv,dk,dv]; k_hat [B,T,Hk,dk]; v_new [B,T,Hv,dv]; gamma [B,T,Hv]; n int [B].
+    """
+    dt = _cdtype(state, k_hat, v_new, gamma)
+    B, T, Hv, _ = v_new.shape
+    S0, kh = state.to(dt), _expand_heads(k_hat.to(dt), Hv)
+    vn, gam = v_new.to(dt), gamma.to(dt)
+    n = n.to(device=state.device, dtype=torch.long).reshape(B)
+    # γ_n per sequence (γ_0 = 0): prepend a zero column and gather at n.
+    gam0 = torch.cat([gam.new_zeros(B, 1, Hv), gam], dim=1)             # [B,T+1,Hv]
+    g_n = gam0.gather(1, n.view(B, 1, 1).expand(B, 1, Hv)).squeeze(1)   # [B,Hv]
+    rows = torch.arange(T, device=state.device)
+    take = rows[None, :] < n[:, None]                                    # row i (0-based) < n
+    expo = torch.where(take[..., None], g_n[:, None, :] - gam, gam.new_tensor(float("-inf")))
+    w = torch.exp(expo)                                                  # [B,T,Hv], 0 for rows > n
+    upd = torch.einsum("bthk,bth,bthv->bhkv", kh, w, vn)
+    return torch.exp(g_n)[..., None, None] * S0 + upd
+
+
+def conv_verify(x, conv_state, weight):
+    """Depthwise causal conv + SiLU over T new columns (DESIGN §3, CausalConvVerify).
+
+    x [B,T,C]; conv_state [B,C,W-1] (oldest first); weight [C,W]. y_t uses columns t-W+1..t of
+    [state | x], i.e. window [t, t+W-1] of the concatenation (0-based). Returns y [B,T,C].
+    """
+    dt = torch.promote_types(torch.promote_types(x.dtype, conv_state.dtype), weight.dtype)
+    W = weight.shape[-1]
+    assert conv_state.shape[-1] == W - 1
+    full = torch.cat([conv_state.to(dt), x.to(dt).transpose(1, 2)], dim=-1)  # [B,C,W-1+T]
+    win = full.unfold(-1, W, 1)                                               # [B,C,T,W]
+    y = (win * weight.to(dt)[None, :, None, :]).sum(-1)                       # [B,C,T]
+    return F.silu(y).transpose(1, 2)
+
+
+def conv_roll(conv_state, x, n):
+    """New conv state = last W-1 columns of [state | x_1..x_n] per sequence (DESIGN §3, conv roll).
+
+    conv_state [B,C,W-1]; x [B,T,C] (the pre-conv columns the graph outputs); n int [B], 0..T.
+    """
+    B, C, Wm1 = conv_state.shape
+    dt = torch.promote_types(conv_state.dtype, x.dtype)
+    full = torch.cat([conv_state.to(dt), x.to(dt).transpose(1, 2)], dim=-1)  # [B,C,W-1+T]
+    n = n.to(device=conv_state.device, dtype=torch.long).reshape(B)
+    # Columns n .. n+W-2 of the concatenation are the W-1 newest after taking n new columns.
+    idx = n[:, None] + torch.arange(Wm1, device=conv_state.device)[None, :]   # [B,W-1]
+    return full.gather(2, idx[:, None, :].expand(B, C, Wm1))
