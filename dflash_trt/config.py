@@ -1,0 +1,237 @@
+"""The one config object per model: parsed from a Hugging Face config.json, validated up front.
+
+TargetConfig covers Qwen3-Next (`qwen3_next`), Qwen3.5 text (`qwen3_5_text`) and multimodal Qwen3.5
+(`qwen3_5`, text decoder under `text_config`). DrafterConfig covers the z-lab DFlash format.
+Every error names the file and the field, so a user can fix the checkpoint rather than the code.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config.json is missing, unreadable or inconsistent."""
+
+
+def read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: file not found")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object at top level")
+    return data
+
+
+def _get(cfg: dict, key: str, path: str, default=...):
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    if default is ...:
+        raise ConfigError(f"{path}: missing required field '{key}'")
+    return default
+
+
+def _rope(cfg: dict, path: str) -> tuple[float, float]:
+    """rope_theta / partial_rotary_factor at top level (transformers 4) or in rope_parameters (5)."""
+    rp = cfg.get("rope_parameters") or {}
+    rs = cfg.get("rope_scaling") or {}
+    theta = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
+    partial = cfg.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0))
+    rope_type = rp.get("rope_type", rs.get("rope_type", rs.get("type", "default")))
+    if rope_type not in ("default", "mrope", None):
+        raise ConfigError(f"{path}: rope type '{rope_type}' is not supported (only plain/multi-axis RoPE)")
+    return float(theta), float(partial)
+
+
+@dataclass
+class TargetConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    layer_types: list[str]  # "full_attention" | "linear_attention" per layer
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    rms_norm_eps: float
+    lin_num_k_heads: int
+    lin_num_v_heads: int
+    lin_k_dim: int
+    lin_v_dim: int
+    conv_kernel: int
+    tie_word_embeddings: bool
+    gdn_layout: str  # "qkvz" (Qwen3-Next: in_proj_qkvz + in_proj_ba) | "split" (Qwen3.5: qkv, z, b, a)
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    # ---- derived shapes (the graph ABI sizes) ----
+    @property
+    def attn_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def gdn_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t != "full_attention"]
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.lin_num_k_heads * self.lin_k_dim + self.lin_num_v_heads * self.lin_v_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_dict(cls, raw: dict, path: str = "config.json") -> "TargetConfig":
+        mt = raw.get("model_type")
+        if mt == "qwen3_5" or (mt is None and "text_config" in raw):
+            cfg = dict(raw.get("text_config") or {})
+            if not cfg:
+                raise ConfigError(f"{path}: model_type 'qwen3_5' needs a 'text_config' object")
+            cfg.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+            if "eos_token_id" not in cfg and "eos_token_id" in raw:
+                cfg["eos_token_id"] = raw["eos_token_id"]
+            layout = "split"
+        elif mt == "qwen3_5_text":
+            cfg, layout = raw, "split"
+        elif mt == "qwen3_next":
+            cfg, layout = raw, "qkvz"
+        else:
+            raise ConfigError(
+                f"{path}: model_type '{mt}' is not supported (expected qwen3_next, qwen3_5_text or qwen3_5)"
+            )
+        n_layers = int(_get(cfg, "num_hidden_layers", path))
+        layer_types = cfg.get("layer_types")
+        if layer_types is None:
+            interval = int(cfg.get("full_attention_interval", 4))
+            layer_types = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
+            ]
+        if len(layer_types) != n_layers:
+            raise ConfigError(f"{path}: layer_types has {len(layer_types)} entries, num_hidden_layers is {n_layers}")
+        n_exp = cfg.get("num_experts") or 0
+        if n_exp > 0:
+            dense = set(cfg.get("mlp_only_layers") or [])
+            step = int(cfg.get("decoder_sparse_step", 1) or 1)
+            moe = [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
+            if moe:
+                raise NotImplementedError(
+                    f"{path}: num_experts={n_exp} makes layers {moe[:4]}... mixture-of-experts; "
+                    "MoE MLPs are not supported yet (dense SwiGLU only)"
+                )
+        theta, partial = _rope(cfg, path)
+        n_heads = int(_get(cfg, "num_attention_heads", path))
+        hidden = int(_get(cfg, "hidden_size", path))
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        c = cls(
+            model_type=mt or "qwen3_5",
+            vocab_size=int(_get(cfg, "vocab_size", path)),
+            hidden_size=hidden,
+            intermediate_size=int(_get(cfg, "intermediate_size", path)),
+            num_layers=n_layers,
+            layer_types=list(layer_types),
+            num_heads=n_heads,
+            num_kv_heads=int(_get(cfg, "num_key_value_heads", path, n_heads)),
+            head_dim=int(_get(cfg, "head_dim", path, hidden // n_heads)),
+            rope_theta=theta,
+            partial_rotary_factor=partial,
+            rms_norm_eps=float(_get(cfg, "rms_norm_eps", path, 1e-6)),
+            lin_num_k_heads=int(_get(cfg, "linear_num_key_heads", path)),
+            lin_num_v_heads=int(_get(cfg, "linear_num_value_heads", path)),
+            lin_k_dim=int(_get(cfg, "linear_key_head_dim", path)),
+            lin_v_dim=int(_get(cfg, "linear_value_head_dim", path)),
+            conv_kernel=int(_get(cfg, "linear_conv_kernel_dim", path, 4)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            gdn_layout=layout,
+            eos_token_ids=eos_ids,
+        )
+        c.validate(path)
+        return c
+
+    def validate(self, path: str = "config.json") -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"{path}: num_attention_heads {self.num_heads} not a multiple of num_key_value_heads")
+        if self.lin_num_v_heads % self.lin_num_k_heads:
+            raise ConfigError(f"{path}: linear_num_value_heads not a multiple of linear_num_key_heads")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ConfigError(f"{path}: partial_rotary_factor gives odd or oversized rotary dim {self.rotary_dim}")
+        if self.conv_kernel < 2:
+            raise ConfigError(f"{path}: linear_conv_kernel_dim must be >= 2")
+        bad = [t for t in self.layer_types if t not in ("full_attention", "linear_attention")]
+        if bad:
+            raise ConfigError(f"{path}: unknown layer type '{bad[0]}'")
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    num_target_layers: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict, path: str = "config.json") -> "DrafterConfig":
+        dc = raw.get("dflash_config") or {}
+        # older checkpoints keep target_layer_ids / mask_token_id at top level
+        taps = dc.get("target_layer_ids", raw.get("target_layer_ids"))
+        mask = dc.get("mask_token_id", raw.get("mask_token_id"))
+        if taps is None:
+            raise ConfigError(f"{path}: missing 'dflash_config.target_layer_ids' (or top-level target_layer_ids)")
+        if mask is None:
+            raise ConfigError(f"{path}: missing 'dflash_config.mask_token_id' (or top-level mask_token_id)")
+        theta, _ = _rope(raw, path)
+        n_heads = int(_get(raw, "num_attention_heads", path))
+        hidden = int(_get(raw, "hidden_size", path))
+        c = cls(
+            hidden_size=hidden,
+            intermediate_size=int(_get(raw, "intermediate_size", path)),
+            num_layers=int(_get(raw, "num_hidden_layers", path)),
+            num_heads=n_heads,
+            num_kv_heads=int(_get(raw, "num_key_value_heads", path, n_heads)),
+            head_dim=int(_get(raw, "head_dim", path, hidden // n_heads)),
+            rms_norm_eps=float(_get(raw, "rms_norm_eps", path, 1e-6)),
+            rope_theta=theta,
+            block_size=int(_get(raw, "block_size", path, 16)),
+            target_layer_ids=[int(t) for t in taps],
+            mask_token_id=int(mask),
+            num_target_layers=raw.get("num_target_layers"),
+        )
+        if c.num_heads % c.num_kv_heads:
+            raise ConfigError(f"{path}: num_attention_heads not a multiple of num_key_value_heads")
+        if not 2 <= c.block_size <= 16:
+            raise ConfigError(f"{path}: block_size {c.block_size} outside 2..16 (verify width K = block_size <= 16)")
+        return c
+
+    def check_against(self, target: TargetConfig, path: str = "drafter config.json") -> None:
+        """A drafter is only usable with the target it was trained on; say exactly what differs."""
+        if self.hidden_size != target.hidden_size:
+            raise ConfigError(
+                f"{path}: drafter hidden_size {self.hidden_size} != target hidden_size {target.hidden_size}"
+            )
+        bad = [t for t in self.target_layer_ids if not 0 <= t < target.num_layers]
+        if bad:
+            raise ConfigError(
+                f"{path}: target_layer_ids {bad} out of range for a target with {target.num_layers} layers"
+            )
+        if self.num_target_layers is not None and self.num_target_layers != target.num_layers:
+            raise ConfigError(
+                f"{path}: num_target_layers {self.num_target_layers} != target num_hidden_layers {target.num_layers}"
+            )
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ConfigError(f"{path}: mask_token_id {self.mask_token_id} outside target vocab {target.vocab_size}")

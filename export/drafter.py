@@ -1,0 +1,146 @@
+"""The DFlash block-diffusion drafter (z-lab checkpoint format, arXiv 2602.06036) in torch.
+
+Two graphs (DESIGN §4):
+  ctx(ctx_hidden, positions)  -> per-layer K/V rows of the target context features
+      c = hidden_norm(fc(concat(taps))); K = RoPE(k_norm(k_proj c)) at the rows' absolute positions;
+      V = v_proj c. c never goes through the drafter MLPs.
+  block(block_ids, positions, ctx pages) -> drafts
+      block = [bonus, MASK×(Bs-1)] embedded with the target's embedding; queries only from the block;
+      attention to the visible ctx K/V and bidirectionally within the block; output slot j predicts
+      the token at slot j; drafts = argmax(target_lm_head(norm(h)))[1:]. One forward, no denoising.
+RMSNorms here are plain Qwen3 (x̂·w), not zero-centred.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DrafterConfig
+from . import ops
+from .target import MLP, apply_rope, rope_cos_sin
+
+
+class PlainRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = nn.Linear(H, nh * hd, bias=False)
+        self.k_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.q_norm = PlainRMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = PlainRMSNorm(hd, cfg.rms_norm_eps)
+
+    def kv(self, x, cos, sin):
+        """x [B,R,H] -> K (normed, RoPE'd), V [B,R,Hkv,hd] — used for ctx rows and for block rows alike."""
+        B, R, _ = x.shape
+        c = self.cfg
+        k = apply_rope(self.k_norm(self.k_proj(x).view(B, R, c.num_kv_heads, c.head_dim)), cos, sin)
+        return k, self.v_proj(x).view(B, R, c.num_kv_heads, c.head_dim)
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Drafter(nn.Module):
+    """Parameter names match the z-lab checkpoint exactly (fc, hidden_norm, norm, layers.N.*)."""
+
+    def __init__(self, cfg: DrafterConfig, target_hidden: int):
+        super().__init__()
+        self.cfg = cfg
+        n_taps = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n_taps * target_hidden, cfg.hidden_size, bias=False)
+        self.hidden_norm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._target = ()  # (embed_tokens, lm_head) borrowed from the target; a tuple keeps them out of state_dict
+
+    def bind_target(self, target) -> "Drafter":
+        self._target = (target.embed_tokens, target.lm_head)
+        return self
+
+    def _rope(self, positions, dtype):
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+
+    @torch.no_grad()
+    def ctx(self, ctx_hidden, positions):
+        """ctx_hidden [B,R,n_taps*H_target], positions [B,R] -> {'dkv_rows': [Ld,2,B,R,Hkv,hd]}."""
+        c = self.hidden_norm(self.fc(ctx_hidden.to(self.fc.weight.dtype)))
+        cos, sin = self._rope(positions, c.dtype)
+        rows = [torch.stack(layer.self_attn.kv(c, cos, sin)) for layer in self.layers]
+        return {"dkv_rows": torch.stack(rows)}
+
+    @torch.no_grad()
+    def block(self, block_ids, positions, block_table, kv_start, kv_len, dkv_pool, want_logits=False):
+        """block_ids/positions [B,Bs]; the ctx rows [kv_start, kv_len) of each sequence's drafter pages.
+        Returns {'drafts': [B,Bs-1] int64} (+ 'logits' [B,Bs,V])."""
+        if not self._target:
+            raise RuntimeError("Drafter.block needs the target's embedding and lm_head: call bind_target(target)")
+        embed, lm_head = self._target
+        cfg = self.cfg
+        B, Bs = block_ids.shape
+        h = embed(block_ids).to(self.fc.weight.dtype)
+        cos, sin = self._rope(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            att = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = apply_rope(att.q_norm(att.q_proj(x).view(B, Bs, cfg.num_heads, cfg.head_dim)), cos, sin)
+            k, v = att.kv(x, cos, sin)
+            o = ops.paged_attention(q, k, v, dkv_pool, i, block_table, kv_start, kv_len, False, cfg.head_dim**-0.5)
+            h = h + att.o_proj(o.reshape(B, Bs, cfg.num_heads * cfg.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = lm_head(self.norm(h).to(lm_head.weight.dtype)).float()
+        out = {"drafts": logits[:, 1:].argmax(-1)}
+        if want_logits:
+            out["logits"] = logits
+        return out
+
+    def train_forward(self, ctx_hidden, ctx_positions, block_ids, block_positions, ctx_mask=None):
+        """Dense (page-free) forward for training: ctx [B,R,...] and one block [B,Bs] per row of the batch;
+        ctx_mask [B,Bs,R] bool (True = may attend) restricts which ctx rows each block sees.
+        Returns logits [B,Bs,V]. Same math as ctx()+block(), differentiable."""
+        embed, lm_head = self._target
+        cfg = self.cfg
+        B, Bs = block_ids.shape
+        c = self.hidden_norm(self.fc(ctx_hidden))
+        ccos, csin = self._rope(ctx_positions, c.dtype)
+        h = embed(block_ids).to(c.dtype)
+        cos, sin = self._rope(block_positions, h.dtype)
+        for layer in self.layers:
+            att = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = apply_rope(att.q_norm(att.q_proj(x).view(B, Bs, cfg.num_heads, cfg.head_dim)), cos, sin)
+            kc, vc = att.kv(c, ccos, csin)
+            kb, vb = att.kv(x, cos, sin)
+            k = torch.cat([kc, kb], 1).transpose(1, 2)
+            v = torch.cat([vc, vb], 1).transpose(1, 2)
+            mask = None
+            if ctx_mask is not None:
+                own = torch.ones(B, Bs, Bs, dtype=torch.bool, device=h.device)
+                mask = torch.cat([ctx_mask, own], -1)[:, None]
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
+            )
+            h = h + att.o_proj(o.transpose(1, 2).reshape(B, Bs, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return lm_head(self.norm(h))

@@ -1,0 +1,237 @@
+"""The hybrid target (Qwen3-Next / Qwen3.5 text decoder) as one readable torch file.
+
+One forward, `step`, serves every target graph of the ABI (target_k{K}, target_prefill): T new
+tokens per sequence on top of the state held in the pools (paged KV, GDN state slots, conv slots).
+Pools are read-only here; the graph returns what the runtime's commit path writes back:
+new K/V rows, GDN fold data (or the final state for prefill), pre-conv columns and ctx_hidden.
+
+Shapes: B sequences, T new tokens, H hidden, La/Lg attention/GDN layer counts,
+Hk/Hv GDN key/value heads with dims dk/dv, C = conv_dim, W = conv kernel.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import TargetConfig
+from . import ops
+from .gdn_ref import gdn_gates
+
+
+class RMSNorm(nn.Module):
+    """Qwen3-Next/3.5 RMSNorm, zero-centred: x̂·(1+w), computed in fp32 (HF multiplies before the cast)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm: w ⊙ o/rms(o) ⊙ silu(z) per value head (plain weight, not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, o, z):
+        of = o.float()
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * of.to(o.dtype) * F.silu(z.float())).to(o.dtype)
+
+
+def rope_cos_sin(positions, rotary_dim: int, theta: float, dtype):
+    """positions [B,T] -> cos, sin [B,T,rotary_dim] (NeoX layout: frequencies repeated twice)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x [B,T,heads,hd]; rotates the first cos.shape[-1] dims (partial RoPE), NeoX rotate_half."""
+    rd = cos.shape[-1]
+    xr, xp = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    xr = xr * cos[:, :, None] + rot * sin[:, :, None]
+    return torch.cat([xr, xp], dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        Hk, Hv, dk, dv = cfg.lin_num_k_heads, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
+        H, C = cfg.hidden_size, cfg.conv_dim
+        if cfg.gdn_layout == "qkvz":
+            self.in_proj_qkvz = nn.Linear(H, 2 * Hk * dk + 2 * Hv * dv, bias=False)
+            self.in_proj_ba = nn.Linear(H, 2 * Hv, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(H, C, bias=False)
+            self.in_proj_z = nn.Linear(H, Hv * dv, bias=False)
+            self.in_proj_b = nn.Linear(H, Hv, bias=False)
+            self.in_proj_a = nn.Linear(H, Hv, bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.zeros(C, 1, cfg.conv_kernel))  # HF Conv1d layout
+        self.dt_bias = nn.Parameter(torch.ones(Hv))
+        self.A_log = nn.Parameter(torch.zeros(Hv))
+        self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(Hv * dv, H, bias=False)
+
+    def project(self, x):
+        """x [B,T,H] -> pre-conv columns [B,T,C] ([q|k|v], all heads), z [B,T,Hv,dv], b, a [B,T,Hv]."""
+        c = self.cfg
+        Hk, Hv, dk, dv = c.lin_num_k_heads, c.lin_num_v_heads, c.lin_k_dim, c.lin_v_dim
+        B, T, _ = x.shape
+        if c.gdn_layout == "split":
+            return self.in_proj_qkv(x), self.in_proj_z(x).view(B, T, Hv, dv), self.in_proj_b(x), self.in_proj_a(x)
+        # Qwen3-Next interleaves per key head: [q | k | v×r | z×r] and [b×r | a×r], r = Hv/Hk
+        r = Hv // Hk
+        qkvz = self.in_proj_qkvz(x).view(B, T, Hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
+        ba = self.in_proj_ba(x).view(B, T, Hk, 2 * r)
+        b, a = torch.split(ba, [r, r], dim=-1)
+        cols = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        return cols, z.reshape(B, T, Hv, dv), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
+
+    def forward(self, x, conv_state, state):
+        """x [B,T,H]; conv_state [B,C,W-1]; state [B,Hv,dk,dv] fp32 (both read-only).
+        Returns (y [B,T,H], pre-conv cols [B,T,C], GdnOut)."""
+        c = self.cfg
+        Hk, Hv, dk, dv = c.lin_num_k_heads, c.lin_num_v_heads, c.lin_k_dim, c.lin_v_dim
+        B, T, _ = x.shape
+        cols, z, b, a = self.project(x)
+        mixed = ops.conv_verify(cols, conv_state.to(cols.dtype), self.conv1d.weight[:, 0, :])
+        q, k, v = torch.split(mixed, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        out = ops.gdn_chunk(
+            q.reshape(B, T, Hk, dk).float(), k.reshape(B, T, Hk, dk).float(), v.reshape(B, T, Hv, dv).float(),
+            g.float(), beta.float(), state.float(),
+        )
+        o = self.norm(out.o.to(x.dtype), z)
+        return self.out_proj(o.reshape(B, T, Hv * dv)), cols, out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(H, nh * hd * 2, bias=False)  # [query | gate] per head
+        self.k_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_pool, pool_layer, block_table, seq_len):
+        """Returns (y [B,T,H], k_rows, v_rows [B,T,Hkv,hd]) — rows post-norm, post-RoPE, as cached."""
+        c = self.cfg
+        B, T, _ = x.shape
+        qg = self.q_proj(x).view(B, T, c.num_heads, 2 * c.head_dim)
+        q, gate = qg[..., : c.head_dim], qg[..., c.head_dim :]
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim)), cos, sin)
+        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        zero = torch.zeros_like(seq_len)
+        o = ops.paged_attention(
+            q, k, v, kv_pool, pool_layer, block_table, zero, seq_len, True, c.head_dim**-0.5
+        )
+        y = self.o_proj((o * torch.sigmoid(gate)).reshape(B, T, c.num_heads * c.head_dim))
+        return y, k, v
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer_type: str):
+        super().__init__()
+        self.is_attention = layer_type == "full_attention"
+        if self.is_attention:
+            self.self_attn = Attention(cfg)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class TargetModel(nn.Module):
+    """Parameter names match the HF checkpoint with the `model.` prefix dropped (see checkpoint.py)."""
+
+    def __init__(self, cfg: TargetConfig, tap_ids: list[int] | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.tap_ids = list(tap_ids or [])
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def logits(self, h):
+        return self.lm_head(self.norm(h)).float()
+
+    @torch.no_grad()
+    def step(self, input_ids, positions, slot, seq_len, block_table, kv_pool, gdn_pool, conv_pool,
+             valid_len=None, want_logits=False):
+        """One target graph. input_ids/positions [B,T] int64; slot, seq_len [B]; block_table [B,max_blocks];
+        kv_pool [La,2,blocks,bs,Hkv,hd]; gdn_pool [Lg,slots,Hv,dk,dv] fp32; conv_pool [Lg,slots,C,W-1].
+        valid_len [B] (prefill only): rows >= valid_len are padding; the GDN state is then returned as the
+        final state after valid_len rows ('gdn_state') instead of fold data."""
+        cfg = self.cfg
+        h = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, h.dtype)
+        kv_rows, fold_k, fold_v, fold_g, states, cols_all, taps = [], [], [], [], [], [], []
+        ia = ig = 0
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            if layer.is_attention:
+                y, k, v = layer.self_attn(x, cos, sin, kv_pool, ia, block_table, seq_len)
+                kv_rows.append(torch.stack([k, v]))
+                ia += 1
+            else:
+                y, cols, out = layer.linear_attn(x, conv_pool[ig, slot], gdn_pool[ig, slot])
+                cols_all.append(cols)
+                if valid_len is None:
+                    fold_k.append(out.k_hat), fold_v.append(out.v_new), fold_g.append(out.gamma)
+                else:
+                    states.append(ops.gdn_fold(gdn_pool[ig, slot].float(), out.k_hat, out.v_new, out.gamma, valid_len))
+                ig += 1
+            h = h + y
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in self.tap_ids:
+                taps.append(h)
+        logits = self.logits(h)
+        out = {
+            "argmax": logits.argmax(-1),
+            "kv_rows": torch.stack(kv_rows) if kv_rows else None,
+            "conv_cols": torch.stack(cols_all) if cols_all else None,
+            "ctx_hidden": torch.cat([taps[self.tap_ids.index(t)] for t in self.tap_ids], dim=-1)
+            if self.tap_ids else None,
+        }
+        if valid_len is None:
+            out.update(gdn_k=torch.stack(fold_k), gdn_v=torch.stack(fold_v), gdn_gamma=torch.stack(fold_g))
+        else:
+            out["gdn_state"] = torch.stack(states)
+        if want_logits:
+            out["logits"] = logits
+        return out
