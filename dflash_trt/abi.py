@@ -1,0 +1,121 @@
+"""The graph ABI (DESIGN §4): the one place that knows graph names, their inputs/outputs, and pool shapes.
+
+Every backend (torch, ort, trt), the exporter and the manifest read names and shapes from here.
+Shapes use B for the batch of sequences; all other dims are static per graph.
+
+target_k{K} / target_prefill (T = K, or the prefill chunk):
+  in : input_ids[B,T] i64, positions[B,T] i64, slot[B] i64, seq_len[B] i64, block_table[B,MB] i64,
+       kv_pool, gdn_pool, conv_pool (+ valid_len[B] i64 for prefill)
+  out: argmax[B,T] i64, kv_rows[La,2,B,T,Hkv,hd], conv_cols[Lg,B,T,C], ctx_hidden[B,T,n_taps*H],
+       gdn_k[Lg,B,T,Hk,dk], gdn_v[Lg,B,T,Hv,dv], gdn_gamma[Lg,B,T,Hv]   (verify: fold data)
+       gdn_state[Lg,B,Hv,dk,dv]                                          (prefill: final state instead)
+       (+ logits[B,T,V] f32 when sampling)
+drafter_ctx (R rows):  in: ctx_hidden[B,R,n_taps*H], positions[B,R]  out: dkv_rows[Ld,2,B,R,Hkv_d,hd_d]
+drafter_block:         in: block_ids[B,Bs], positions[B,Bs], block_table[B,MBd], kv_start[B], kv_len[B], dkv_pool
+                       out: drafts[B,Bs-1] i64 (+ logits[B,Bs,V])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import DrafterConfig, TargetConfig
+
+PREFILL = "target_prefill"
+DRAFTER_CTX = "drafter_ctx"
+DRAFTER_BLOCK = "drafter_block"
+
+
+def target_graph(k: int) -> str:
+    return f"target_k{k}"
+
+
+def parse_target_graph(name: str) -> int | None:
+    """'target_k8' -> 8; any other name -> None."""
+    if name.startswith("target_k") and name[8:].isdigit():
+        return int(name[8:])
+    return None
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """How big the runtime's pools are; static per engine build."""
+
+    kv_blocks: int = 256  # target KV pages
+    page_size: int = 16  # rows per page (target and drafter)
+    max_seq_len: int = 2048
+    max_seqs: int = 4  # GDN/conv state slots
+    dkv_blocks: int = 256  # drafter ctx pages
+    ctx_window: int = 1024  # drafter context rows attended (DESIGN §5 window)
+    prefill_chunk: int = 64
+
+    @property
+    def max_blocks(self) -> int:
+        return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def max_ctx_blocks(self) -> int:
+        """Width of a drafter block table: must match runtime.ctx.CtxWindow.max_blocks."""
+        w, bs = self.ctx_window, self.page_size
+        return -(-(max(2 * w, w + bs - 1) + self.max_append) // bs)
+
+    @property
+    def max_append(self) -> int:
+        return max(self.prefill_chunk, 16)
+
+
+def pool_specs(t: TargetConfig, d: DrafterConfig | None, s: PoolSizes, kv_dtype="float32") -> dict:
+    """name -> (shape, dtype) of every pool the graphs read."""
+    La, Lg = len(t.attn_layers), len(t.gdn_layers)
+    specs = {
+        "kv_pool": ((La, 2, s.kv_blocks, s.page_size, t.num_kv_heads, t.head_dim), kv_dtype),
+        "gdn_pool": ((Lg, s.max_seqs, t.lin_num_v_heads, t.lin_k_dim, t.lin_v_dim), "float32"),
+        "conv_pool": ((Lg, s.max_seqs, t.conv_dim, t.conv_kernel - 1), kv_dtype),
+    }
+    if d is not None:
+        specs["dkv_pool"] = ((d.num_layers, 2, s.dkv_blocks, s.page_size, d.num_kv_heads, d.head_dim), kv_dtype)
+    return specs
+
+
+def graph_io(name: str, t: TargetConfig, d: DrafterConfig | None, s: PoolSizes, B: int = 1,
+             want_logits: bool = False, kv_dtype="float32"):
+    """(inputs, outputs): lists of (name, shape, dtype) for one graph."""
+    pools = pool_specs(t, d, s, kv_dtype)
+    La, Lg = len(t.attn_layers), len(t.gdn_layers)
+    n_taps = len(d.target_layer_ids) if d is not None else 0
+    k = parse_target_graph(name)
+    if k is not None or name == PREFILL:
+        T = k if k is not None else s.prefill_chunk
+        ins = [("input_ids", (B, T), "int64"), ("positions", (B, T), "int64"), ("slot", (B,), "int64"),
+               ("seq_len", (B,), "int64"), ("block_table", (B, s.max_blocks), "int64")]
+        ins += [(p, *pools[p]) for p in ("kv_pool", "gdn_pool", "conv_pool")]
+        outs = [("argmax", (B, T), "int64"),
+                ("kv_rows", (La, 2, B, T, t.num_kv_heads, t.head_dim), kv_dtype),
+                ("conv_cols", (Lg, B, T, t.conv_dim), kv_dtype)]
+        if n_taps:
+            outs.append(("ctx_hidden", (B, T, n_taps * t.hidden_size), kv_dtype))
+        if name == PREFILL:
+            ins.append(("valid_len", (B,), "int64"))
+            outs.append(("gdn_state", (Lg, B, t.lin_num_v_heads, t.lin_k_dim, t.lin_v_dim), "float32"))
+        else:
+            outs += [("gdn_k", (Lg, B, T, t.lin_num_k_heads, t.lin_k_dim), "float32"),
+                     ("gdn_v", (Lg, B, T, t.lin_num_v_heads, t.lin_v_dim), "float32"),
+                     ("gdn_gamma", (Lg, B, T, t.lin_num_v_heads), "float32")]
+        if want_logits:
+            outs.append(("logits", (B, T, t.vocab_size), "float32"))
+        return ins, outs
+    if d is None:
+        raise ValueError(f"graph '{name}' needs a drafter config")
+    if name == DRAFTER_CTX:
+        R = s.max_append
+        ins = [("ctx_hidden", (B, R, n_taps * t.hidden_size), kv_dtype), ("positions", (B, R), "int64")]
+        return ins, [("dkv_rows", (d.num_layers, 2, B, R, d.num_kv_heads, d.head_dim), kv_dtype)]
+    if name == DRAFTER_BLOCK:
+        Bs = d.block_size
+        ins = [("block_ids", (B, Bs), "int64"), ("positions", (B, Bs), "int64"),
+               ("block_table", (B, s.max_ctx_blocks), "int64"), ("kv_start", (B,), "int64"),
+               ("kv_len", (B,), "int64"), ("dkv_pool", *pools["dkv_pool"])]
+        outs = [("drafts", (B, Bs - 1), "int64")]
+        if want_logits:
+            outs.append(("logits", (B, Bs, t.vocab_size), "float32"))
+        return ins, outs
+    raise ValueError(f"unknown graph '{name}' (expected target_k<K>, {PREFILL}, {DRAFTER_CTX}, {DRAFTER_BLOCK})")
