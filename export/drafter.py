@@ -82,7 +82,6 @@ class Drafter(nn.Module):
     def _rope(self, positions, dtype):
         return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
 
-    @torch.no_grad()
     def ctx(self, ctx_hidden, positions):
         """ctx_hidden [B,R,n_taps*H_target], positions [B,R] -> {'dkv_rows': [Ld,2,B,R,Hkv,hd]}."""
         c = self.hidden_norm(self.fc(ctx_hidden.to(self.fc.weight.dtype)))
@@ -90,7 +89,6 @@ class Drafter(nn.Module):
         rows = [torch.stack(layer.self_attn.kv(c, cos, sin)) for layer in self.layers]
         return {"dkv_rows": torch.stack(rows)}
 
-    @torch.no_grad()
     def block(self, block_ids, positions, block_table, kv_start, kv_len, dkv_pool, want_logits=False):
         """block_ids/positions [B,Bs]; the ctx rows [kv_start, kv_len) of each sequence's drafter pages.
         Returns {'drafts': [B,Bs-1] int64} (+ 'logits' [B,Bs,V])."""

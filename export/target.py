@@ -190,7 +190,6 @@ class TargetModel(nn.Module):
     def logits(self, h):
         return self.lm_head(self.norm(h)).float()
 
-    @torch.no_grad()
     def step(self, input_ids, positions, slot, seq_len, block_table, kv_pool, gdn_pool, conv_pool,
              valid_len=None, want_logits=False):
         """One target graph. input_ids/positions [B,T] int64; slot, seq_len [B]; block_table [B,max_blocks];

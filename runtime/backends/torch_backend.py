@@ -22,6 +22,7 @@ class TorchBackend:
             raise ValueError(f"the host runtime keeps pools in numpy; target dtype {self.kv_dtype} is not supported "
                              "there (load the target in float32)")
 
+    @torch.no_grad()
     def run(self, graph: str, inputs: dict) -> dict:
         x = {k: _t(v) for k, v in inputs.items()}
         if parse_target_graph(graph) is not None or graph == PREFILL:

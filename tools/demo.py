@@ -1,0 +1,59 @@
+"""`dflash-trt demo`: the embedded default model, on CPU, plain greedy vs DFlash — same tokens, fewer steps.
+
+Model: the trained pair shipped under models/ when present; otherwise a tiny seeded random pair
+created once into the cache dir (~/.cache/dflash_trt, or $DFLASH_TRT_CACHE).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..abi import PoolSizes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = os.path.join(REPO, "models")
+DEFAULT_PROMPT = "def fibonacci(n):\n    "
+
+
+def cache_dir() -> str:
+    return os.environ.get("DFLASH_TRT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dflash_trt"))
+
+
+def default_pair() -> tuple[str, str, str]:
+    """(target dir, drafter dir, description)."""
+    t, d = os.path.join(SHIPPED, "target"), os.path.join(SHIPPED, "drafter")
+    if os.path.isfile(os.path.join(t, "config.json")) and os.path.isfile(os.path.join(d, "config.json")):
+        return t, d, "trained tiny pair shipped in models/"
+    from .tiny import make_tiny_pair
+
+    root = os.path.join(cache_dir(), "tiny-random-seed0")
+    if not os.path.isfile(os.path.join(root, "drafter", "model.safetensors")):
+        make_tiny_pair(root, seed=0)
+    return os.path.join(root, "target"), os.path.join(root, "drafter"), f"tiny random pair (seed 0) in {root}"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--gamma", type=int, default=None)
+    p.add_argument("--backend", default="torch", choices=["torch"])
+
+
+def run(args) -> int:
+    from .generate import load_runtime
+
+    tdir, ddir, what = default_pair()
+    print(f"model: {what}\nbackend: {args.backend} (CPU)")
+    rt, codec = load_runtime(tdir, ddir, args.backend, PoolSizes(max_seq_len=1024, kv_blocks=80, dkv_blocks=160))
+    ids = codec.encode(args.prompt)
+    plain, sp = rt.generate(ids, args.max_new_tokens, spec=False)
+    spec, ss = rt.generate(ids, args.max_new_tokens, gamma=args.gamma)
+    print("----- prompt + generated -----")
+    print(args.prompt + codec.decode(spec))
+    print("------------------------------")
+    print(f"plain : {sp.new_tokens} tokens, {sp.target_steps + 1} target launches, {sp.tokens_per_s:.1f} tok/s")
+    print(f"dflash: {ss.new_tokens} tokens, {ss.target_steps + 1} target launches, tau={ss.tau:.2f}, "
+          f"{ss.tokens_per_s:.1f} tok/s")
+    same = plain == spec
+    print(f"identical tokens: {same}")
+    return 0 if same else 1
