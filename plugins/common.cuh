@@ -1,0 +1,49 @@
+// Shared device helpers for the dflash CUDA kernels (NVRTC-compiled; no CUDA toolkit headers
+// needed). dtype codes: 0 = float32, 1 = bfloat16, 2 = float16.
+#pragma once
+typedef unsigned short u16;
+typedef long long i64;
+#define INFINITY __int_as_float(0x7f800000)
+
+#define DT_F32 0
+#define DT_BF16 1
+#define DT_F16 2
+
+__device__ __forceinline__ float bf16_to_f(u16 h) { return __uint_as_float(((unsigned)h) << 16); }
+__device__ __forceinline__ u16 f_to_bf16(float f) {
+  u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
+}
+__device__ __forceinline__ float f16_to_f(u16 h) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+__device__ __forceinline__ u16 f_to_f16(float f) {
+  u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
+}
+// Load element i of a tensor with runtime dtype code as float.
+__device__ __forceinline__ float ldf(const void* p, int dt, i64 i) {
+  if (dt == DT_F32) return ((const float*)p)[i];
+  u16 h = ((const u16*)p)[i];
+  return dt == DT_BF16 ? bf16_to_f(h) : f16_to_f(h);
+}
+__device__ __forceinline__ void stf(void* p, int dt, i64 i, float v) {
+  if (dt == DT_F32) ((float*)p)[i] = v;
+  else ((u16*)p)[i] = dt == DT_BF16 ? f_to_bf16(v) : f_to_f16(v);
+}
+// Load 4 consecutive elements (index i must be a multiple of 4, base 8/16-byte aligned).
+__device__ __forceinline__ float4 ld4(const void* p, int dt, i64 i) {
+  if (dt == DT_F32) return *(const float4*)((const float*)p + i);
+  uint2 u = *(const uint2*)((const u16*)p + i);
+  u16 a = u.x & 0xffff, b = u.x >> 16, c = u.y & 0xffff, d = u.y >> 16;
+  if (dt == DT_BF16) return make_float4(bf16_to_f(a), bf16_to_f(b), bf16_to_f(c), bf16_to_f(d));
+  return make_float4(f16_to_f(a), f16_to_f(b), f16_to_f(c), f16_to_f(d));
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}

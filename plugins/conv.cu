@@ -1,0 +1,58 @@
+// Depthwise causal conv kernels (GDN short conv). x [B,T,C]; conv state [*, C, W-1] (pool indexed
+// by slot[b] when slot != null, else by b); weight [C, W]. One thread per (b, channel).
+#include "common.cuh"
+#define MAXW 8
+
+// y[b,t,c] = silu(sum_w weight[c,w] * col[t+w]), col = [state (W-1 cols) | x_1..x_T].
+extern "C" __global__ void conv_verify(const void* __restrict__ x, int x_dt,
+                                       const void* __restrict__ state, int s_dt,
+                                       const int* __restrict__ slot,
+                                       const void* __restrict__ weight, int w_dt,
+                                       void* __restrict__ y, int y_dt, int T, int C, int W) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+  if (c >= C) return;
+  const i64 sl = slot ? (i64)slot[b] : (i64)b;
+  float win[MAXW], wt[MAXW];
+#pragma unroll
+  for (int j = 0; j < MAXW; ++j) {
+    wt[j] = j < W ? ldf(weight, w_dt, (i64)c * W + j) : 0.f;
+    win[j] = (j < W - 1 && sl >= 0) ? ldf(state, s_dt, (sl * C + c) * (W - 1) + j) : 0.f;
+  }
+  for (int t = 0; t < T; ++t) {
+    const i64 idx = ((i64)b * T + t) * C + c;
+    win[W - 1] = ldf(x, x_dt, idx);  // W <= MAXW checked by the launcher
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < MAXW; ++j) acc += wt[j] * win[j];
+    stf(y, y_dt, idx, acc / (1.f + expf(-acc)));
+#pragma unroll
+    for (int j = 0; j < MAXW - 1; ++j) win[j] = win[j + 1];
+  }
+}
+
+// In place: pool[slot[b]] = last W-1 columns of [pool[slot[b]] | x_1..x_n[b]]. n <= 0: no-op.
+extern "C" __global__ void conv_roll(void* __restrict__ pool, int s_dt, const int* __restrict__ slot,
+                                     const void* __restrict__ x, int x_dt,
+                                     const int* __restrict__ n, int T, int C, int W) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+  if (c >= C) return;
+  const i64 sl = slot ? (i64)slot[b] : (i64)b;
+  const int nb = min(n[b], T);
+  if (nb <= 0 || sl < 0) return;
+  const i64 base = (sl * C + c) * (W - 1);
+  float old[MAXW];
+#pragma unroll
+  for (int j = 0; j < MAXW; ++j) old[j] = j < W - 1 ? ldf(pool, s_dt, base + j) : 0.f;
+  for (int j = 0; j < W - 1; ++j) {
+    const int src = nb + j;  // column index in [state | x]
+    float val;
+    if (src < W - 1) {
+      val = 0.f;
+#pragma unroll
+      for (int u = 0; u < MAXW; ++u) if (u == src) val = old[u];
+    } else {
+      val = ldf(x, x_dt, ((i64)b * T + (src - (W - 1))) * C + c);
+    }
+    stf(pool, s_dt, base + j, val);
+  }
+}

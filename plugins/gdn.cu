@@ -1,0 +1,318 @@
+// Gated DeltaNet kernels: chunked WY verify/prefill (GdnChunkWY16) and the fold-accepted commit.
+// Math: DESIGN §3. One CTA per (dv tile of 32*CG columns, v-head, sequence); dv columns of the
+// state are independent in the delta rule, so a CTA owns S[:, tile] (fp32, in registers: warp w
+// holds rows kg*32..kg*32+31 of column lane) for the whole call. GVA native: v-head h reads k-head
+// h / (Hv/Hk). Inputs q,k [B,T,Hk,DK], v [B,T,Hv,DV], g,beta [B,T,Hv]; all contiguous.
+#include "common.cuh"
+#define CH 16   // chunk rows
+#define WS 20   // row stride of the transposed W / Q tiles (bank-conflict free float4 stores)
+#define L2EPS 1e-6f
+
+template <int DK, int CG>
+__device__ __forceinline__ void gdn_wy16_body(
+    const void* __restrict__ q, const void* __restrict__ k, const void* __restrict__ v, int in_dt,
+    const void* __restrict__ g, const void* __restrict__ beta, int gb_dt,
+    const float* __restrict__ state, const int* __restrict__ slot,
+    void* __restrict__ o, int o_dt, float* __restrict__ k_hat, float* __restrict__ v_new,
+    float* __restrict__ gamma, float* __restrict__ state_out, int out_by_slot,
+    int T, int Hk, int Hv, int DV, float scale) {
+  constexpr int DVT = 32 * CG, KG = DK / 32, NT = DK * CG, NW = NT / 32, KP = DK + 4;
+  static_assert(CH * KP <= DK * WS, "Qsh alias");
+  static_assert(NW * CH * 32 <= 2 * DK * WS, "red alias");
+  __shared__ __align__(16) float Ksh[CH][KP];
+  __shared__ __align__(16) float WQ[2 * DK * WS];  // Wt | Qt ; Qsh aliases Wt ; red aliases all
+  __shared__ __align__(16) float VU[CH][DVT];      // raw v -> U -> V'
+  __shared__ float Am[CH][CH + 1], Tm[CH][CH + 1], Pm[CH][CH + 1];
+  __shared__ float gam[CH], bet[CH];
+  float* Wt = WQ;
+  float* Qt = WQ + DK * WS;
+  float* Qsh = WQ;
+  float* red = WQ;
+
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int kg = w % KG, cgi = w / KG, c = cgi * 32 + lane;
+  const int b = blockIdx.z, hv = blockIdx.y, d0 = blockIdx.x * DVT;
+  const int grp = Hv / Hk, hk = hv / grp;
+  const i64 sb = slot ? (i64)slot[b] : (i64)b;
+
+  float s[32];  // S[kg*32+m][d0+c]
+  if (sb >= 0) {
+    const float* sp = state + ((sb * Hv + hv) * (i64)DK + kg * 32) * DV + d0 + c;
+#pragma unroll
+    for (int m = 0; m < 32; ++m) s[m] = sp[(i64)m * DV];
+  } else {
+#pragma unroll
+    for (int m = 0; m < 32; ++m) s[m] = 0.f;
+  }
+  const bool need_state = state_out != nullptr;
+  float gtot = 0.f;
+
+  for (int c0 = 0; c0 < T; c0 += CH) {
+    const int C = min(CH, T - c0);
+    // 1. q, k rows: l2norm (q also * scale); v tile; g, beta with chunk-local cumsum.
+    for (int job = w; job < 2 * CH; job += NW) {
+      const int i = job >> 1;
+      const bool isq = job & 1;
+      float x[DK / 32];
+      float ss = 0.f;
+      const i64 base = (((i64)b * T + c0 + i) * Hk + hk) * DK;
+#pragma unroll
+      for (int e = 0; e < DK / 32; ++e) {
+        x[e] = i < C ? ldf(isq ? q : k, in_dt, base + lane + 32 * e) : 0.f;
+        ss += x[e] * x[e];
+      }
+      ss = warp_sum(ss);
+      const float r = rsqrtf(ss + L2EPS) * (isq ? scale : 1.f);
+#pragma unroll
+      for (int e = 0; e < DK / 32; ++e) {
+        const int d = lane + 32 * e;
+        if (isq) { Qsh[i * KP + d] = x[e] * r; Qt[d * WS + i] = x[e] * r; }
+        else Ksh[i][d] = x[e] * r;
+      }
+    }
+    for (int e = tid; e < CH * DVT; e += NT) {
+      const int i = e / DVT, cc = e % DVT;
+      VU[i][cc] = i < C ? ldf(v, in_dt, (((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc) : 0.f;
+    }
+    if (w == 0) {
+      float gi = 0.f, bi = 0.f;
+      if (lane < C) {
+        const i64 idx = ((i64)b * T + c0 + lane) * Hv + hv;
+        gi = ldf(g, gb_dt, idx);
+        bi = ldf(beta, gb_dt, idx);
+      }
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const float t = __shfl_up_sync(0xffffffffu, gi, off);
+        if (lane >= off) gi += t;
+      }
+      if (lane < CH) { gam[lane] = gi; bet[lane] = bi; }
+    }
+    __syncthreads();
+    // 2. A = beta_i (k_i.k_j) e^{g_i-g_j} (i>j);  P = (q_i.k_j) e^{g_i-g_j} (i>=j).
+    for (int p = tid; p < CH * CH; p += NT) {
+      const int i = p >> 4, j = p & 15;
+      float a = 0.f, pq = 0.f;
+      if (i >= j && i < C) {
+        float dkk = 0.f, dqk = 0.f;
+#pragma unroll 2
+        for (int d = 0; d < DK; d += 4) {
+          const float4 kj = *(const float4*)&Ksh[j][d];
+          const float4 ki = *(const float4*)&Ksh[i][d];
+          const float4 qi = *(const float4*)&Qsh[i * KP + d];
+          dkk += ki.x * kj.x + ki.y * kj.y + ki.z * kj.z + ki.w * kj.w;
+          dqk += qi.x * kj.x + qi.y * kj.y + qi.z * kj.z + qi.w * kj.w;
+        }
+        const float e = expf(gam[i] - gam[j]);
+        if (i > j) a = bet[i] * dkk * e;
+        pq = dqk * e;
+      }
+      Am[i][j] = a;
+      Pm[i][j] = pq;
+    }
+    __syncthreads();
+    // 3. Tinv = (I + A)^-1 by forward substitution, one column per lane.
+    if (w == 0 && lane < CH) {
+      float t[CH];
+#pragma unroll
+      for (int i = 0; i < CH; ++i) {
+        float acc = (i == lane) ? 1.f : 0.f;
+#pragma unroll
+        for (int m = 0; m < i; ++m) acc -= Am[i][m] * t[m];
+        t[i] = acc;
+      }
+#pragma unroll
+      for (int i = 0; i < CH; ++i) Tm[i][lane] = t[i];
+    }
+    __syncthreads();
+    // 4. W = Tinv diag(beta e^g) K (stored transposed); U = Tinv diag(beta) V.
+    for (int kk = tid; kk < DK; kk += NT) {
+      float bk[CH];
+#pragma unroll
+      for (int m = 0; m < CH; ++m) bk[m] = bet[m] * expf(gam[m]) * Ksh[m][kk];
+      float wv[CH];
+#pragma unroll
+      for (int i = 0; i < CH; ++i) wv[i] = 0.f;
+#pragma unroll 1
+      for (int m = 0; m < CH; ++m) {
+        const float bm = bk[m];
+#pragma unroll
+        for (int i = 0; i < CH; ++i) wv[i] += Tm[i][m] * bm;  // Tm[i][m] = 0 for m > i
+      }
+#pragma unroll
+      for (int i4 = 0; i4 < CH / 4; ++i4)
+        *(float4*)&Wt[kk * WS + 4 * i4] = make_float4(wv[4 * i4], wv[4 * i4 + 1], wv[4 * i4 + 2], wv[4 * i4 + 3]);
+    }
+    for (int cc = tid; cc < DVT; cc += NT) {
+      float bv[CH];
+#pragma unroll
+      for (int m = 0; m < CH; ++m) bv[m] = bet[m] * VU[m][cc];
+#pragma unroll 1
+      for (int i = 0; i < CH; ++i) {
+        float acc = 0.f;
+#pragma unroll
+        for (int m = 0; m < CH; ++m) acc += Tm[i][m] * bv[m];
+        VU[i][cc] = acc;
+      }
+    }
+    if (blockIdx.x == 0) {  // fold data: k_hat (one CTA per k-head), gamma cumulative over all T
+      if (k_hat && hv % grp == 0)
+        for (int e = tid; e < C * DK; e += NT) {
+          const int i = e / DK, d = e % DK;
+          k_hat[(((i64)b * T + c0 + i) * Hk + hk) * DK + d] = Ksh[i][d];
+        }
+      if (gamma && tid < C) gamma[((i64)b * T + c0 + tid) * Hv + hv] = gtot + gam[tid];
+    }
+    __syncthreads();
+    // 5. W.S and Q.S over this warp's 32 state rows.
+    float aw[CH], aq[CH];
+#pragma unroll
+    for (int i = 0; i < CH; ++i) { aw[i] = 0.f; aq[i] = 0.f; }
+#pragma unroll
+    for (int m = 0; m < 32; ++m) {
+      const int kk = kg * 32 + m;
+      const float sv = s[m];
+      const float4* wr = (const float4*)&Wt[kk * WS];
+      const float4* qr = (const float4*)&Qt[kk * WS];
+#pragma unroll
+      for (int i4 = 0; i4 < CH / 4; ++i4) {
+        const float4 a = wr[i4], bq = qr[i4];
+        aw[4 * i4] += a.x * sv; aw[4 * i4 + 1] += a.y * sv; aw[4 * i4 + 2] += a.z * sv; aw[4 * i4 + 3] += a.w * sv;
+        aq[4 * i4] += bq.x * sv; aq[4 * i4 + 1] += bq.y * sv; aq[4 * i4 + 2] += bq.z * sv; aq[4 * i4 + 3] += bq.w * sv;
+      }
+    }
+    __syncthreads();
+    // 6. V' = U - W.S (cross-warp reduction), then O = e^g Q.S + P V'.
+#pragma unroll
+    for (int i = 0; i < CH; ++i) red[(w * CH + i) * 32 + lane] = aw[i];
+    __syncthreads();
+    for (int e = tid; e < CH * DVT; e += NT) {
+      const int i = e / DVT, cc = e % DVT, cg2 = cc >> 5, ln = cc & 31;
+      float ws = 0.f;
+#pragma unroll
+      for (int kq = 0; kq < KG; ++kq) ws += red[((cg2 * KG + kq) * CH + i) * 32 + ln];
+      const float vp = VU[i][cc] - ws;
+      VU[i][cc] = vp;
+      if (v_new && i < C) v_new[(((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc] = vp;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < CH; ++i) red[(w * CH + i) * 32 + lane] = aq[i];
+    __syncthreads();
+    for (int e = tid; e < CH * DVT; e += NT) {
+      const int i = e / DVT, cc = e % DVT, cg2 = cc >> 5, ln = cc & 31;
+      if (i >= C) continue;
+      float qs = 0.f;
+#pragma unroll
+      for (int kq = 0; kq < KG; ++kq) qs += red[((cg2 * KG + kq) * CH + i) * 32 + ln];
+      float out = expf(gam[i]) * qs;
+      for (int j = 0; j <= i; ++j) out += Pm[i][j] * VU[j][cc];
+      stf(o, o_dt, (((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc, out);
+    }
+    // 7. S <- e^{g_C} S + K^T diag(e^{g_C - g}) V'  (only if another chunk follows or state wanted)
+    if (need_state || c0 + CH < T) {
+      const float gC = gam[CH - 1];
+      float vs[CH];
+#pragma unroll
+      for (int i = 0; i < CH; ++i) vs[i] = expf(gC - gam[i]) * VU[i][c];
+      const float dec = expf(gC);
+#pragma unroll
+      for (int m = 0; m < 32; ++m) {
+        const int kk = kg * 32 + m;
+        float acc = dec * s[m];
+#pragma unroll
+        for (int i = 0; i < CH; ++i) acc += Ksh[i][kk] * vs[i];
+        s[m] = acc;
+      }
+      gtot += gC;
+    }
+    __syncthreads();
+  }
+  if (need_state) {
+    const i64 ob = out_by_slot ? sb : (i64)b;
+    if (ob >= 0) {
+      float* sp = state_out + ((ob * Hv + hv) * (i64)DK + kg * 32) * DV + d0 + c;
+#pragma unroll
+      for (int m = 0; m < 32; ++m) sp[(i64)m * DV] = s[m];
+    }
+  }
+}
+
+// Fold the first n[b] rows of fold data into pool[slot[b]] in place:
+// S_n = e^{gamma_n} S + sum_{i<n} e^{gamma_n - gamma_i} k_hat_i v'_i^T. n <= 0 or slot < 0: no-op.
+template <int DK, int CG>
+__device__ __forceinline__ void gdn_fold_body(
+    float* __restrict__ pool, const int* __restrict__ slot, const float* __restrict__ k_hat,
+    const float* __restrict__ v_new, const float* __restrict__ gamma, const int* __restrict__ n,
+    int T, int Hk, int Hv, int DV) {
+  constexpr int DVT = 32 * CG, NT = DK * CG, C4 = DVT / 4, RS = NT / C4, NR = DK / RS;
+  __shared__ float Ks[CH][DK];
+  __shared__ __align__(16) float Vs[CH][DVT];
+  const int tid = threadIdx.x, c4 = tid % C4, r0 = tid / C4;
+  const int b = blockIdx.z, hv = blockIdx.y, d0 = blockIdx.x * DVT, hk = hv / (Hv / Hk);
+  int nb = n[b];
+  const i64 sl = slot ? (i64)slot[b] : (i64)b;
+  if (nb <= 0 || sl < 0) return;
+  nb = min(nb, T);
+  float* base = pool + (sl * Hv + hv) * (i64)DK * DV + d0 + 4 * c4;
+  float4 s[NR];
+#pragma unroll
+  for (int m = 0; m < NR; ++m) s[m] = *(const float4*)(base + (i64)(r0 + m * RS) * DV);
+  const float gn = gamma[((i64)b * T + nb - 1) * Hv + hv];
+  const float dec = expf(gn);
+#pragma unroll
+  for (int m = 0; m < NR; ++m) { s[m].x *= dec; s[m].y *= dec; s[m].z *= dec; s[m].w *= dec; }
+  for (int i0 = 0; i0 < nb; i0 += CH) {
+    const int cnt = min(CH, nb - i0);
+    for (int e = tid; e < CH * DK; e += NT) {
+      const int i = e / DK, d = e % DK;
+      Ks[i][d] = i < cnt ? k_hat[(((i64)b * T + i0 + i) * Hk + hk) * DK + d] : 0.f;
+    }
+    for (int e = tid; e < CH * DVT; e += NT) {
+      const int i = e / DVT, cc = e % DVT;
+      float val = 0.f;
+      if (i < cnt) {
+        const i64 idx = ((i64)b * T + i0 + i) * Hv + hv;
+        val = expf(gn - gamma[idx]) * v_new[idx * DV + d0 + cc];
+      }
+      Vs[i][cc] = val;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      const float4 vv = *(const float4*)&Vs[i][4 * c4];
+#pragma unroll
+      for (int m = 0; m < NR; ++m) {
+        const float kv = Ks[i][r0 + m * RS];
+        s[m].x += kv * vv.x; s[m].y += kv * vv.y; s[m].z += kv * vv.z; s[m].w += kv * vv.w;
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int m = 0; m < NR; ++m) *(float4*)(base + (i64)(r0 + m * RS) * DV) = s[m];
+}
+
+#define GDN_WY16(DK, CG)                                                                          \
+  extern "C" __global__ void __launch_bounds__(DK * CG, 384 / (DK * CG)) gdn_wy16_dk##DK##_cg##CG(                 \
+      const void* q, const void* k, const void* v, int in_dt, const void* g, const void* beta,    \
+      int gb_dt, const float* state, const int* slot, void* o, int o_dt, float* k_hat,            \
+      float* v_new, float* gamma, float* state_out, int out_by_slot, int T, int Hk, int Hv,       \
+      int DV, float scale) {                                                                      \
+    gdn_wy16_body<DK, CG>(q, k, v, in_dt, g, beta, gb_dt, state, slot, o, o_dt, k_hat, v_new,     \
+                          gamma, state_out, out_by_slot, T, Hk, Hv, DV, scale);                   \
+  }
+#define GDN_FOLD(DK, CG)                                                                          \
+  extern "C" __global__ void __launch_bounds__(DK * CG) gdn_fold_dk##DK##_cg##CG(                 \
+      float* pool, const int* slot, const float* k_hat, const float* v_new, const float* gamma,   \
+      const int* n, int T, int Hk, int Hv, int DV) {                                              \
+    gdn_fold_body<DK, CG>(pool, slot, k_hat, v_new, gamma, n, T, Hk, Hv, DV);                     \
+  }
+GDN_WY16(128, 1)
+GDN_WY16(128, 2)
+GDN_WY16(64, 1)
+GDN_WY16(64, 2)
+GDN_FOLD(128, 1)
+GDN_FOLD(128, 2)
+GDN_FOLD(64, 1)
+GDN_FOLD(64, 2)
