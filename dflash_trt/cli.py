@@ -19,6 +19,15 @@ PASSTHROUGH = {
 }
 
 
+def _user_errors():
+    from .config import ConfigError
+    from .export.checkpoint import CheckpointError
+    from .runtime.pools import PoolExhausted
+    from .runtime.runtime import CapacityError
+
+    return (ConfigError, CheckpointError, CapacityError, PoolExhausted, NotImplementedError)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in PASSTHROUGH:
@@ -32,7 +41,13 @@ def main(argv=None) -> int:
     for name, (_, help_) in PASSTHROUGH.items():
         sub.add_parser(name, help=help_ + " (see dflash-trt %s --help)" % name, add_help=False)
     args = p.parse_args(argv)
-    return int(importlib.import_module(COMMANDS[args.cmd][0]).run(args) or 0)
+    try:
+        return int(importlib.import_module(COMMANDS[args.cmd][0]).run(args) or 0)
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        print(f"dflash-trt {args.cmd}: error: {e}", file=sys.stderr)  # bad input: one clear line
+        return 2
 
 
 if __name__ == "__main__":
