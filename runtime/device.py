@@ -25,6 +25,12 @@ class HostDevice:
     def zeros(self, shape, dtype=np.float32) -> np.ndarray:
         return np.zeros(shape, dtype=dtype)
 
+    def pad_rows(self, x, rows: int) -> np.ndarray:
+        """x [B,T,...] -> [B,rows,...] zero-padded (graphs with a static row count)."""
+        out = np.zeros((x.shape[0], rows) + x.shape[2:], dtype=x.dtype)
+        out[:, : x.shape[1]] = x
+        return out
+
     def to_host(self, a) -> np.ndarray:
         return np.array(a, copy=True)
 

@@ -52,7 +52,7 @@ class Runtime:
         self.tcfg, self.dcfg, self.sizes = target_cfg, drafter_cfg, sizes
         self.device = device or HostDevice()
         self.pools = {
-            name: self.device.zeros(shape, getattr(np, dtype))
+            name: self.device.zeros(shape, dtype)
             for name, (shape, dtype) in pool_specs(target_cfg, drafter_cfg, sizes, backend.kv_dtype).items()
         }
         self.kv_alloc = BlockAllocator(sizes.kv_blocks, "target kv pages")
@@ -106,11 +106,8 @@ class Runtime:
         """drafter_ctx on the target step's ctx_hidden rows (padded to the graph's static R)."""
         if self.dcfg is None:
             return None
-        hid = out["ctx_hidden"]
-        B, T, F = hid.shape
         R = self.sizes.max_append
-        ctx_in = np.zeros((B, R, F), dtype=hid.dtype)
-        ctx_in[:, :T] = hid
+        ctx_in = self.device.pad_rows(out["ctx_hidden"], R)
         pos = np.array([[s.seq_len + i for i in range(R)] for s in seqs], dtype=np.int64)
         return self.backend.run(DRAFTER_CTX, {"ctx_hidden": ctx_in, "positions": pos})["dkv_rows"]
 
