@@ -1,5 +1,10 @@
 """Torch backend: runs the reference modules (export/target.py, export/drafter.py) for each graph.
-Pools arrive as numpy arrays and are viewed, not copied (torch.from_numpy), and never written."""
+
+On CPU, inputs/outputs are numpy (pairs with runtime.device.HostDevice; pools are viewed with
+torch.from_numpy, never copied or written). On CUDA, pools are torch tensors owned by
+TorchDevice, graph outputs stay on the GPU, and only the token outputs the scheduler reads on the
+host (argmax, drafts) come back as numpy. The custom ops inside the models run our CUDA kernels there.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -7,24 +12,34 @@ import torch
 
 from ...abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, parse_target_graph
 
-
-def _t(a):
-    return torch.from_numpy(np.ascontiguousarray(a))
+HOST_OUTPUTS = ("argmax", "drafts")
 
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, target, drafter=None, want_logits: bool = False):
+    def __init__(self, target, drafter=None, want_logits: bool = False, device: str | None = None):
         self.target, self.drafter, self.want_logits = target, drafter, want_logits
-        self.kv_dtype = str(next(target.parameters()).dtype).replace("torch.", "")
-        if self.kv_dtype not in ("float32", "float64"):
-            raise ValueError(f"the host runtime keeps pools in numpy; target dtype {self.kv_dtype} is not supported "
-                             "there (load the target in float32)")
+        p = next(target.parameters())
+        self.device = torch.device(device) if device else p.device
+        self.kv_dtype = str(p.dtype).replace("torch.", "")
+        if self.device.type == "cpu" and self.kv_dtype not in ("float32", "float64"):
+            raise ValueError(f"on CPU the runtime keeps pools in numpy; target dtype {self.kv_dtype} is not "
+                             "supported there (load the target in float32)")
+
+    def _in(self, v):
+        if isinstance(v, torch.Tensor):
+            return v.to(self.device)
+        return torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
+
+    def _out(self, k, v):
+        if self.device.type == "cpu" or k in HOST_OUTPUTS:
+            return v.detach().cpu().numpy()
+        return v
 
     @torch.no_grad()
     def run(self, graph: str, inputs: dict) -> dict:
-        x = {k: _t(v) for k, v in inputs.items()}
+        x = {k: self._in(v) for k, v in inputs.items()}
         if parse_target_graph(graph) is not None or graph == PREFILL:
             out = self.target.step(
                 x["input_ids"], x["positions"], x["slot"], x["seq_len"], x["block_table"],
@@ -38,4 +53,4 @@ class TorchBackend:
                                      x["kv_len"], x["dkv_pool"], want_logits=self.want_logits)
         else:
             raise ValueError(f"unknown graph '{graph}'")
-        return {k: v.detach().numpy() for k, v in out.items() if v is not None}
+        return {k: self._out(k, v) for k, v in out.items() if v is not None}
