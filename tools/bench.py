@@ -1,0 +1,81 @@
+"""`dflash-trt bench {kernels,generate}`: benchmarks print absolute numbers with the hardware named and
+a ratio against a baseline measured in the same run; each can write JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+
+
+def hardware(device: str = "cpu") -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{name} ({os.cpu_count()} cores)"
+
+
+def bench_generate(argv) -> int:
+    """Plain greedy vs DFlash on a prompt file: tokens/s, target launches, τ, speedup; checks identity."""
+    from .demo import default_pair
+    from .generate import load_runtime
+
+    p = argparse.ArgumentParser(prog="dflash-trt bench generate")
+    p.add_argument("--model"), p.add_argument("--drafter")
+    p.add_argument("--prompts", help="file: prompts separated by lines with only '---' (default: the demo prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--gamma", type=int, default=None)
+    p.add_argument("--backend", default="torch")
+    p.add_argument("--json", help="write results here")
+    a = p.parse_args(argv)
+    tdir, ddir = (a.model, a.drafter) if a.model else default_pair()[:2]
+    rt, codec = load_runtime(tdir, ddir, a.backend)
+    prompts = ["def fibonacci(n):\n    "]
+    if a.prompts:
+        prompts = [s.strip("\n") for s in open(a.prompts).read().split("\n---\n") if s.strip()]
+    rt.generate(codec.encode(prompts[0]), 8)  # warm-up
+    rows = []
+    for i, text in enumerate(prompts):
+        ids = codec.encode(text)
+        plain, sp = rt.generate(ids, a.max_new_tokens, spec=False)
+        spec, ss = rt.generate(ids, a.max_new_tokens, gamma=a.gamma)
+        rows.append(dict(prompt=i, tokens=ss.new_tokens, identical=plain == spec, tau=ss.tau,
+                         plain_tok_s=sp.tokens_per_s, dflash_tok_s=ss.tokens_per_s,
+                         plain_launches=sp.target_steps + 1, dflash_launches=ss.target_steps + 1))
+    hw = hardware("cpu")
+    print(f"bench generate: backend={a.backend} on {hw}; {len(prompts)} prompts x {a.max_new_tokens} new tokens")
+    print(f"{'#':>3} {'tau':>6} {'plain tok/s':>12} {'dflash tok/s':>13} {'speedup':>8} {'launches':>10} identical")
+    for r in rows:
+        print(f"{r['prompt']:>3} {r['tau']:>6.2f} {r['plain_tok_s']:>12.1f} {r['dflash_tok_s']:>13.1f} "
+              f"{r['dflash_tok_s'] / r['plain_tok_s']:>7.2f}x {r['plain_launches']:>4}->{r['dflash_launches']:<4} "
+              f"{r['identical']}")
+    med = lambda k: statistics.median(r[k] for r in rows)
+    summary = dict(hardware=hw, backend=a.backend, median_tau=med("tau"), mean_tau=statistics.mean(r["tau"] for r in rows),
+                   median_plain_tok_s=med("plain_tok_s"), median_dflash_tok_s=med("dflash_tok_s"),
+                   speedup=med("dflash_tok_s") / med("plain_tok_s"), all_identical=all(r["identical"] for r in rows))
+    print(f"median: tau={summary['median_tau']:.2f} (mean {summary['mean_tau']:.2f}), plain "
+          f"{summary['median_plain_tok_s']:.1f} tok/s, dflash {summary['median_dflash_tok_s']:.1f} tok/s, "
+          f"speedup {summary['speedup']:.2f}x, identical={summary['all_identical']}")
+    if a.json:
+        json.dump(dict(summary=summary, rows=rows), open(a.json, "w"), indent=1)
+    return 0 if summary["all_identical"] else 1
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("kernels", "generate"):
+        print("usage: dflash-trt bench {kernels,generate} [options]  (see --help of each)", file=sys.stderr)
+        return 2
+    if argv[0] == "kernels":
+        from . import bench_kernels
+
+        return int(bench_kernels.main(argv[1:]) or 0)
+    return bench_generate(argv[1:])
