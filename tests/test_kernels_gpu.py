@@ -133,12 +133,12 @@ def test_gdn_vs_fla_qwen3_next(K):
     fo, fst = fn(q, k, v, g=g, beta=beta, scale=dk ** -0.5, initial_state=st.clone(), output_final_state=True,
                  use_qk_l2norm_in_kernel=True)
     ro, rs = gdn_ref.gdn_recurrent(*_d(q, k, v, g, beta, st))
-    _err(f"fla K={K} o vs ref", fo, ro, 3e-2)
-    _err(f"fla K={K} state vs ref", fst, rs, 3e-2)
+    _err(f"fla K={K} o vs ref", fo, ro, 1e-1)
+    _err(f"fla K={K} state vs ref", fst, rs, 1e-1)
     _err(f"ours K={K} o vs ref (Qwen3-Next)", o, ro, 1e-2)
     _err(f"ours K={K} state vs ref (Qwen3-Next)", fs, rs, 1e-4)
-    _err(f"ours K={K} o vs fla", o, fo, 3e-2)
-    _err(f"ours K={K} state vs fla", fs, fst, 3e-2)
+    _err(f"ours K={K} o vs fla", o, fo, 1e-1)
+    _err(f"ours K={K} state vs fla", fs, fst, 1e-1)
 
 
 @pytest.mark.parametrize("T", [1, 4, 16, 128])
