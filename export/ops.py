@@ -1,16 +1,43 @@
 """The three custom ops as the models call them: one seam between the model math and its backends.
 
-The torch modules (target.py, drafter.py) call only these functions. Today each runs the reference
-math; the ONNX exporter and the CUDA torch ops hook in here (and nowhere else), so the model file
-never changes when a backend is added.
+The torch modules (target.py, drafter.py) call only these functions. Eagerly each runs the reference
+math; under `torch.onnx.export` each becomes one `dflash::<Op>` node (DESIGN §3, §6) whose semantics
+are given by the model-local FunctionProto of the same name (export/onnx_functions.py). The node
+signatures below are the contract the ONNX function bodies and the TensorRT plugins implement:
+
+  GdnChunkWY16(q, k, v, g, beta, state; scale)            -> o, state_out, k_hat, v_new, gamma
+  CausalConvVerify(x, conv_state, weight)                  -> y
+  PagedAttention(q, k_new, v_new, kv_pool, block_table, kv_start, kv_len; layer, causal, scale) -> o
 """
 from __future__ import annotations
 
+import torch
+
 from . import attention_ref, gdn_ref
+
+PLUGIN_ATTRS = {"plugin_namespace": "dflash", "plugin_version": "1"}
+
+
+def _exporting() -> bool:
+    return torch.onnx.is_in_onnx_export()
+
+
+def _node(op: str, inputs, attrs: dict, dtypes, shapes):
+    return torch.onnx.ops.symbolic_multi_out(
+        f"dflash::{op}", list(inputs), {**attrs, **PLUGIN_ATTRS}, dtypes=list(dtypes), shapes=list(shapes), version=1
+    )
 
 
 def gdn_chunk(q, k, v, g, beta, state, scale=None):
     """GdnChunkWY16: returns GdnOut(o, state, k_hat, v_new, gamma); `state` is read-only."""
+    if _exporting():
+        B, T, Hk, dk = q.shape
+        Hv, dv = v.shape[2], v.shape[3]
+        f = torch.float32
+        outs = _node("GdnChunkWY16", (q, k, v, g, beta, state), {"scale": float(dk ** -0.5 if scale is None else scale)},
+                     (q.dtype, f, f, f, f),
+                     ([B, T, Hv, dv], [B, Hv, dk, dv], [B, T, Hk, dk], [B, T, Hv, dv], [B, T, Hv]))
+        return gdn_ref.GdnOut(*outs)
     return gdn_ref.gdn_chunk_wy16(q, k, v, g, beta, state, scale=scale)
 
 
@@ -20,11 +47,17 @@ def gdn_fold(state, k_hat, v_new, gamma, n):
 
 def conv_verify(x, conv_state, weight):
     """CausalConvVerify: silu(depthwise causal conv over [conv_state | x]); conv_state read-only."""
+    if _exporting():
+        return _node("CausalConvVerify", (x, conv_state, weight), {}, (x.dtype,), (x.shape,))[0]
     return gdn_ref.conv_verify(x, conv_state, weight)
 
 
 def paged_attention(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale):
     """PagedAttention over cached rows [kv_start, kv_len) in pages plus the T new rows."""
+    if _exporting():
+        attrs = {"layer": int(layer), "causal": int(bool(causal)), "scale": float(scale)}
+        return _node("PagedAttention", (q, k_new, v_new, kv_pool, block_table, kv_start, kv_len), attrs,
+                     (q.dtype,), (q.shape,))[0]
     return attention_ref.paged_attention_ref(
         q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale
     )

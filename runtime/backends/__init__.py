@@ -1,10 +1,17 @@
 """Backends execute the graphs of the ABI (dflash_trt.abi): run(graph_name, inputs) -> outputs, numpy in/out.
 Each imports its framework lazily, so the runtime core stays free of torch/onnxruntime/tensorrt."""
 
+BACKENDS = ("torch", "ort")
+
 
 def make_backend(name: str, **kw):
+    """torch: make_backend("torch", target=..., drafter=...); ort: make_backend("ort", manifest=DIR or Manifest)."""
     if name == "torch":
         from .torch_backend import TorchBackend
 
         return TorchBackend(**kw)
-    raise ValueError(f"unknown backend '{name}' (available: torch)")
+    if name == "ort":
+        from .ort_backend import OrtBackend
+
+        return OrtBackend(**kw)
+    raise ValueError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")

@@ -1,0 +1,253 @@
+"""`dflash-trt export`: HF target (+ DFlash drafter) checkpoint dirs -> one ONNX graph per K + manifest.json.
+
+Graphs (DESIGN §4, names/io from dflash_trt.abi): target_k{K} per K, target_prefill, drafter_ctx,
+drafter_block. Each is traced with torch.onnx.export(dynamo=True); the three custom ops become
+`dflash::<Op>` nodes (export/ops.py) and their FunctionProto bodies are appended afterwards
+(export/onnx_functions.py). Every graph is checked with onnx.checker (full_check) and against the
+ABI; weights go to external data when a graph passes 2 GB.
+
+Python: export_graphs(model_dir, drafter_dir, out_dir, ks, sizes) -> Manifest;
+        ensure_export(...) reuses a cached export keyed by checkpoint hashes + settings + exporter source.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import asdict
+
+from ..abi import DRAFTER_BLOCK, DRAFTER_CTX, PoolSizes, graph_io
+from ..manifest import Manifest, ManifestError, diff_io, expected_graphs
+
+TWO_GB = 2 * 1024**3
+DEFAULT_KS = (1, 2, 3, 4, 8, 16)
+_SOURCES = ("export/onnx_export.py", "export/onnx_functions.py", "export/ops.py", "export/target.py",
+            "export/drafter.py", "export/gdn_ref.py", "export/attention_ref.py", "dflash_trt/abi.py",
+            "dflash_trt/manifest.py")
+
+
+def _graph_module(name, target, drafter, in_names, out_names, want_logits):
+    """An nn.Module whose forward takes the graph's inputs positionally (ABI order) and returns its outputs."""
+    import torch
+
+    class Graph(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.target, self.drafter = target, drafter
+            if drafter is not None:  # the drafter borrows these; register them so export sees parameters
+                self.embed, self.lm_head = target.embed_tokens, target.lm_head
+
+        def forward(self, *args):
+            x = dict(zip(in_names, args))
+            if name == DRAFTER_CTX:
+                out = self.drafter.ctx(x["ctx_hidden"], x["positions"])
+            elif name == DRAFTER_BLOCK:
+                out = self.drafter.block(x["block_ids"], x["positions"], x["block_table"], x["kv_start"],
+                                         x["kv_len"], x["dkv_pool"], want_logits=want_logits)
+            else:
+                out = self.target.step(x["input_ids"], x["positions"], x["slot"], x["seq_len"], x["block_table"],
+                                       x["kv_pool"], x["gdn_pool"], x["conv_pool"], valid_len=x.get("valid_len"),
+                                       want_logits=want_logits)
+            return tuple(out[n] for n in out_names)
+
+    return Graph().eval()
+
+
+def _example(ins, batch: int):
+    import torch
+
+    return tuple(torch.zeros([batch if isinstance(d, str) else d for d in shape], dtype=getattr(torch, dt))
+                 for _, shape, dt in ins)
+
+
+def _dynamic_shapes(ins):
+    from torch.export import Dim
+
+    B = Dim("B", min=1, max=1024)
+    return {"args": tuple({i: B for i, d in enumerate(shape) if d == "B"} or None for _, shape, _ in ins)}
+
+
+def _onnx_io(model):
+    """[{name, shape, dtype}] of a ModelProto's inputs and outputs (symbolic dims as 'B')."""
+    from onnx import helper
+
+    def rec(v):
+        tt = v.type.tensor_type
+        dims = ["B" if d.dim_param else d.dim_value for d in tt.shape.dim]
+        return {"name": v.name, "shape": dims, "dtype": str(helper.tensor_dtype_to_np_dtype(tt.elem_type))}
+
+    return [rec(v) for v in model.graph.input], [rec(v) for v in model.graph.output]
+
+
+def export_graph(name, target, drafter, sizes, path, *, batch="B", want_logits=True, kv_dtype="float32",
+                 check=True) -> dict:
+    """Trace one graph to `path` (+ `path`.data when large); returns {"bytes", "external_data"}."""
+    import onnx
+    import torch
+
+    from .onnx_functions import add_functions
+
+    tcfg, dcfg = target.cfg, drafter.cfg if drafter is not None else None
+    ins, outs = graph_io(name, tcfg, dcfg, sizes, B=batch, want_logits=want_logits, kv_dtype=kv_dtype)
+    mod = _graph_module(name, target, drafter, [n for n, _, _ in ins], [n for n, _, _ in outs], want_logits)
+    args = _example(ins, 2 if batch == "B" else batch)
+    weights = sum(p.numel() * p.element_size() for p in mod.parameters())
+    big = weights > TWO_GB - 64 * 1024**2
+    log = io.StringIO()
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # torchvision notes
+    with warnings.catch_warnings(), contextlib.redirect_stdout(log), torch.no_grad():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(mod, args, input_names=[n for n, _, _ in ins], output_names=[n for n, _, _ in outs],
+                                 dynamo=True, dynamic_shapes=_dynamic_shapes(ins) if batch == "B" else None,
+                                 optimize=True, verbose=False)
+        prog.save(path, external_data=big)
+    model = onnx.load(path, load_external_data=False)
+    add_functions(model)
+    model.producer_name, model.doc_string = "dflash-trt", f"dflash-trt graph {name}"
+    onnx.save(model, path)
+    got_in, got_out = _onnx_io(model)
+    for kind, got, exp in (("input", got_in, ins), ("output", got_out, outs)):
+        diff_io(f"exported {path}", kind, got, [{"name": n, "shape": list(s), "dtype": d} for n, s, d in exp],
+                "onnx graph", "abi.graph_io")
+    if check:
+        onnx.checker.check_model(path, full_check=True)
+    data = path + ".data"
+    size = os.path.getsize(path) + (os.path.getsize(data) if os.path.isfile(data) else 0)
+    return {"bytes": size, "external_data": os.path.basename(data) if os.path.isfile(data) else None}
+
+
+def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, batch="B",
+                  want_logits=True, dtype="float32", check=True, progress=print) -> Manifest:
+    """Export every graph of the ABI into out_dir and write out_dir/manifest.json."""
+    import torch
+
+    from ..config import DrafterConfig, read_json
+    from .checkpoint import checkpoint_hash, load_drafter, load_target
+
+    sizes = sizes or PoolSizes()
+    progress = progress or (lambda *_: None)
+    t_all = time.perf_counter()
+    taps = None
+    if drafter_dir:
+        p = os.path.join(drafter_dir, "config.json")
+        taps = DrafterConfig.from_dict(read_json(p), p).target_layer_ids
+    tdt = getattr(torch, dtype)
+    target = load_target(model_dir, tdt, tap_ids=taps)
+    drafter = load_drafter(drafter_dir, target, tdt) if drafter_dir else None
+    man = Manifest.new(target.cfg, drafter.cfg if drafter else None, sizes, ks, batch=batch, want_logits=want_logits,
+                       kv_dtype=dtype, target={"dir": os.path.abspath(model_dir), "hash": checkpoint_hash(model_dir)},
+                       drafter={"dir": os.path.abspath(drafter_dir), "hash": checkpoint_hash(drafter_dir)}
+                       if drafter_dir else None)
+    os.makedirs(out_dir, exist_ok=True)
+    names = expected_graphs(man.ks, drafter is not None)
+    for i, name in enumerate(names, 1):
+        t0 = time.perf_counter()
+        info = export_graph(name, target, drafter, sizes, os.path.join(out_dir, name + ".onnx"), batch=batch,
+                            want_logits=want_logits, kv_dtype=dtype, check=check)
+        dt = time.perf_counter() - t0
+        man.add_graph(name, name + ".onnx", seconds=round(dt, 2), **info)
+        progress(f"[{i}/{len(names)}] {name:<16} {dt:6.1f} s  {_mb(info['bytes'])}"
+                 + (" (external data)" if info["external_data"] else ""))
+    man.data["export_seconds"] = round(time.perf_counter() - t_all, 2)
+    man.data["exporter"] = _source_hash()
+    man.save(out_dir)
+    total = sum(g["bytes"] for g in man.data["graphs"].values())
+    progress(f"exported {len(names)} graphs to {out_dir} in {man.data['export_seconds']:.1f} s, {_mb(total)} total")
+    return man
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1024**2:8.2f} MB"
+
+
+def _source_hash() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for rel in _SOURCES:
+        p = os.path.join(root, rel)
+        if not os.path.isfile(p):  # installed layout: dflash_trt/export/..., dflash_trt/abi.py
+            p = os.path.join(root, rel.replace("dflash_trt/", ""))
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> str:
+    return os.environ.get("DFLASH_TRT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dflash_trt"))
+
+
+def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, cache_dir=None,
+                  batch="B", want_logits=True, dtype="float32", progress=print) -> str:
+    """Export once, reuse after: the directory is keyed by both checkpoint hashes, the settings and a hash of
+    the exporter's source. Returns the manifest directory."""
+    from .checkpoint import checkpoint_hash
+
+    sizes = sizes or PoolSizes()
+    key = json.dumps([checkpoint_hash(model_dir), checkpoint_hash(drafter_dir) if drafter_dir else None,
+                      sorted(set(ks)), asdict(sizes), batch, want_logits, dtype, _source_hash()])
+    out = os.path.join(cache_dir or cache_root(), "onnx-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    try:
+        Manifest.load(out)
+        return out
+    except ManifestError:
+        pass
+    tmp = f"{out}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_graphs(model_dir, drafter_dir, tmp, ks, sizes, batch=batch, want_logits=want_logits, dtype=dtype,
+                  progress=progress)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _ks(s: str) -> list[int]:
+    try:
+        ks = sorted({int(x) for x in s.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k wants comma-separated integers, got '{s}'") from None
+    if not ks or ks[0] < 1 or ks[-1] > 16:
+        raise argparse.ArgumentTypeError(f"--k values must be in 1..16, got {ks}")
+    return ks
+
+
+def add_size_args(p: argparse.ArgumentParser) -> None:
+    d = PoolSizes()
+    for f, v in asdict(d).items():
+        p.add_argument("--" + f.replace("_", "-"), type=int, default=v, help=f"pool size {f} (default {v})")
+
+
+def sizes_from_args(a) -> PoolSizes:
+    return PoolSizes(**{f: getattr(a, f) for f in asdict(PoolSizes())})
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="dflash-trt export", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="target checkpoint dir (HF format)")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint dir (omit: target graphs only)")
+    p.add_argument("--k", type=_ks, default=list(DEFAULT_KS), help="verify widths, e.g. 1,2,3,4,8,16")
+    p.add_argument("--out", required=True, help="output directory (graphs + manifest.json)")
+    p.add_argument("--batch", default="B", help="'B' for a dynamic batch dim (default) or a fixed int")
+    p.add_argument("--no-logits", action="store_true", help="do not output logits (argmax only)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--no-check", action="store_true", help="skip onnx.checker full_check")
+    add_size_args(p)
+    a = p.parse_args(argv)
+    batch = a.batch if a.batch == "B" else int(a.batch)
+    try:
+        export_graphs(a.model, a.drafter, a.out, a.k, sizes_from_args(a), batch=batch, want_logits=not a.no_logits,
+                      dtype=a.dtype, check=not a.no_check)
+    except (ValueError, OSError) as e:  # ConfigError / CheckpointError / ManifestError are ValueErrors
+        print(f"dflash-trt export: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
