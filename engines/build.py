@@ -1,0 +1,185 @@
+"""`dflash-trt build`: TensorRT engines for an exported graph set (DESIGN §4, issue 4).
+
+    dflash-trt build --manifest OUT [--k 1,16] [--timing-cache FILE] [--target-cc 86,89,120]
+
+Reads OUT/manifest.json (written by `dflash-trt export`), parses each graph with the dflash plugin
+creators registered, checks that every `dflash` node became a PLUGIN_V3 layer, builds one engine per
+K plus target_prefill and the drafter graphs (a dynamic batch dim becomes a 1..max_seqs profile),
+writes OUT/engines/<graph>.engine and records each engine under "engines" in the manifest: file, K,
+TensorRT flavour and version, compute capabilities, plugin versions, the source ONNX sha256, I/O.
+`--no-plugins` builds with the ONNX function bodies inlined instead (reference / debugging).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+from ..abi import parse_target_graph
+from ..manifest import Manifest, ManifestError, diff_io
+from ..plugins import trt_compat as C
+from .network import (BuildError, builder_config, cc_str, file_sha256, graph_files, local_gpu_cc, network_io,
+                      parse_cc, parse_graph, resolve_ccs)
+
+ENGINE_DIR = "engines"
+RECORD_VERSION = 1
+
+
+def _mib(n: int) -> str:
+    return f"{n / 1024**2:.2f} MiB"
+
+
+def select_graphs(man: Manifest, ks=None, graphs=None) -> list:
+    """Graphs to build: explicit names, else target_k{K} for each K (default: all), prefill and drafters."""
+    if graphs:
+        for g in graphs:
+            man.require_graph(g)
+        return list(graphs)
+    if ks:
+        man.check(ks=ks)
+    keep = set(ks or man.ks)
+    return [g for g in man.graphs if parse_target_graph(g) is None or parse_target_graph(g) in keep]
+
+
+def _load_timing_cache(cfg_factory, path):
+    data = b""
+    if path and os.path.isfile(path):
+        with open(path, "rb") as f:
+            data = f.read()
+    return cfg_factory().create_timing_cache(data)
+
+
+def build_one(man: Manifest, name: str, *, builder, ccs, plugins=True, batch=None, timing_cache=None,
+              opt_level=None, out_dir=None) -> dict:
+    """Build the engine of graph `name`; returns its manifest record (the engine file is written)."""
+    from ..plugins import trt_plugins
+
+    rec_g = man.require_graph(name)
+    onnx_path = man.graph_path(name)
+    t0 = time.perf_counter()
+    trt_plugins.KERNEL_WARNINGS.clear()
+    network, parser, info = parse_graph(builder, onnx_path, plugins=plugins)
+    io = network_io(network)
+    ins, outs = man.io(name)
+    diff_io(f"graph {name}", "input", io["inputs"], ins, "TensorRT network", "manifest")
+    diff_io(f"graph {name}", "output", io["outputs"], outs, "TensorRT network", "manifest")
+    dynamic = any(d == "B" for t in io["inputs"] for d in t["shape"])
+    cfg = builder_config(builder, network, ccs=ccs, batch=batch if dynamic else None, timing_cache=timing_cache,
+                         opt_level=opt_level)
+    t1 = time.perf_counter()
+    plan = builder.build_serialized_network(network, cfg)
+    t2 = time.perf_counter()
+    if plan is None:
+        raise BuildError(f"TensorRT failed to build {name} (see the TensorRT errors above)")
+    out_dir = out_dir or os.path.join(man.root, ENGINE_DIR)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name + ".engine")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(plan)
+    os.replace(tmp, path)
+    warns = sorted({f"{op}: {msg}" for op, msg in trt_plugins.KERNEL_WARNINGS})
+    return {
+        "record_version": RECORD_VERSION,
+        "file": os.path.relpath(path, man.root), "graph": name, "k": parse_target_graph(name),
+        "onnx": rec_g["file"], "onnx_sha256": file_sha256(graph_files(onnx_path, rec_g.get("external_data"))),
+        "engine_sha256": file_sha256([path]), "bytes": os.path.getsize(path),
+        "trt": C.describe(), "compute_capabilities": [cc_str(c) for c in ccs],
+        "plugins": {op: {"namespace": trt_plugins.NAMESPACE, "version": trt_plugins.PLUGIN_VERSIONS[op], "layers": n}
+                    for op, n in sorted(info["plugin_layers"].items())},
+        "inlined_ops": info["inlined"], "layers": info["layers"],
+        "batch": dict(zip(("min", "opt", "max"), batch)) if dynamic else None,
+        "io": io, "kernel_warnings": warns,
+        "parse_seconds": round(t1 - t0, 2), "build_seconds": round(t2 - t1, 2),
+    }
+
+
+def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=None, target_cc=None, plugins=True,
+                  max_batch=None, opt_batch=None, opt_level=None, progress=print) -> Manifest:
+    """Build the selected graphs of a manifest directory; records them in its manifest.json."""
+    trt = C.require()
+    progress = progress or (lambda *_: None)
+    man = Manifest.load(manifest_dir)
+    names = select_graphs(man, ks, graphs)
+    gpu = local_gpu_cc()
+    ccs = resolve_ccs(parse_cc(target_cc) if target_cc else None, gpu)
+    maxb = int(max_batch or (man.batch if isinstance(man.batch, int) else man.sizes.max_seqs))
+    optb = int(opt_batch or 1)
+    if not 1 <= optb <= maxb:
+        raise BuildError(f"--opt-batch {optb} must be in 1..--max-batch {maxb}")
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    cache = None
+    if not C.IS_RTX:
+        cache = _load_timing_cache(builder.create_builder_config, timing_cache_path)
+    progress(f"dflash-trt build: {C.FLAVOUR} {C.VERSION}; CC {', '.join(cc_str(c) for c in ccs)}"
+             f"{' (no GPU here)' if gpu is None else f' (GPU CC {cc_str(gpu)})'}; plugins "
+             f"{'on' if plugins else 'off (ONNX function bodies inlined)'}; batch 1..{maxb}; {len(names)} engines")
+    engines = dict(man.data.get("engines") or {})
+    t_all = time.perf_counter()
+    for i, name in enumerate(names, 1):
+        rec = build_one(man, name, builder=builder, ccs=ccs, plugins=plugins, batch=(1, optb, maxb),
+                        timing_cache=cache, opt_level=opt_level)
+        engines[name] = rec
+        man.data["engines"] = engines
+        man.save(man.root)  # after every engine: an interrupted build keeps what it finished
+        plug = ", ".join(f"{op}x{r['layers']}" for op, r in rec["plugins"].items()) or (
+            f"inlined {sum(rec['inlined_ops'].values())} dflash nodes" if rec["inlined_ops"] else "no dflash nodes")
+        progress(f"[{i}/{len(names)}] {name:<16} parse {rec['parse_seconds']:5.1f} s  build {rec['build_seconds']:6.1f} s"
+                 f"  {_mib(rec['bytes']):>11}  {rec['layers']:4d} layers  [{plug}]  -> {rec['file']}")
+        for w in rec["kernel_warnings"]:
+            progress(f"    warning: the dflash CUDA kernels cannot run this engine's plugin shapes: {w}")
+    tc_file = None
+    if cache is not None and timing_cache_path:
+        with open(timing_cache_path, "wb") as f:
+            f.write(memoryview(cache.serialize()))
+        tc_file = os.path.abspath(timing_cache_path)
+    elif timing_cache_path:
+        progress("timing cache: not used by TensorRT-RTX (it picks kernels when the engine loads); nothing saved")
+    man.data["engine_build"] = {"trt": C.describe(), "compute_capabilities": [cc_str(c) for c in ccs],
+                                "plugins": plugins, "timing_cache": tc_file,
+                                "seconds": round(time.perf_counter() - t_all, 2)}
+    man.save(man.root)
+    total = sum(engines[n]["bytes"] for n in names)
+    progress(f"built {len(names)} engines in {time.perf_counter() - t_all:.1f} s, {_mib(total)} total; "
+             f"recorded in {os.path.join(man.root, 'manifest.json')}")
+    return man
+
+
+def _ks(s: str) -> list:
+    try:
+        return sorted({int(x) for x in s.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k wants comma-separated integers, got '{s}'") from None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="dflash-trt build", description=__doc__.split("\n\n")[0])
+    p.add_argument("--manifest", required=True, help="directory of `dflash-trt export` (or its manifest.json)")
+    p.add_argument("--k", type=_ks, help="build target_k{K} for these K only (default: every exported K)")
+    p.add_argument("--graphs", help="comma-separated graph names to build (overrides --k)")
+    p.add_argument("--timing-cache", help="TensorRT timing cache file: read if present, written after the build")
+    p.add_argument("--target-cc", help="compute capabilities, e.g. 86,89,120 (TensorRT-RTX; default: this GPU, or "
+                                       "all of 8.0/8.6/8.9/12.0/12.1 without one), 'current', or 'ampere+' (full TRT)")
+    p.add_argument("--max-batch", type=int, help="batch profile max (default: the manifest's max_seqs)")
+    p.add_argument("--opt-batch", type=int, help="batch profile opt (default 1)")
+    p.add_argument("--opt-level", type=int, help="TensorRT builder optimization level (0-5)")
+    p.add_argument("--no-plugins", action="store_true", help="do not register the dflash plugins: inline the ONNX "
+                                                               "function bodies (slow reference engines)")
+    a = p.parse_args(argv)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            build_engines(a.manifest, ks=a.k, graphs=a.graphs.split(",") if a.graphs else None,
+                          timing_cache_path=a.timing_cache, target_cc=a.target_cc, plugins=not a.no_plugins,
+                          max_batch=a.max_batch, opt_batch=a.opt_batch, opt_level=a.opt_level)
+    except (BuildError, ManifestError, C.TensorRTMissing, C.ParserLibError, OSError) as e:
+        print(f"dflash-trt build: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
