@@ -204,8 +204,12 @@ def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None
     shutil.rmtree(tmp, ignore_errors=True)
     export_graphs(model_dir, drafter_dir, tmp, ks, sizes, batch=batch, want_logits=want_logits, dtype=dtype,
                   progress=progress)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    try:
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    except OSError:  # another process finished the same export first: keep theirs if it is valid
+        shutil.rmtree(tmp, ignore_errors=True)
+        Manifest.load(out)
     return out
 
 

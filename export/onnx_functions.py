@@ -24,11 +24,12 @@ CHUNK = 16
 # shape equals. The first output has the first input's dtype, the others are float32.
 SIGNATURES = {
     "GdnChunkWY16": (["q", "k", "v", "g", "beta", "state"], ["o", "state_out", "k_hat", "v_new", "gamma"],
-                     {"scale": ("float", None)}),
+                     {"scale": ("float", 0.0)}),
     "CausalConvVerify": (["x", "conv_state", "weight"], ["y"], {}),
     "PagedAttention": (["q", "k_new", "v_new", "kv_pool", "block_table", "kv_start", "kv_len"], ["o"],
-                       {"layer": ("int", 0), "causal": ("int", 1), "scale": ("float", None)}),
+                       {"layer": ("int", 0), "causal": ("int", 1), "scale": ("float", 0.0)}),
 }
+# scale 0 means head_dim ** -0.5 (as in the TensorRT plugins).
 OUT_LIKE = {"GdnChunkWY16": ["v", "state", "k", "v", "g"], "CausalConvVerify": ["x"], "PagedAttention": ["q"]}
 _ATYPE = {"float": AttributeProto.FLOAT, "int": AttributeProto.INT, "string": AttributeProto.STRING}
 
@@ -59,6 +60,13 @@ class _Body:
         self.nodes.append(node)
         return out
 
+    def scale(self, x):
+        """The `scale` attribute, or x.shape[-1] ** -0.5 when it is 0."""
+        s = self.attr("scale", "float")
+        d = self.op("Cast", self.op("Shape", x, start=-1), to=F32)
+        dflt = self.op("Squeeze", self.op("Pow", d, self.const(-0.5, np.float32)), self.const([0]))
+        return self.op("Where", self.op("Equal", s, self.const(0.0, np.float32)), dflt, s)
+
     def dims(self, x, start, end):
         """Shape(x)[start:end] as a 1-D int64 tensor."""
         return self.op("Shape", x, start=start, end=end)
@@ -85,7 +93,7 @@ def _expand_heads(b: _Body, x, hv, r):
 def _gdn_chunk_body(b: _Body):
     q, k, v, g, beta, state = (b.op("Cast", x, to=F32) for x in SIGNATURES["GdnChunkWY16"][0])
     k_hat = _l2norm(b, k)
-    q_hat = b.op("Mul", _l2norm(b, q), b.attr("scale", "float"))
+    q_hat = b.op("Mul", _l2norm(b, q), b.scale(q))
     hv, hk = b.dims(v, 2, 3), b.dims(k, 2, 3)
     r = b.op("Div", hv, hk)
     qx, kx = _expand_heads(b, q_hat, hv, r), _expand_heads(b, k_hat, hv, r)
@@ -194,7 +202,7 @@ def _paged_attention_body(b: _Body):
     q5 = b.op("Reshape", q, b.op("Concat", b.const([0, 0]), b.dims(kn, 2, 3), b.const([-1]), b.dims(q, 3, 4), axis=0))
     q5 = b.t(q5, 0, 2, 3, 1, 4)
     K5 = b.unsq(b.t(K, 0, 2, 3, 1), 2)  # [B,Hkv,1,hd,S]
-    s = b.op("Mul", b.op("MatMul", q5, K5), b.attr("scale", "float"))
+    s = b.op("Mul", b.op("MatMul", q5, K5), b.scale(q))
     p = b.op("Softmax", b.op("Where", mask, s, b.const(-np.inf, np.float32)), axis=-1)
     o = b.op("MatMul", p, b.unsq(b.t(V, 0, 2, 1, 3), 2))  # [B,Hkv,r,T,hd]
     o = b.op("Reshape", b.t(o, 0, 3, 1, 2, 4), b.op("Shape", "q"))
