@@ -4,11 +4,11 @@
 // holds rows kg*32..kg*32+31 of column lane) for the whole call. GVA native: v-head h reads k-head
 // h / (Hv/Hk). Inputs q,k [B,T,Hk,DK], v [B,T,Hv,DV], g,beta [B,T,Hv]; all contiguous.
 #include "common.cuh"
-#define CH 16   // chunk rows
+#define CH 16   // fold: rows per smem batch
 #define WS 20   // row stride of the transposed W / Q tiles (bank-conflict free float4 stores)
 #define L2EPS 1e-6f
 
-template <int DK, int CG>
+template <int DK, int CG, int R>
 __device__ __forceinline__ void gdn_wy16_body(
     const void* __restrict__ q, const void* __restrict__ k, const void* __restrict__ v, int in_dt,
     const void* __restrict__ g, const void* __restrict__ beta, int gb_dt,
@@ -17,13 +17,13 @@ __device__ __forceinline__ void gdn_wy16_body(
     float* __restrict__ gamma, float* __restrict__ state_out, int out_by_slot,
     int T, int Hk, int Hv, int DV, float scale) {
   constexpr int DVT = 32 * CG, KG = DK / 32, NT = DK * CG, NW = NT / 32, KP = DK + 4;
-  static_assert(CH * KP <= DK * WS, "Qsh alias");
-  static_assert(NW * CH * 32 <= 2 * DK * WS, "red alias");
-  __shared__ __align__(16) float Ksh[CH][KP];
+  static_assert(R * KP <= DK * WS, "Qsh alias");
+  static_assert(NW * R * 32 <= 2 * DK * WS, "red alias");
+  __shared__ __align__(16) float Ksh[R][KP];
   __shared__ __align__(16) float WQ[2 * DK * WS];  // Wt | Qt ; Qsh aliases Wt ; red aliases all
-  __shared__ __align__(16) float VU[CH][DVT];      // raw v -> U -> V'
-  __shared__ float Am[CH][CH + 1], Tm[CH][CH + 1], Pm[CH][CH + 1];
-  __shared__ float gam[CH], bet[CH];
+  __shared__ __align__(16) float VU[R][DVT];      // raw v -> U -> V'
+  __shared__ float Am[R][R + 1], Tm[R][R + 1], Pm[R][R + 1];
+  __shared__ float gam[R], bet[R];
   float* Wt = WQ;
   float* Qt = WQ + DK * WS;
   float* Qsh = WQ;
@@ -47,51 +47,76 @@ __device__ __forceinline__ void gdn_wy16_body(
   const bool need_state = state_out != nullptr;
   float gtot = 0.f;
 
-  for (int c0 = 0; c0 < T; c0 += CH) {
-    const int C = min(CH, T - c0);
-    // 1. q, k rows: l2norm (q also * scale); v tile; g, beta with chunk-local cumsum.
-    for (int job = w; job < 2 * CH; job += NW) {
-      const int i = job >> 1;
-      const bool isq = job & 1;
-      float x[DK / 32];
-      float ss = 0.f;
-      const i64 base = (((i64)b * T + c0 + i) * Hk + hk) * DK;
+  for (int c0 = 0; c0 < T; c0 += R) {
+    const int C = min(R, T - c0);
+    // 1. Issue every global load of the chunk first (no load waits behind another), then
+    //    l2norm q, k rows (q also * scale); v tile; g, beta with chunk-local cumsum.
+    constexpr int JPW = 2 * R / NW, E = DK / 32, VPT = R * DVT / NT;
+    static_assert(2 * R % NW == 0 && R * DVT % NT == 0, "job split");
+    float x[JPW][E];
 #pragma unroll
-      for (int e = 0; e < DK / 32; ++e) {
-        x[e] = i < C ? ldf(isq ? q : k, in_dt, base + lane + 32 * e) : 0.f;
-        ss += x[e] * x[e];
+    for (int jj = 0; jj < JPW; ++jj) {
+      const int job = w + jj * NW, i = job >> 1;
+      const i64 base = (((i64)b * T + c0 + i) * Hk + hk) * DK + lane * E;
+      const void* src = (job & 1) ? q : k;
+      if (i < C) {
+        if (E == 4) {
+          const float4 t4 = ld4(src, in_dt, base);
+          x[jj][0] = t4.x; x[jj][1 % E] = t4.y; x[jj][2 % E] = t4.z; x[jj][3 % E] = t4.w;
+        } else {
+#pragma unroll
+          for (int e = 0; e < E; ++e) x[jj][e] = ldf(src, in_dt, base + e);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[jj][e] = 0.f;
       }
+    }
+    float xv[VPT];
+#pragma unroll
+    for (int u = 0; u < VPT; ++u) {
+      const int e = tid + u * NT, i = e / DVT, cc = e % DVT;
+      xv[u] = i < C ? ldf(v, in_dt, (((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc) : 0.f;
+    }
+    float gi = 0.f, bi = 0.f;
+    if (w == 0 && lane < C) {
+      const i64 idx = ((i64)b * T + c0 + lane) * Hv + hv;
+      gi = ldf(g, gb_dt, idx);
+      bi = ldf(beta, gb_dt, idx);
+    }
+#pragma unroll
+    for (int jj = 0; jj < JPW; ++jj) {
+      const int job = w + jj * NW, i = job >> 1;
+      const bool isq = job & 1;
+      float ss = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) ss += x[jj][e] * x[jj][e];
       ss = warp_sum(ss);
       const float r = rsqrtf(ss + L2EPS) * (isq ? scale : 1.f);
 #pragma unroll
-      for (int e = 0; e < DK / 32; ++e) {
-        const int d = lane + 32 * e;
-        if (isq) { Qsh[i * KP + d] = x[e] * r; Qt[d * WS + i] = x[e] * r; }
-        else Ksh[i][d] = x[e] * r;
+      for (int e = 0; e < E; ++e) {
+        const int d = lane * E + e;
+        if (isq) { Qsh[i * KP + d] = x[jj][e] * r; Qt[d * WS + i] = x[jj][e] * r; }
+        else Ksh[i][d] = x[jj][e] * r;
       }
     }
-    for (int e = tid; e < CH * DVT; e += NT) {
-      const int i = e / DVT, cc = e % DVT;
-      VU[i][cc] = i < C ? ldf(v, in_dt, (((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc) : 0.f;
+#pragma unroll
+    for (int u = 0; u < VPT; ++u) {
+      const int e = tid + u * NT;
+      VU[e / DVT][e % DVT] = xv[u];
     }
     if (w == 0) {
-      float gi = 0.f, bi = 0.f;
-      if (lane < C) {
-        const i64 idx = ((i64)b * T + c0 + lane) * Hv + hv;
-        gi = ldf(g, gb_dt, idx);
-        bi = ldf(beta, gb_dt, idx);
-      }
 #pragma unroll
       for (int off = 1; off < 32; off <<= 1) {
         const float t = __shfl_up_sync(0xffffffffu, gi, off);
         if (lane >= off) gi += t;
       }
-      if (lane < CH) { gam[lane] = gi; bet[lane] = bi; }
+      if (lane < R) { gam[lane] = gi; bet[lane] = bi; }
     }
     __syncthreads();
     // 2. A = beta_i (k_i.k_j) e^{g_i-g_j} (i>j);  P = (q_i.k_j) e^{g_i-g_j} (i>=j).
-    for (int p = tid; p < CH * CH; p += NT) {
-      const int i = p >> 4, j = p & 15;
+    for (int p = tid; p < R * R; p += NT) {
+      const int i = p / R, j = p % R;
       float a = 0.f, pq = 0.f;
       if (i >= j && i < C) {
         float dkk = 0.f, dqk = 0.f;
@@ -112,46 +137,46 @@ __device__ __forceinline__ void gdn_wy16_body(
     }
     __syncthreads();
     // 3. Tinv = (I + A)^-1 by forward substitution, one column per lane.
-    if (w == 0 && lane < CH) {
-      float t[CH];
+    if (w == 0 && lane < R) {
+      float t[R];
 #pragma unroll
-      for (int i = 0; i < CH; ++i) {
+      for (int i = 0; i < R; ++i) {
         float acc = (i == lane) ? 1.f : 0.f;
 #pragma unroll
         for (int m = 0; m < i; ++m) acc -= Am[i][m] * t[m];
         t[i] = acc;
       }
 #pragma unroll
-      for (int i = 0; i < CH; ++i) Tm[i][lane] = t[i];
+      for (int i = 0; i < R; ++i) Tm[i][lane] = t[i];
     }
     __syncthreads();
     // 4. W = Tinv diag(beta e^g) K (stored transposed); U = Tinv diag(beta) V.
     for (int kk = tid; kk < DK; kk += NT) {
-      float bk[CH];
+      float bk[R];
 #pragma unroll
-      for (int m = 0; m < CH; ++m) bk[m] = bet[m] * expf(gam[m]) * Ksh[m][kk];
-      float wv[CH];
+      for (int m = 0; m < R; ++m) bk[m] = bet[m] * expf(gam[m]) * Ksh[m][kk];
+      float wv[R];
 #pragma unroll
-      for (int i = 0; i < CH; ++i) wv[i] = 0.f;
+      for (int i = 0; i < R; ++i) wv[i] = 0.f;
 #pragma unroll 1
-      for (int m = 0; m < CH; ++m) {
+      for (int m = 0; m < R; ++m) {
         const float bm = bk[m];
 #pragma unroll
-        for (int i = 0; i < CH; ++i) wv[i] += Tm[i][m] * bm;  // Tm[i][m] = 0 for m > i
+        for (int i = 0; i < R; ++i) wv[i] += Tm[i][m] * bm;  // Tm[i][m] = 0 for m > i
       }
 #pragma unroll
-      for (int i4 = 0; i4 < CH / 4; ++i4)
+      for (int i4 = 0; i4 < R / 4; ++i4)
         *(float4*)&Wt[kk * WS + 4 * i4] = make_float4(wv[4 * i4], wv[4 * i4 + 1], wv[4 * i4 + 2], wv[4 * i4 + 3]);
     }
     for (int cc = tid; cc < DVT; cc += NT) {
-      float bv[CH];
+      float bv[R];
 #pragma unroll
-      for (int m = 0; m < CH; ++m) bv[m] = bet[m] * VU[m][cc];
+      for (int m = 0; m < R; ++m) bv[m] = bet[m] * VU[m][cc];
 #pragma unroll 1
-      for (int i = 0; i < CH; ++i) {
+      for (int i = 0; i < R; ++i) {
         float acc = 0.f;
 #pragma unroll
-        for (int m = 0; m < CH; ++m) acc += Tm[i][m] * bv[m];
+        for (int m = 0; m < R; ++m) acc += Tm[i][m] * bv[m];
         VU[i][cc] = acc;
       }
     }
@@ -165,9 +190,9 @@ __device__ __forceinline__ void gdn_wy16_body(
     }
     __syncthreads();
     // 5. W.S and Q.S over this warp's 32 state rows.
-    float aw[CH], aq[CH];
+    float aw[R], aq[R];
 #pragma unroll
-    for (int i = 0; i < CH; ++i) { aw[i] = 0.f; aq[i] = 0.f; }
+    for (int i = 0; i < R; ++i) { aw[i] = 0.f; aq[i] = 0.f; }
 #pragma unroll
     for (int m = 0; m < 32; ++m) {
       const int kk = kg * 32 + m;
@@ -175,7 +200,7 @@ __device__ __forceinline__ void gdn_wy16_body(
       const float4* wr = (const float4*)&Wt[kk * WS];
       const float4* qr = (const float4*)&Qt[kk * WS];
 #pragma unroll
-      for (int i4 = 0; i4 < CH / 4; ++i4) {
+      for (int i4 = 0; i4 < R / 4; ++i4) {
         const float4 a = wr[i4], bq = qr[i4];
         aw[4 * i4] += a.x * sv; aw[4 * i4 + 1] += a.y * sv; aw[4 * i4 + 2] += a.z * sv; aw[4 * i4 + 3] += a.w * sv;
         aq[4 * i4] += bq.x * sv; aq[4 * i4 + 1] += bq.y * sv; aq[4 * i4 + 2] += bq.z * sv; aq[4 * i4 + 3] += bq.w * sv;
@@ -184,44 +209,44 @@ __device__ __forceinline__ void gdn_wy16_body(
     __syncthreads();
     // 6. V' = U - W.S (cross-warp reduction), then O = e^g Q.S + P V'.
 #pragma unroll
-    for (int i = 0; i < CH; ++i) red[(w * CH + i) * 32 + lane] = aw[i];
+    for (int i = 0; i < R; ++i) red[(w * R + i) * 32 + lane] = aw[i];
     __syncthreads();
-    for (int e = tid; e < CH * DVT; e += NT) {
+    for (int e = tid; e < R * DVT; e += NT) {
       const int i = e / DVT, cc = e % DVT, cg2 = cc >> 5, ln = cc & 31;
       float ws = 0.f;
 #pragma unroll
-      for (int kq = 0; kq < KG; ++kq) ws += red[((cg2 * KG + kq) * CH + i) * 32 + ln];
+      for (int kq = 0; kq < KG; ++kq) ws += red[((cg2 * KG + kq) * R + i) * 32 + ln];
       const float vp = VU[i][cc] - ws;
       VU[i][cc] = vp;
       if (v_new && i < C) v_new[(((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc] = vp;
     }
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < CH; ++i) red[(w * CH + i) * 32 + lane] = aq[i];
+    for (int i = 0; i < R; ++i) red[(w * R + i) * 32 + lane] = aq[i];
     __syncthreads();
-    for (int e = tid; e < CH * DVT; e += NT) {
+    for (int e = tid; e < R * DVT; e += NT) {
       const int i = e / DVT, cc = e % DVT, cg2 = cc >> 5, ln = cc & 31;
       if (i >= C) continue;
       float qs = 0.f;
 #pragma unroll
-      for (int kq = 0; kq < KG; ++kq) qs += red[((cg2 * KG + kq) * CH + i) * 32 + ln];
+      for (int kq = 0; kq < KG; ++kq) qs += red[((cg2 * KG + kq) * R + i) * 32 + ln];
       float out = expf(gam[i]) * qs;
       for (int j = 0; j <= i; ++j) out += Pm[i][j] * VU[j][cc];
       stf(o, o_dt, (((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc, out);
     }
     // 7. S <- e^{g_C} S + K^T diag(e^{g_C - g}) V'  (only if another chunk follows or state wanted)
-    if (need_state || c0 + CH < T) {
-      const float gC = gam[CH - 1];
-      float vs[CH];
+    if (need_state || c0 + R < T) {
+      const float gC = gam[R - 1];
+      float vs[R];
 #pragma unroll
-      for (int i = 0; i < CH; ++i) vs[i] = expf(gC - gam[i]) * VU[i][c];
+      for (int i = 0; i < R; ++i) vs[i] = expf(gC - gam[i]) * VU[i][c];
       const float dec = expf(gC);
 #pragma unroll
       for (int m = 0; m < 32; ++m) {
         const int kk = kg * 32 + m;
         float acc = dec * s[m];
 #pragma unroll
-        for (int i = 0; i < CH; ++i) acc += Ksh[i][kk] * vs[i];
+        for (int i = 0; i < R; ++i) acc += Ksh[i][kk] * vs[i];
         s[m] = acc;
       }
       gtot += gC;
@@ -262,20 +287,36 @@ __device__ __forceinline__ void gdn_fold_body(
   const float dec = expf(gn);
 #pragma unroll
   for (int m = 0; m < NR; ++m) { s[m].x *= dec; s[m].y *= dec; s[m].z *= dec; s[m].w *= dec; }
+  constexpr int D4 = DK / 4, V4 = DVT / 4, KPT = CH * D4 / NT, VPT = CH * V4 / NT;
+  static_assert(CH * D4 % NT == 0 && CH * V4 % NT == 0, "fold split");
   for (int i0 = 0; i0 < nb; i0 += CH) {
     const int cnt = min(CH, nb - i0);
-    for (int e = tid; e < CH * DK; e += NT) {
-      const int i = e / DK, d = e % DK;
-      Ks[i][d] = i < cnt ? k_hat[(((i64)b * T + i0 + i) * Hk + hk) * DK + d] : 0.f;
+    // all loads of the batch in flight together (float4, fully unrolled)
+    float4 kr[KPT], vr[VPT];
+    float gi[VPT];
+#pragma unroll
+    for (int u = 0; u < KPT; ++u) {
+      const int e = tid + u * NT, i = e / D4, d4 = e % D4;
+      kr[u] = i < cnt ? *(const float4*)(k_hat + (((i64)b * T + i0 + i) * Hk + hk) * DK + 4 * d4)
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    for (int e = tid; e < CH * DVT; e += NT) {
-      const int i = e / DVT, cc = e % DVT;
-      float val = 0.f;
-      if (i < cnt) {
-        const i64 idx = ((i64)b * T + i0 + i) * Hv + hv;
-        val = expf(gn - gamma[idx]) * v_new[idx * DV + d0 + cc];
-      }
-      Vs[i][cc] = val;
+#pragma unroll
+    for (int u = 0; u < VPT; ++u) {
+      const int e = tid + u * NT, i = e / V4, cc4 = e % V4;
+      const i64 idx = ((i64)b * T + i0 + i) * Hv + hv;
+      vr[u] = i < cnt ? *(const float4*)(v_new + idx * DV + d0 + 4 * cc4) : make_float4(0.f, 0.f, 0.f, 0.f);
+      gi[u] = i < cnt ? gamma[idx] : gn;
+    }
+#pragma unroll
+    for (int u = 0; u < KPT; ++u) {
+      const int e = tid + u * NT, i = e / D4, d4 = e % D4;
+      Ks[i][4 * d4] = kr[u].x; Ks[i][4 * d4 + 1] = kr[u].y; Ks[i][4 * d4 + 2] = kr[u].z; Ks[i][4 * d4 + 3] = kr[u].w;
+    }
+#pragma unroll
+    for (int u = 0; u < VPT; ++u) {
+      const int e = tid + u * NT, i = e / V4, cc4 = e % V4;
+      const float f = expf(gn - gi[u]);
+      *(float4*)&Vs[i][4 * cc4] = make_float4(f * vr[u].x, f * vr[u].y, f * vr[u].z, f * vr[u].w);
     }
     __syncthreads();
 #pragma unroll
@@ -293,14 +334,14 @@ __device__ __forceinline__ void gdn_fold_body(
   for (int m = 0; m < NR; ++m) *(float4*)(base + (i64)(r0 + m * RS) * DV) = s[m];
 }
 
-#define GDN_WY16(DK, CG)                                                                          \
-  extern "C" __global__ void __launch_bounds__(DK * CG, 384 / (DK * CG)) gdn_wy16_dk##DK##_cg##CG(                 \
+#define GDN_WY16(DK, CG, R)                                                                       \
+  extern "C" __global__ void __launch_bounds__(DK * CG, 384 / (DK * CG)) gdn_wy16_dk##DK##_cg##CG##_r##R( \
       const void* q, const void* k, const void* v, int in_dt, const void* g, const void* beta,    \
       int gb_dt, const float* state, const int* slot, void* o, int o_dt, float* k_hat,            \
       float* v_new, float* gamma, float* state_out, int out_by_slot, int T, int Hk, int Hv,       \
       int DV, float scale) {                                                                      \
-    gdn_wy16_body<DK, CG>(q, k, v, in_dt, g, beta, gb_dt, state, slot, o, o_dt, k_hat, v_new,     \
-                          gamma, state_out, out_by_slot, T, Hk, Hv, DV, scale);                   \
+    gdn_wy16_body<DK, CG, R>(q, k, v, in_dt, g, beta, gb_dt, state, slot, o, o_dt, k_hat, v_new,  \
+                             gamma, state_out, out_by_slot, T, Hk, Hv, DV, scale);                \
   }
 #define GDN_FOLD(DK, CG)                                                                          \
   extern "C" __global__ void __launch_bounds__(DK * CG) gdn_fold_dk##DK##_cg##CG(                 \
@@ -308,10 +349,18 @@ __device__ __forceinline__ void gdn_fold_body(
       const int* n, int T, int Hk, int Hv, int DV) {                                              \
     gdn_fold_body<DK, CG>(pool, slot, k_hat, v_new, gamma, n, T, Hk, Hv, DV);                     \
   }
-GDN_WY16(128, 1)
-GDN_WY16(128, 2)
-GDN_WY16(64, 1)
-GDN_WY16(64, 2)
+GDN_WY16(128, 1, 4)
+GDN_WY16(128, 1, 8)
+GDN_WY16(128, 1, 16)
+GDN_WY16(128, 2, 4)
+GDN_WY16(128, 2, 8)
+GDN_WY16(128, 2, 16)
+GDN_WY16(64, 1, 4)
+GDN_WY16(64, 1, 8)
+GDN_WY16(64, 1, 16)
+GDN_WY16(64, 2, 4)
+GDN_WY16(64, 2, 8)
+GDN_WY16(64, 2, 16)
 GDN_FOLD(128, 1)
 GDN_FOLD(128, 2)
 GDN_FOLD(64, 1)

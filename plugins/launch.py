@@ -145,7 +145,8 @@ def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *
     gdt = _dt(gb_dtype, "gdn g/beta")
     odt = _dt(o_dtype or in_dtype, "gdn o")
     scale = dk ** -0.5 if scale is None else scale
-    fn = get_function("gdn", f"gdn_wy16_dk{dk}_cg{cg}")
+    rows = 4 if T <= 4 else 8 if T <= 8 else 16  # chunk rows: the math is exact for any chunk <= 16
+    fn = get_function("gdn", f"gdn_wy16_dk{dk}_cg{cg}_r{rows}")
     args = [(q, P), (k, P), (v, P), (idt, I), (g, P), (beta, P), (gdt, I), (state, P), (slot or 0, P),
             (o, P), (odt, I), (k_hat or 0, P), (v_new or 0, P), (gamma or 0, P), (state_out or 0, P),
             (int(bool(out_by_slot)), I), (T, I), (Hk, I), (Hv, I), (dv, I), (scale, F)]
