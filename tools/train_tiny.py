@@ -251,6 +251,12 @@ def prepare(work: str, vocab: int = 4096, seed: int = 0, n_prompts: int = 24, pr
 
 
 def gdn_chunk_fast(q, k, v, g, beta, state=None, chunk: int = 64):
+    """See _gdn_chunk_fast; runs with autocast off, so the state math stays fp32 in bf16 training."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _gdn_chunk_fast(q, k, v, g, beta, state, chunk)
+
+
+def _gdn_chunk_fast(q, k, v, g, beta, state=None, chunk: int = 64):
     """Gated delta rule, chunked WY form (DESIGN §2 step 4-5) with all chunks' intra-chunk work batched.
     q,k [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; state [B,Hv,dk,dv] or None (zeros). fp32 inside.
     Returns (o [B,T,Hv,dv] fp32, final state). Padding rows have beta=0, g=0: they change nothing."""
@@ -605,7 +611,7 @@ def eval_target(model, data, dev, L, n_windows, batch=16):
     return tot / max(cnt, 1)
 
 
-def train_target(model, train, held, dev, log, seconds, steps=None, batch=64, L=512, lr=1.5e-3, seed=0,
+def train_target(model, train, held, dev, log, seconds, steps=None, batch=128, L=512, lr=2e-3, seed=0,
                  eval_every=200):
     gen = torch.Generator().manual_seed(seed + 1)
     opt = torch.optim.AdamW(_param_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), eps=1e-8,
@@ -615,6 +621,7 @@ def train_target(model, train, held, dev, log, seconds, steps=None, batch=64, L=
     t0 = time.time()
     hist = []
     step = 0
+    best = (float("inf"), 0, None)
     while step < total:
         x = _windows(train, batch, L + 1, gen).to(dev, non_blocking=True).long()
         for gp in opt.param_groups:
@@ -647,9 +654,14 @@ def train_target(model, train, held, dev, log, seconds, steps=None, batch=64, L=
                 hl = eval_target(model, held, dev, L, 32)
                 msg += f" | held-out {hl:.3f}"
                 kv["heldout_loss"] = hl
+                if hl < best[0]:  # keep the best snapshot (guards against overfitting the small corpus)
+                    best = (hl, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
             log(msg, **kv)
+    if best[2] is not None and best[1] != step:
+        model.load_state_dict(best[2])
+        log(f"target: kept the snapshot of step {best[1]} (held-out {best[0]:.3f})")
     return dict(steps=step, seconds=time.time() - t0, tokens=step * batch * L, batch=batch, seq_len=L, peak_lr=lr,
-                final_train_loss=hist[-1][1] if hist else None)
+                final_train_loss=hist[-1][1] if hist else None, kept_step=best[1] if best[2] is not None else step)
 
 
 @torch.no_grad()
@@ -777,8 +789,8 @@ def _round_bf16_(module):
             p.copy_(p.to(torch.bfloat16).float())
 
 
-def train(work: str, out: str, target_seconds=200.0, drafter_seconds=130.0, target_steps=None, drafter_steps=None,
-          seed=0, device=None, n_gen=8192, gen_prompt_lens=(8, 32, 64, 128), gen_len=320, small=False,
+def train(work: str, out: str, target_seconds=190.0, drafter_seconds=120.0, target_steps=None, drafter_steps=None,
+          seed=0, device=None, n_gen=16384, gen_prompt_lens=(8, 32, 64, 128), gen_len=320, small=False,
           max_shard_mb=15, smoke=False):
     """Train target, then drafter; write out/target, out/drafter, out/train_log.json.
     small: tiny shapes; smoke: real shapes, tiny batches and data (both for CPU runs of the code path)."""
@@ -815,7 +827,7 @@ def train(work: str, out: str, target_seconds=200.0, drafter_seconds=130.0, targ
     lite = small or smoke
     L = 64 if lite else 512
     tr = train_target(target, train_tok, held_tok, dev, log, target_seconds, target_steps,
-                      batch=8 if lite else 64, L=L, seed=seed, eval_every=50 if lite else 400)
+                      batch=8 if lite else 128, L=L, seed=seed, eval_every=50 if lite else 300)
     _round_bf16_(target)  # the saved (bf16) model is the one that generates the drafter's data
     hl = eval_target(target, held_tok, dev, L, 64 if lite else 256)
     tr.update(heldout_loss=hl, heldout_ppl=math.exp(hl), heldout_tokens_evaluated=min(
@@ -1001,11 +1013,11 @@ def main(argv=None) -> int:
         tp = sub.add_parser(name)
         tp.add_argument("--work", default=".train_data")
         tp.add_argument("--out", required=True)
-        tp.add_argument("--target-seconds", type=float, default=200)
-        tp.add_argument("--drafter-seconds", type=float, default=130)
+        tp.add_argument("--target-seconds", type=float, default=190)
+        tp.add_argument("--drafter-seconds", type=float, default=120)
         tp.add_argument("--target-steps", type=int, default=None, help="pin the step count (else fit to seconds)")
         tp.add_argument("--drafter-steps", type=int, default=None)
-        tp.add_argument("--n-gen", type=int, default=8192, help="greedy continuations for the drafter")
+        tp.add_argument("--n-gen", type=int, default=16384, help="greedy continuations for the drafter")
         tp.add_argument("--device", default=None)
         tp.add_argument("--small", action="store_true", help="tiny shapes, for a CPU smoke run")
         tp.add_argument("--smoke", action="store_true", help="real shapes, tiny batches/data (CPU smoke run)")
