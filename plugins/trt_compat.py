@@ -137,14 +137,16 @@ def dynamic_desc(shape, dtype):
     return SimpleNamespace(desc=tensor_desc(shape, dtype), min=tuple(shape), opt=tuple(shape), max=tuple(shape))
 
 
-def plugin_fields(values: dict, types: dict):
-    """{name: python value} -> PluginFieldCollection (or a list of stand-ins without TensorRT)."""
+def plugin_fields(values: dict, types: dict, keep: list):
+    """{name: python value} -> PluginFieldCollection (a list of stand-ins without TensorRT). A PluginField
+    only points at its numpy buffer: the arrays are appended to `keep`, which the caller must keep alive."""
     import numpy as np
 
     out = []
     for name, v in values.items():
         kind = types[name]
         arr = np.array([v], dtype=np.float32 if kind == "float" else np.int32)
+        keep.append(arr)
         if trt is not None:
             ft = trt.PluginFieldType.FLOAT32 if kind == "float" else trt.PluginFieldType.INT32
             out.append(trt.PluginField(name, arr, ft))

@@ -88,7 +88,8 @@ class DflashPlugin(*C.PLUGIN_BASES):
         return type(self)(dict(self.attrs), self.phase)
 
     def get_fields_to_serialize(self):
-        return C.plugin_fields(self.attrs, {k: t for k, (t, _) in self.FIELDS.items()})
+        self._field_data = []  # TensorRT reads the buffers after this returns
+        return C.plugin_fields(self.attrs, {k: t for k, (t, _) in self.FIELDS.items()}, self._field_data)
 
     def destroy(self):
         pass
@@ -308,7 +309,8 @@ class DflashPluginCreator(*C.CREATOR_BASES):
         self.plugin_cls = plugin_cls
         self.name, self.plugin_namespace, self.plugin_version = plugin_cls.NAME, NAMESPACE, VERSION
         types = {k: t for k, (t, _) in plugin_cls.FIELDS.items()}
-        self.field_names = C.plugin_fields({k: 0 for k in types}, types)
+        self._field_data = []
+        self.field_names = C.plugin_fields({k: 0 for k in types}, types, self._field_data)
 
     def create_plugin(self, name, fc, phase):
         if isinstance(fc, dict):
