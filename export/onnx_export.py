@@ -196,10 +196,17 @@ def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None
                       sorted(set(ks)), asdict(sizes), batch, want_logits, dtype, _source_hash()])
     out = os.path.join(cache_dir or cache_root(), "onnx-" + hashlib.sha256(key.encode()).hexdigest()[:16])
     try:
-        Manifest.load(out)
-        return out
+        m = Manifest.load(out)
     except ManifestError:
-        pass
+        m = None
+    if m is not None:  # same bytes, maybe another path: record where the checkpoints are now
+        srcs = {"target": model_dir, "drafter": drafter_dir}
+        if any(m.data.get(w) and m.data[w].get("dir") != os.path.abspath(d) for w, d in srcs.items() if d):
+            for w, d in srcs.items():
+                if d and m.data.get(w):
+                    m.data[w]["dir"] = os.path.abspath(d)
+            m.save(out)
+        return out
     tmp = f"{out}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     export_graphs(model_dir, drafter_dir, tmp, ks, sizes, batch=batch, want_logits=want_logits, dtype=dtype,

@@ -179,6 +179,10 @@ def _torch_backend(m: Manifest, model_dir=None, drafter_dir=None):
 
     tdir = model_dir or m.data["target"].get("dir")
     ddir = drafter_dir or (m.data.get("drafter") or {}).get("dir")
+    for what, d in (("target", tdir), ("drafter", ddir)):
+        if d is not None and not os.path.isdir(d):
+            raise ManifestError(f"{what} checkpoint dir {d} (recorded in the manifest) does not exist; "
+                                f"pass --{'model' if what == 'target' else 'drafter'} DIR")
     m.check(target_hash=checkpoint_hash(tdir), drafter_hash=checkpoint_hash(ddir) if ddir else None)
     dt = getattr(torch, m.kv_dtype)
     target = load_target(tdir, dt, tap_ids=m.data.get("tap_ids") or None)
