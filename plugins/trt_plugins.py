@@ -12,8 +12,8 @@ before deserializing an engine). Node signatures are those of ``export/ops.py``:
 stream. Everything it needs is derived from the descriptors TensorRT passes in: no allocation (int64
 index tensors are narrowed into TensorRT's workspace with one async strided copy), no host sync, no
 Python state that changes between launches — so a CUDA graph captured around ``execute_async_v3``
-replays it without Python. Kernel modules load on the first launch (or ``on_shape_change`` at
-runtime): run once before capturing. Without TensorRT the classes derive from ``object`` (see
+replays it without Python. Kernel modules are NVRTC-built and loaded on the first launch: execute
+once before capturing (as for TensorRT itself). Without TensorRT the classes derive from ``object`` (see
 trt_compat) so ``enqueue`` can be driven directly with device pointers, as the GPU test does.
 """
 from __future__ import annotations
@@ -155,11 +155,7 @@ class DflashPlugin(*C.PLUGIN_BASES):
         if self.phase == C.TensorRTPhase.RUNTIME:
             dims, types = [_dims(x) for x in inp], [C.dtype_name(x.type) for x in inp]
             self.check_shapes(dims)
-            self.kernel_check(dims, types)
-            self.prepare(dims)
-
-    def prepare(self, dims):
-        """Load the kernel modules now (not during a CUDA graph capture)."""
+            self.kernel_check(dims, types)  # a clear KernelError now rather than at the first launch
 
     def attach_to_context(self, context):
         return self.clone()
@@ -201,10 +197,6 @@ class GdnChunkWY16Plugin(DflashPlugin):
         (B, T, Hk, dk), (_, _, Hv, dv) = d[0], d[2]
         launch._gdn_checks(B, T, Hk, Hv, dk, dv, launch._gdn_cg(dv, None))
 
-    def prepare(self, d):
-        dk, dv = d[0][3], d[2][3]
-        launch.get_function("gdn", f"gdn_wy16_dk{dk}_cg{launch._gdn_cg(dv, None)}")
-
     def launch(self, d, it, ot, i, o, ws, stream):
         (B, T, Hk, dk), (_, _, Hv, dv) = d[0], d[2]
         scale = self.attrs["scale"] or dk ** -0.5
@@ -230,9 +222,6 @@ class CausalConvVerifyPlugin(DflashPlugin):
     def kernel_check(self, d, types):
         (B, T, C), W = d[0], d[2][1]
         launch._conv_checks(B, T, C, W)
-
-    def prepare(self, d):
-        launch.get_function("conv", "conv_verify")
 
     def launch(self, d, it, ot, i, o, ws, stream):
         (B, T, C), W = d[0], d[2][1]
@@ -265,9 +254,6 @@ class PagedAttentionPlugin(DflashPlugin):
     def kernel_check(self, d, types):
         (B, T, Hq, hd), Hkv, BS = d[0], d[1][2], d[3][3]
         launch._attn_checks(B, T, Hq, Hkv, hd, BS)
-
-    def prepare(self, d):
-        launch.get_function("attention", f"paged_attention_hd{d[0][3]}")
 
     @staticmethod
     def _index_slots(dims, types):
