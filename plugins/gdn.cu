@@ -18,7 +18,7 @@ __device__ __forceinline__ void gdn_wy16_body(
     int T, int Hk, int Hv, int DV, float scale) {
   constexpr int DVT = 32 * CG, KG = DK / 32, NT = DK * CG, NW = NT / 32, KP = DK + 4;
   static_assert(R * KP <= DK * WS, "Qsh alias");
-  static_assert(NW * R * 32 <= 2 * DK * WS, "red alias");
+  static_assert(2 * R * DVT <= 2 * DK * WS, "red alias");
   __shared__ __align__(16) float Ksh[R][KP];
   __shared__ __align__(16) float WQ[2 * DK * WS];  // Wt | Qt ; Qsh aliases Wt ; red aliases all
   __shared__ __align__(16) float VU[R][DVT];      // raw v -> U -> V'
@@ -27,7 +27,6 @@ __device__ __forceinline__ void gdn_wy16_body(
   float* Wt = WQ;
   float* Qt = WQ + DK * WS;
   float* Qsh = WQ;
-  float* red = WQ;
 
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int kg = w % KG, cgi = w / KG, c = cgi * 32 + lane;
@@ -51,15 +50,15 @@ __device__ __forceinline__ void gdn_wy16_body(
     const int C = min(R, T - c0);
     // 1. Issue every global load of the chunk first (no load waits behind another), then
     //    l2norm q, k rows (q also * scale); v tile; g, beta with chunk-local cumsum.
-    constexpr int JPW = 2 * R / NW, E = DK / 32, VPT = R * DVT / NT;
-    static_assert(2 * R % NW == 0 && R * DVT % NT == 0, "job split");
+    constexpr int JPW = (2 * R + NW - 1) / NW, E = DK / 32, VPT = R * DVT / NT;
+    static_assert(R * DVT % NT == 0, "v split");
     float x[JPW][E];
 #pragma unroll
     for (int jj = 0; jj < JPW; ++jj) {
       const int job = w + jj * NW, i = job >> 1;
       const i64 base = (((i64)b * T + c0 + i) * Hk + hk) * DK + lane * E;
       const void* src = (job & 1) ? q : k;
-      if (i < C) {
+      if (job < 2 * R && i < C) {
         if (E == 4) {
           const float4 t4 = ld4(src, in_dt, base);
           x[jj][0] = t4.x; x[jj][1 % E] = t4.y; x[jj][2 % E] = t4.z; x[jj][3 % E] = t4.w;
@@ -88,6 +87,7 @@ __device__ __forceinline__ void gdn_wy16_body(
     for (int jj = 0; jj < JPW; ++jj) {
       const int job = w + jj * NW, i = job >> 1;
       const bool isq = job & 1;
+      if (job >= 2 * R) continue;  // warp-uniform
       float ss = 0.f;
 #pragma unroll
       for (int e = 0; e < E; ++e) ss += x[jj][e] * x[jj][e];
@@ -207,30 +207,32 @@ __device__ __forceinline__ void gdn_wy16_body(
       }
     }
     __syncthreads();
-    // 6. V' = U - W.S (cross-warp reduction), then O = e^g Q.S + P V'.
+    // 6. Cross-warp (kk-group) reduction of W.S and Q.S into [R][DVT] buffers, in a fixed order
+    //    (deterministic); then V' = U - W.S and O = e^g Q.S + P V'.
+    float* redW = WQ;
+    float* redQ = WQ + R * DVT;
+#pragma unroll 1
+    for (int kq = 0; kq < KG; ++kq) {
+      if (kg == kq) {
 #pragma unroll
-    for (int i = 0; i < R; ++i) red[(w * R + i) * 32 + lane] = aw[i];
-    __syncthreads();
+        for (int i = 0; i < R; ++i) {
+          redW[i * DVT + c] = (kq ? redW[i * DVT + c] : 0.f) + aw[i];
+          redQ[i * DVT + c] = (kq ? redQ[i * DVT + c] : 0.f) + aq[i];
+        }
+      }
+      __syncthreads();
+    }
     for (int e = tid; e < R * DVT; e += NT) {
-      const int i = e / DVT, cc = e % DVT, cg2 = cc >> 5, ln = cc & 31;
-      float ws = 0.f;
-#pragma unroll
-      for (int kq = 0; kq < KG; ++kq) ws += red[((cg2 * KG + kq) * R + i) * 32 + ln];
-      const float vp = VU[i][cc] - ws;
+      const int i = e / DVT, cc = e % DVT;
+      const float vp = VU[i][cc] - redW[e];
       VU[i][cc] = vp;
       if (v_new && i < C) v_new[(((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc] = vp;
     }
     __syncthreads();
-#pragma unroll
-    for (int i = 0; i < R; ++i) red[(w * R + i) * 32 + lane] = aq[i];
-    __syncthreads();
     for (int e = tid; e < R * DVT; e += NT) {
-      const int i = e / DVT, cc = e % DVT, cg2 = cc >> 5, ln = cc & 31;
+      const int i = e / DVT, cc = e % DVT;
       if (i >= C) continue;
-      float qs = 0.f;
-#pragma unroll
-      for (int kq = 0; kq < KG; ++kq) qs += red[((cg2 * KG + kq) * R + i) * 32 + ln];
-      float out = expf(gam[i]) * qs;
+      float out = expf(gam[i]) * redQ[e];
       for (int j = 0; j <= i; ++j) out += Pm[i][j] * VU[j][cc];
       stf(o, o_dt, (((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc, out);
     }
@@ -271,7 +273,7 @@ __device__ __forceinline__ void gdn_fold_body(
     const float* __restrict__ v_new, const float* __restrict__ gamma, const int* __restrict__ n,
     int T, int Hk, int Hv, int DV) {
   constexpr int DVT = 32 * CG, NT = DK * CG, C4 = DVT / 4, RS = NT / C4, NR = DK / RS;
-  __shared__ float Ks[CH][DK];
+  __shared__ __align__(16) float Ks[CH][DK];
   __shared__ __align__(16) float Vs[CH][DVT];
   const int tid = threadIdx.x, c4 = tid % C4, r0 = tid / C4;
   const int b = blockIdx.z, hv = blockIdx.y, d0 = blockIdx.x * DVT, hk = hv / (Hv / Hk);
@@ -310,7 +312,7 @@ __device__ __forceinline__ void gdn_fold_body(
 #pragma unroll
     for (int u = 0; u < KPT; ++u) {
       const int e = tid + u * NT, i = e / D4, d4 = e % D4;
-      Ks[i][4 * d4] = kr[u].x; Ks[i][4 * d4 + 1] = kr[u].y; Ks[i][4 * d4 + 2] = kr[u].z; Ks[i][4 * d4 + 3] = kr[u].w;
+      *(float4*)&Ks[i][4 * d4] = kr[u];
     }
 #pragma unroll
     for (int u = 0; u < VPT; ++u) {
@@ -334,8 +336,8 @@ __device__ __forceinline__ void gdn_fold_body(
   for (int m = 0; m < NR; ++m) *(float4*)(base + (i64)(r0 + m * RS) * DV) = s[m];
 }
 
-#define GDN_WY16(DK, CG, R)                                                                       \
-  extern "C" __global__ void __launch_bounds__(DK * CG, 384 / (DK * CG)) gdn_wy16_dk##DK##_cg##CG##_r##R( \
+#define GDN_WY16(DK, CG, R, MINB)                                                                     \
+  extern "C" __global__ void __launch_bounds__(DK * CG, MINB) gdn_wy16_dk##DK##_cg##CG##_r##R( \
       const void* q, const void* k, const void* v, int in_dt, const void* g, const void* beta,    \
       int gb_dt, const float* state, const int* slot, void* o, int o_dt, float* k_hat,            \
       float* v_new, float* gamma, float* state_out, int out_by_slot, int T, int Hk, int Hv,       \
@@ -349,18 +351,21 @@ __device__ __forceinline__ void gdn_fold_body(
       const int* n, int T, int Hk, int Hv, int DV) {                                              \
     gdn_fold_body<DK, CG>(pool, slot, k_hat, v_new, gamma, n, T, Hk, Hv, DV);                     \
   }
-GDN_WY16(128, 1, 4)
-GDN_WY16(128, 1, 8)
-GDN_WY16(128, 1, 16)
-GDN_WY16(128, 2, 4)
-GDN_WY16(128, 2, 8)
-GDN_WY16(128, 2, 16)
-GDN_WY16(64, 1, 4)
-GDN_WY16(64, 1, 8)
-GDN_WY16(64, 1, 16)
-GDN_WY16(64, 2, 4)
-GDN_WY16(64, 2, 8)
-GDN_WY16(64, 2, 16)
+GDN_WY16(128, 1, 4, 3)
+GDN_WY16(128, 1, 8, 3)
+GDN_WY16(128, 1, 16, 3)
+GDN_WY16(128, 2, 4, 1)
+GDN_WY16(128, 2, 8, 1)
+GDN_WY16(128, 2, 16, 1)
+GDN_WY16(128, 4, 4, 1)
+GDN_WY16(128, 4, 8, 1)
+GDN_WY16(128, 4, 16, 1)
+GDN_WY16(64, 1, 4, 6)
+GDN_WY16(64, 1, 8, 6)
+GDN_WY16(64, 1, 16, 6)
+GDN_WY16(64, 2, 4, 3)
+GDN_WY16(64, 2, 8, 3)
+GDN_WY16(64, 2, 16, 3)
 GDN_FOLD(128, 1)
 GDN_FOLD(128, 2)
 GDN_FOLD(64, 1)

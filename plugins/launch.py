@@ -123,12 +123,19 @@ def _gdn_checks(B, T, Hk, Hv, dk, dv, cg):
         raise KernelError(f"gdn: need B >= 1 and T >= 1 (got B={B}, T={T})")
 
 
-def _gdn_cg(dv, cg):
+def _gdn_cg(B, Hv, dk, dv, cg, allowed):
+    """Column-group factor: a CTA owns 32*cg state columns of one head. 0/None = auto (the largest
+    allowed cg that still gives >= 264 CTAs, i.e. two per SM on an H200); DFLASH_GDN_CG overrides."""
     if cg is None:
-        cg = int(os.environ.get("DFLASH_GDN_CG", "1"))
-    if cg not in (1, 2):
-        raise KernelError(f"gdn: column-group factor cg={cg} must be 1 or 2")
-    return cg if dv % (32 * cg) == 0 else 1
+        cg = int(os.environ.get("DFLASH_GDN_CG", "0"))
+    if cg not in (0, 1, 2, 4):
+        raise KernelError(f"gdn: column-group factor cg={cg} must be 0 (auto), 1, 2 or 4")
+    allowed = [c for c in allowed if c != 4 or dk == 128]
+    if cg == 0:
+        cg = next((c for c in sorted(allowed, reverse=True) if dv % (32 * c) == 0 and B * Hv * dv // (32 * c) >= 264), 1)
+    while cg > 1 and (cg not in allowed or dv % (32 * cg)):
+        cg //= 2
+    return cg
 
 
 def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *, B, T, Hk, Hv, dk, dv,
@@ -138,7 +145,7 @@ def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *
     [*,Hv,dk,dv] (pool rows by slot[B] if slot else [B,...]; slot < 0 = zero state). Outputs: o
     [B,T,Hv,dv] (o_dtype), optional fold data (k_hat [B,T,Hk,dk], v_new, gamma; fp32) and optional
     final state (state_out, indexed by b, or by slot when out_by_slot)."""
-    cg = _gdn_cg(dv, cg)
+    cg = _gdn_cg(B, Hv, dk, dv, cg, (1, 2, 4))
     _gdn_checks(B, T, Hk, Hv, dk, dv, cg)
     _dt(state_dtype, "gdn state", ("float32",))
     idt = _dt(in_dtype, "gdn q/k/v")
@@ -155,7 +162,7 @@ def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *
 
 def gdn_fold(pool, slot, k_hat, v_new, gamma, n, *, B, T, Hk, Hv, dk, dv, state_dtype="float32", stream=0, cg=None):
     """In place: pool[slot[b]] <- state after the first n[b] rows (fold data from gdn_wy16)."""
-    cg = _gdn_cg(dv, cg)
+    cg = _gdn_cg(B, Hv, dk, dv, cg, (1, 2))
     _gdn_checks(B, T, Hk, Hv, dk, dv, cg)
     _dt(state_dtype, "gdn state", ("float32",))
     fn = get_function("gdn", f"gdn_fold_dk{dk}_cg{cg}")

@@ -103,16 +103,24 @@ def test_gdn_prefill_final_state(B, T, ratio):
     _err("gdn fold over T>16 rows", st2, rs, 2e-4)
 
 
-def test_gdn_dk64_cg2_and_zero_slot(monkeypatch):
-    monkeypatch.setenv("DFLASH_GDN_CG", "2")
-    q, k, v, g, beta, pool = _gdn_inputs(3, 9, 1, 2, 64, 128, torch.float32, seed=7, slots=4)
+@pytest.mark.parametrize("cg", ["1", "2", "4"])
+def test_gdn_column_groups_and_zero_slot(monkeypatch, cg):
+    monkeypatch.setenv("DFLASH_GDN_CG", cg)
+    dk = 64 if cg == "2" else 128
+    q, k, v, g, beta, pool = _gdn_inputs(3, 9, 1, 2, dk, 128, torch.float32, seed=7, slots=4)
     slot = torch.tensor([2, -1, 0], device=DEV, dtype=torch.int32)
     o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, 0.2, True)
     st0 = pool[slot.long().clamp(min=0)].double()
     st0[1] = 0
     ref = gdn_ref.gdn_chunk_wy16(*_d(q, k, v, g, beta), st0, scale=0.2)
-    _err("gdn_wy16 o (fp32, dk64 cg2)", o, ref.o, 1e-4)
-    _err("gdn_wy16 final state (dk64 cg2)", fs, ref.state, 1e-4)
+    _err(f"gdn_wy16 o (fp32, dk{dk} cg{cg})", o, ref.o, 1e-4)
+    _err(f"gdn_wy16 final state (dk{dk} cg{cg})", fs, ref.state, 1e-4)
+    pool2 = pool.clone()
+    n = torch.tensor([9, 5, 0], device=DEV, dtype=torch.int32)
+    torch.ops.dflash.gdn_fold(pool2, slot, kh, vn, gam, n)
+    want = gdn_ref.gdn_fold(st0, ref.k_hat, ref.v_new, ref.gamma, n)
+    _err(f"gdn_fold (dk{dk} cg{cg})", pool2[2], want[0], 1e-4)
+    assert torch.equal(pool2[[1, 3]], pool[[1, 3]])
 
 
 def _fla():

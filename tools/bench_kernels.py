@@ -90,20 +90,25 @@ def bench_one(B, K, iters, reps, replays, fla, cgs):
     shp = dict(B=B, T=K, Hk=HK, Hv=HV, dk=DK, dv=DV)
     row = {"B": B, "K": K}
 
-    def ours(cg):
+    def ours(cg, verify=True, fold=True):
         def f():
             st = torch.cuda.current_stream().cuda_stream
-            launch.gdn_wy16(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), pool.data_ptr(),
+            if verify:
+                launch.gdn_wy16(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), pool.data_ptr(),
                             slot.data_ptr(), o.data_ptr(), kh.data_ptr(), vn.data_ptr(), gam.data_ptr(), 0,
-                            in_dtype="bfloat16", gb_dtype="float32", o_dtype="bfloat16", stream=st, cg=cg, **shp)
-            launch.gdn_fold(pool.data_ptr(), slot.data_ptr(), kh.data_ptr(), vn.data_ptr(), gam.data_ptr(),
-                            n.data_ptr(), stream=st, cg=cg, **shp)
+                                in_dtype="bfloat16", gb_dtype="float32", o_dtype="bfloat16", stream=st, cg=cg, **shp)
+            if fold:
+                launch.gdn_fold(pool.data_ptr(), slot.data_ptr(), kh.data_ptr(), vn.data_ptr(), gam.data_ptr(),
+                                n.data_ptr(), stream=st, cg=cg, **shp)
         return f
 
-    row["ours_eager_us"] = _time_eager(ours(1), iters)
+    row["ours_eager_us"] = _time_eager(ours(0), iters)  # cg 0 = the launcher's automatic choice
+    row["ours_graph_us"] = _time_graph(ours(0), reps, replays)
     for cg in cgs:
         row[f"ours_graph_cg{cg}_us"] = _time_graph(ours(cg), reps, replays)
-    row["ours_graph_us"] = min(row[f"ours_graph_cg{cg}_us"] for cg in cgs)
+    row["ours_cg"] = launch._gdn_cg(B, HV, DK, DV, 0, (1, 2, 4))
+    row["ours_verify_graph_us"] = _time_graph(ours(0, fold=False), reps, replays)
+    row["ours_fold_graph_us"] = _time_graph(ours(0, verify=False), reps, replays)
     if fla is not None:
         best = {}
         for name, fn in (("fused_recurrent", fla.fused_recurrent_gated_delta_rule),
@@ -130,7 +135,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--reps", type=int, default=20, help="calls per captured graph")
     p.add_argument("--replays", type=int, default=10)
-    p.add_argument("--cg", default="1,2", help="gdn column-group factors to time inside graphs")
+    p.add_argument("--cg", default="1,2,4", help="extra: gdn column-group factors timed inside graphs (JSON)")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--json", default="bench_kernels.json")
     a = p.parse_args(argv)
@@ -167,7 +172,8 @@ def main(argv=None):
             f = lambda key, w, fmt=".1f": f"{row[key]:{w}{fmt}}" if key in row else f"{'-':>{w}}"
             print(f"{B:>3} {K:>3} | {f('ours_eager_us', 10)} {f('ours_graph_us', 10)} | {f('fla_eager_us', 9)} "
                   f"{f('fla_graph_us', 9)} {row.get('fla_graph_path', '-'):>15} | {f('speedup_vs_fla_graph', 8, '.2f')}x"
-                  f" | {f('floor_us', 7)} {f('ours_over_floor', 9, '.2f')}x", flush=True)
+                  f" | {f('floor_us', 7)} {f('ours_over_floor', 9, '.2f')}x | verify {row['ours_verify_graph_us']:.1f}"
+                  f" fold {row['ours_fold_graph_us']:.1f} (cg{row['ours_cg']})", flush=True)
     k16 = [r_ for r_ in rows if r_["K"] == 16 and "speedup_vs_fla_graph" in r_]
     b64 = [r_ for r_ in rows if r_["B"] == 64]
     summary = {
