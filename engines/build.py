@@ -60,6 +60,7 @@ def build_one(man: Manifest, name: str, *, builder, ccs, plugins=True, batch=Non
     onnx_path = man.graph_path(name)
     t0 = time.perf_counter()
     trt_plugins.KERNEL_WARNINGS.clear()
+    trt_plugins.SHAPE_ERRORS.clear()
     network, parser, info = parse_graph(builder, onnx_path, plugins=plugins)
     io = network_io(network)
     ins, outs = man.io(name)
@@ -71,6 +72,9 @@ def build_one(man: Manifest, name: str, *, builder, ccs, plugins=True, batch=Non
     t1 = time.perf_counter()
     plan = builder.build_serialized_network(network, cfg)
     t2 = time.perf_counter()
+    if trt_plugins.SHAPE_ERRORS:
+        raise BuildError(f"graph {name}: dflash node inputs do not fit the op signatures: "
+                         + "; ".join(sorted({m for _, m in trt_plugins.SHAPE_ERRORS})))
     if plan is None:
         raise BuildError(f"TensorRT failed to build {name} (see the TensorRT errors above)")
     out_dir = out_dir or os.path.join(man.root, ENGINE_DIR)

@@ -27,8 +27,10 @@ NAMESPACE, VERSION = "dflash", "1"
 FLOATS = ("float32", "bfloat16", "float16")
 INTS = ("int32", "int64")
 _ALIGN = 256
-# Shapes the kernels cannot run, found while building (op, message); read by engines/build.py.
-KERNEL_WARNINGS: list = []
+# Found while building, (op, message); read and cleared by engines/build.py. configure_plugin never
+# raises into TensorRT (an exception there can abort the whole process): it records instead.
+KERNEL_WARNINGS: list = []  # shapes/dtypes the CUDA kernels cannot run (engine still builds)
+SHAPE_ERRORS: list = []     # inputs that do not fit the op's signature (the build must fail)
 
 
 class PluginShapeError(ValueError):
@@ -125,17 +127,25 @@ class DflashPlugin(*C.PLUGIN_BASES):
         dims = [_dims(x.desc) for x in inp]
         if any(v < 0 for s in dims for v in s):  # dynamic batch: check the profile's largest shapes
             dims = [tuple(int(v) for v in x.max) for x in inp]
-        self.check_shapes(dims)
+        try:
+            self.check_shapes(dims)
+        except Exception as e:  # noqa: BLE001 — see SHAPE_ERRORS
+            SHAPE_ERRORS.append((self.NAME, str(e)))
+            return
         try:
             self.kernel_check(dims, [C.dtype_name(x.desc.type) for x in inp])
-        except launch.KernelError as e:
+        except Exception as e:  # noqa: BLE001
             KERNEL_WARNINGS.append((self.NAME, str(e)))
 
     def check_shapes(self, dims):
         """Raise PluginShapeError when the inputs do not fit the op's signature."""
 
     def kernel_check(self, dims, types):
-        """Raise launch.KernelError when the CUDA kernel cannot run these shapes / dtypes."""
+        """Raise launch.KernelError when the CUDA kernel cannot run these shapes / dtypes (mirrors the
+        launchers' checks through their public limits)."""
+        for t in types:
+            if t in C.DTYPE_SIZE and not t.startswith("int") and t not in launch.DTYPES:
+                raise launch.KernelError(f"{self.NAME}: dtype {t} not supported by the kernels ({list(launch.DTYPES)})")
 
     def get_workspace_size(self, inp, out):
         return self.workspace_bytes([tuple(int(v) for v in x.max) for x in inp],
@@ -194,8 +204,14 @@ class GdnChunkWY16Plugin(DflashPlugin):
         _need(s == (q[0], v[2], q[3], v[3]), f"GdnChunkWY16: state {s} must be [B,Hv,dk,dv]")
 
     def kernel_check(self, d, types):
+        super().kernel_check(d, types)
         (B, T, Hk, dk), (_, _, Hv, dv) = d[0], d[2]
-        launch._gdn_checks(B, T, Hk, Hv, dk, dv, launch._gdn_cg(dv, None))
+        if dk not in launch.GDN_DK:
+            raise launch.KernelError(f"gdn: unsupported key head dim dk={dk}; supported: {launch.GDN_DK}")
+        if dv % 32:
+            raise launch.KernelError(f"gdn: value head dim dv={dv} must be a multiple of 32")
+        if Hv % Hk:
+            raise launch.KernelError(f"gdn: Hv={Hv} must be a multiple of Hk={Hk}")
 
     def launch(self, d, it, ot, i, o, ws, stream):
         (B, T, Hk, dk), (_, _, Hv, dv) = d[0], d[2]
@@ -220,8 +236,10 @@ class CausalConvVerifyPlugin(DflashPlugin):
         _need(s == (x[0], x[2], w[1] - 1), f"CausalConvVerify: conv_state {s} must be [B,C,W-1]")
 
     def kernel_check(self, d, types):
-        (B, T, C), W = d[0], d[2][1]
-        launch._conv_checks(B, T, C, W)
+        super().kernel_check(d, types)
+        W = d[2][1]
+        if not 2 <= W <= launch.CONV_MAX_W:
+            raise launch.KernelError(f"conv: kernel width W={W} not in [2, {launch.CONV_MAX_W}]")
 
     def launch(self, d, it, ot, i, o, ws, stream):
         (B, T, C), W = d[0], d[2][1]
@@ -252,8 +270,12 @@ class PagedAttentionPlugin(DflashPlugin):
         _need(0 <= self.attrs["layer"] < pool[0], f"PagedAttention: layer {self.attrs['layer']} not in [0, {pool[0]})")
 
     def kernel_check(self, d, types):
-        (B, T, Hq, hd), Hkv, BS = d[0], d[1][2], d[3][3]
-        launch._attn_checks(B, T, Hq, Hkv, hd, BS)
+        super().kernel_check(d, types)
+        (B, T, Hq, hd), Hkv = d[0], d[1][2]
+        if hd not in launch.ATTN_HD:
+            raise launch.KernelError(f"paged_attention: unsupported head dim {hd}; supported: {launch.ATTN_HD}")
+        if Hq % Hkv:
+            raise launch.KernelError(f"paged_attention: Hq={Hq} must be a multiple of Hkv={Hkv}")
 
     @staticmethod
     def _index_slots(dims, types):
