@@ -227,3 +227,36 @@ def test_graph_file_does_not_match_manifest(exported, tmp_path):
     be = make_backend("ort", manifest=d)
     with pytest.raises(ManifestError, match=r"input input_ids dims \['B', 2\] in onnx graph, \['B', 1\] in manifest"):
         be.session("target_k1")
+
+
+def test_half_precision_graphs(tiny_pair, exported, torch_be, tmp_path):
+    """fp16/bf16 exports (what engines are built from): the op bodies compute in fp32 and cast back.
+    fp16 on ORT vs the fp32 torch reference: max |err| <= 2e-2 * max |ref| per output, argmax agreement >= 90%.
+    bf16: exported and checked (onnx.checker full_check inside export_graph); ORT cannot take bf16 numpy feeds."""
+    import onnxruntime as ort
+    import torch
+
+    from dflash_trt.export.checkpoint import load_drafter, load_target
+    from dflash_trt.export.onnx_export import export_graph
+
+    m32 = Manifest.load(exported)
+    for dt in ("float16", "bfloat16"):
+        target = load_target(tiny_pair[0], getattr(torch, dt), tap_ids=m32.drafter_config.target_layer_ids)
+        drafter = load_drafter(tiny_pair[1], target, getattr(torch, dt))
+        path = str(tmp_path / f"target_k4_{dt}.onnx")
+        export_graph("target_k4", target, drafter, SIZES, path, kv_dtype=dt)
+        if dt == "bfloat16":
+            ins = {i.name: i.type.tensor_type.elem_type for i in onnx.load(path).graph.input}
+            assert ins["kv_pool"] == onnx.TensorProto.BFLOAT16
+            continue
+        feeds = random_feeds(m32, "target_k4")
+        ref = torch_be.run("target_k4", feeds)
+        f16 = {k: (v.astype(np.float16) if v.dtype == np.float32 and k != "gdn_pool" else v) for k, v in feeds.items()}
+        sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, f16)))
+        for name, r in ref.items():
+            if np.issubdtype(r.dtype, np.integer):
+                assert (got[name] == r).mean() >= 0.9, name
+            else:
+                err = np.abs(got[name].astype(np.float32) - r).max() / np.abs(r).max()
+                assert err <= 2e-2, (name, err)
