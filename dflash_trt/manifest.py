@@ -46,7 +46,7 @@ class Manifest:
     # ---- construction (exporter) ----------------------------------------------------
     @classmethod
     def new(cls, tcfg: TargetConfig, dcfg: DrafterConfig | None, sizes: PoolSizes, ks, *, batch="B",
-            want_logits=True, kv_dtype="float32", target=None, drafter=None) -> "Manifest":
+            want_logits=True, kv_dtype="float32", target=None, drafter=None) -> Manifest:
         """target / drafter: {"dir": ..., "hash": ...} of the source checkpoints."""
         ks = sorted({int(k) for k in ks})
         if not ks or ks[0] < 1 or ks[-1] > 16:
@@ -82,7 +82,7 @@ class Manifest:
 
     # ---- loading + validation ---------------------------------------------------------
     @classmethod
-    def load(cls, root: str, check_files: bool = True) -> "Manifest":
+    def load(cls, root: str, check_files: bool = True) -> Manifest:
         path = os.path.join(root, FILENAME) if os.path.isdir(root) or not root.endswith(".json") else root
         root = os.path.dirname(path)
         if not os.path.isfile(path):
@@ -105,14 +105,14 @@ class Manifest:
 
     def _validate(self, path: str, check_files: bool) -> None:
         try:
-            self.target_config, self.drafter_config, self.sizes
+            tcfg, dcfg, sizes = self.target_config, self.drafter_config, self.sizes
         except (TypeError, ValueError) as e:
             raise ManifestError(f"{path}: bad config/sizes record ({e})") from None
-        want = expected_graphs(self.ks, self.drafter_config is not None)
+        want = expected_graphs(self.ks, dcfg is not None)
         missing = [g for g in want if g not in self.data["graphs"]]
         if missing:
             raise ManifestError(f"{path}: graph(s) {missing} missing from 'graphs' (K list {self.ks})")
-        pools = pool_specs(self.target_config, self.drafter_config, self.sizes, self.kv_dtype)
+        pools = pool_specs(tcfg, dcfg, sizes, self.kv_dtype)
         for n, (shape, dt) in pools.items():
             rec = self.data["pools"].get(n)
             if rec is None or list(rec["shape"]) != list(shape) or rec["dtype"] != dt:

@@ -117,8 +117,8 @@ class CompareReport:
         return not self.failures
 
     def format(self) -> str:
-        lines = [f"compare {' vs '.join(self.backends)}: {self.steps} graph launches, atol {self.atol:g}, "
-                 f"rtol {self.rtol:g}, top-{self.topk} KL tol {self.kl_tol:g}",
+        lines = [(f"compare {' vs '.join(self.backends)}: {self.steps} graph launches, atol {self.atol:g}, "
+                  f"rtol {self.rtol:g}, top-{self.topk} KL tol {self.kl_tol:g}"),
                  f"{'graph/output':<28} {'pair':<16} {'max abs':>10} {'max rel':>10} {'step':>5}  status"]
         for s in sorted(self.stats.values(), key=lambda s: (s.graph, s.output, s.pair)):
             lines.append(f"{s.graph + '/' + s.output:<28} {s.pair[1] + '/' + s.pair[0]:<16} {s.max_abs:10.3g} "
@@ -202,10 +202,10 @@ def compare(manifest, backends=("torch", "ort"), prompts=None, steps: int = 8, *
             kl_tol: float = 1e-6, topk: int = 10, model_dir=None, drafter_dir=None, names=None) -> CompareReport:
     """backends: names ("torch", "ort", "trt") or backend objects (with .run, .kv_dtype); the first is the
     reference. prompts: strings (encoded with the target's tokenizer, else bytes) or lists of token ids."""
+    from polygraphy.logger import G_LOGGER
+
     from ..runtime.runtime import Runtime
     from .generate import ByteCodec, TokenizerCodec
-
-    from polygraphy.logger import G_LOGGER
 
     G_LOGGER.module_severity = G_LOGGER.CRITICAL  # the report says what failed; keep polygraphy quiet
     m = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)

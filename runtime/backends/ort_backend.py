@@ -111,4 +111,4 @@ def make_ort_backend(manifest_dir: str, **kw) -> OrtBackend:
     return OrtBackend(manifest_dir, **kw)
 
 
-__all__ = ["OrtBackend", "make_ort_backend", "default_providers", "ManifestError"]
+__all__ = ["ManifestError", "OrtBackend", "default_providers", "make_ort_backend"]
