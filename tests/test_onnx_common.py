@@ -29,6 +29,7 @@ def tiny_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def exported(tiny_pair):
     """Manifest directory of the tiny pair's export (K 1,2,4,16, dynamic batch, logits)."""
+    pytest.importorskip("onnxscript")  # torch.onnx.export(dynamo=True) needs it
     from dflash_trt.export.onnx_export import ensure_export
 
     return ensure_export(*tiny_pair, KS, SIZES, cache_dir=CACHE, progress=None)
