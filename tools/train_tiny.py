@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import hashlib
 import json
 import math
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 from ..config import DrafterConfig, TargetConfig
 from ..export.drafter import Drafter
 from ..export.gdn_ref import gdn_gates, gdn_recurrent, l2norm
-from ..export.target import TargetModel, apply_rope, rope_cos_sin
+from ..export.target import TargetModel, apply_rope
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 BLOCK = 16
@@ -301,6 +302,16 @@ def _gdn_chunk_fast(q, k, v, g, beta, state=None, chunk: int = 64):
     return o, S
 
 
+def rope_cos_sin(positions, rotary_dim: int, theta: float, dtype):
+    """export.target.rope_cos_sin, with the frequencies made on the positions' device (that one builds
+    them on the CPU, which fails for CUDA positions)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device)
+                                / rotary_dim))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def _gdn_layer(mod, x, conv_state=None, state=None, recurrent=False):
     """GatedDeltaNet.forward, dense. Returns (y, pre-conv cols, final GDN state)."""
     c = mod.cfg
@@ -430,10 +441,10 @@ def drafter_blocks(drafter: Drafter, ctx_hidden, anchors, block_ids):
     dev = ctx_hidden.device
     c = drafter.hidden_norm(drafter.fc(ctx_hidden.to(drafter.fc.weight.dtype)))
     cpos = torch.arange(T, device=dev)[None].expand(B, T)
-    ccos, csin = drafter._rope(cpos, c.dtype)
+    ccos, csin = rope_cos_sin(cpos, cfg.head_dim, cfg.rope_theta, c.dtype)
     bpos = (anchors[:, :, None] + torch.arange(Bs, device=dev)).reshape(B, A * Bs)
     h = embed(block_ids.reshape(B, A * Bs)).to(c.dtype)
-    cos, sin = drafter._rope(bpos, h.dtype)
+    cos, sin = rope_cos_sin(bpos, cfg.head_dim, cfg.rope_theta, h.dtype)
     ctx_ok = torch.arange(T, device=dev)[None, None, :] < anchors.repeat_interleave(Bs, 1)[:, :, None]
     blk = torch.arange(A, device=dev).repeat_interleave(Bs)
     own = (blk[:, None] == blk[None, :])[None].expand(B, -1, -1)
@@ -696,7 +707,7 @@ def _sample_anchors(plens, T, A, gen_dev):
     """A anchors per sequence, uniform in [P, T-Bs] (the block's labels are all generated tokens)."""
     lo = plens.float()[:, None]
     r = torch.rand(plens.shape[0], A, device=plens.device, generator=gen_dev)
-    return (lo + r * (T - BLOCK + 1 - lo)).long()
+    return (lo + r * (T - BLOCK + 1 - lo)).long().clamp_(max=T - BLOCK)  # fp32 rounding can hit the bound
 
 
 def _blocks(seqs, anchors, mask_id):
@@ -791,9 +802,10 @@ def _round_bf16_(module):
 
 def train(work: str, out: str, target_seconds=190.0, drafter_seconds=120.0, target_steps=None, drafter_steps=None,
           seed=0, device=None, n_gen=16384, gen_prompt_lens=(8, 32, 64, 128), gen_len=320, small=False,
-          max_shard_mb=15, smoke=False):
+          max_shard_mb=15, smoke=False, init_target=None, held_prompt_lens=None, drafter_gen_batch=4096):
     """Train target, then drafter; write out/target, out/drafter, out/train_log.json.
-    small: tiny shapes; smoke: real shapes, tiny batches and data (both for CPU runs of the code path)."""
+    small: tiny shapes; smoke: real shapes, tiny batches and data (both for CPU runs of the code path).
+    init_target: a target checkpoint dir from an earlier run: skip target training, train the drafter only."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(seed)
     np.random.seed(seed)
@@ -814,10 +826,20 @@ def train(work: str, out: str, target_seconds=190.0, drafter_seconds=120.0, targ
     tcfg_d = target_config(meta["vocab"], meta["eos_id"], **tkw)
     dcfg_d = drafter_config(tcfg_d, meta["mask_id"], inter=128 if small else 1024)
     taps = dcfg_d["dflash_config"]["target_layer_ids"]
-    tcfg = TargetConfig.from_dict(tcfg_d)
     gen = torch.Generator().manual_seed(seed)
-    target = TargetModel(tcfg, taps)
-    init_weights(target, tcfg.num_layers, gen)
+    if init_target:
+        from ..export.checkpoint import load_target
+
+        with open(os.path.join(init_target, "config.json")) as f:
+            tcfg_d = json.load(f)
+        dcfg_d = drafter_config(tcfg_d, meta["mask_id"], inter=128 if small else 1024)
+        taps = dcfg_d["dflash_config"]["target_layer_ids"]
+        target = load_target(init_target, torch.float32, tap_ids=taps)
+        tcfg = target.cfg
+    else:
+        tcfg = TargetConfig.from_dict(tcfg_d)
+        target = TargetModel(tcfg, taps)
+        init_weights(target, tcfg.num_layers, gen)
     target.to(dev)
     n_t = sum(p.numel() for p in target.parameters())
     log(f"target: {n_t / 1e6:.2f}M params, layers {tcfg.layer_types}, taps {taps}", target_params=n_t)
@@ -826,25 +848,33 @@ def train(work: str, out: str, target_seconds=190.0, drafter_seconds=120.0, targ
     # ---- target ----
     lite = small or smoke
     L = 64 if lite else 512
-    tr = train_target(target, train_tok, held_tok, dev, log, target_seconds, target_steps,
-                      batch=8 if lite else 128, L=L, seed=seed, eval_every=50 if lite else 300)
+    if init_target:
+        tr = dict(loaded_from=init_target)
+        log(f"target: loaded from {init_target} (not trained in this run)")
+    else:
+        tr = train_target(target, train_tok, held_tok, dev, log, target_seconds, target_steps,
+                          batch=8 if lite else 128, L=L, seed=seed, eval_every=50 if lite else 300)
     _round_bf16_(target)  # the saved (bf16) model is the one that generates the drafter's data
     hl = eval_target(target, held_tok, dev, L, 64 if lite else 256)
     tr.update(heldout_loss=hl, heldout_ppl=math.exp(hl), heldout_tokens_evaluated=min(
         (64 if lite else 256), (held_tok.numel() - 1) // L) * L)
-    log(f"target done: {tr['steps']} steps in {tr['seconds']:.0f} s, held-out loss {hl:.3f} (ppl {math.exp(hl):.2f})")
+    log(f"target done: {tr.get('steps', 0)} steps in {tr.get('seconds', 0):.0f} s, held-out loss {hl:.3f} "
+        f"(ppl {math.exp(hl):.2f})")
     log.put("target", tr)
     for p in target.parameters():
         p.requires_grad_(False)
     target.eval()
-    save_dir(target, tcfg_d, os.path.join(out, "target"), prefix="model.",
-             max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
+    if not init_target:
+        save_dir(target, tcfg_d, os.path.join(out, "target"), prefix="model.",
+                 max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
 
     # the fast training math vs the reference path (TargetModel.step) on held-out text, fp32
-    x = torch.stack([held_tok[i * 200:i * 200 + 128] for i in range(2)]).to(dev).long()
+    # (the reference runs on a CPU copy: export/target.py's rope_cos_sin builds its tables on the CPU)
+    x = torch.stack([held_tok[i * 200:i * 200 + 128] for i in range(2)]).long()
     with torch.no_grad():
-        ref = reference_logits(target, x)
-        fast, _ = target_forward(target, x)
+        ref = reference_logits(copy.deepcopy(target).cpu(), x)
+        fast, _ = target_forward(target, x.to(dev))
+        fast = fast.cpu()
     diff = (ref - fast).abs().max().item()
     agree = (ref.argmax(-1) == fast.argmax(-1)).float().mean().item()
     log(f"check: fast vs reference target logits max|diff| {diff:.2e}, argmax agreement {agree:.4f}")
@@ -854,10 +884,11 @@ def train(work: str, out: str, target_seconds=190.0, drafter_seconds=120.0, targ
     gen_len_ = 96 if lite else gen_len
     plens = tuple(p for p in gen_prompt_lens if p + 2 * BLOCK <= gen_len_)
     t_gen = time.time()
-    gbatch = 2048 if dev.type == "cuda" else 16
+    gbatch = drafter_gen_batch if dev.type == "cuda" else 16
+    hplens = tuple(p for p in (held_prompt_lens or plens) if p + 2 * BLOCK <= gen_len_)
     train_data = make_drafter_data(target, train_tok, dev, taps, gen, 64 if lite else n_gen, plens, gen_len_,
                                    gbatch, log, "train")
-    held_data = make_drafter_data(target, held_tok, dev, taps, gen, 16 if lite else 512, plens, gen_len_,
+    held_data = make_drafter_data(target, held_tok, dev, taps, gen, 16 if lite else 512, hplens, gen_len_,
                                   gbatch, log, "held-out")
     gen_s = time.time() - t_gen
 
@@ -887,10 +918,12 @@ def train(work: str, out: str, target_seconds=190.0, drafter_seconds=120.0, targ
     anc = torch.tensor([[int(p[0]), int(p[0]) + 5, (int(p[0]) + T_ - BLOCK) // 2, T_ - BLOCK]], device=dev)
     block, _ = _blocks(s, anc, meta["mask_id"])
     with torch.no_grad():
-        fast = drafter_blocks(drafter, c.float(), anc, block)[0]
-        ctx_mask = torch.arange(s.shape[1], device=dev)[None, None, :] < anc[0][:, None, None].expand(4, BLOCK, 1)
-        ref = drafter.train_forward(c.float().expand(4, -1, -1), torch.arange(s.shape[1], device=dev)[None].expand(4, -1),
-                                    block[0], anc[0][:, None] + torch.arange(BLOCK, device=dev), ctx_mask).float()
+        fast = drafter_blocks(drafter, c.float(), anc, block)[0].cpu()
+        dc = copy.deepcopy(drafter).cpu().bind_target(copy.deepcopy(target).cpu())
+        c, anc, block = c.float().cpu(), anc.cpu(), block.cpu()
+        ctx_mask = torch.arange(s.shape[1])[None, None, :] < anc[0][:, None, None].expand(4, BLOCK, 1)
+        ref = dc.train_forward(c.expand(4, -1, -1), torch.arange(s.shape[1])[None].expand(4, -1),
+                               block[0], anc[0][:, None] + torch.arange(BLOCK), ctx_mask).float()
     ddiff = (fast - ref).abs().max().item()
     log(f"check: fast vs Drafter.train_forward logits max|diff| {ddiff:.2e}")
     log.put("check_drafter_fast_vs_reference", dict(max_abs_diff=ddiff))
@@ -904,7 +937,7 @@ def train(work: str, out: str, target_seconds=190.0, drafter_seconds=120.0, targ
 # ----------------------------------------------------------------------------------------------
 
 
-def finalize(src: str, work: str, models: str) -> None:
+def finalize(src: str, work: str, models: str, target_src: str | None = None) -> None:
     """src (train's out dir) -> models/target, models/drafter (single bf16 safetensors each) + tokenizer,
     generation config, the training log."""
     with open(os.path.join(work, "meta.json")) as f:
@@ -913,7 +946,7 @@ def finalize(src: str, work: str, models: str) -> None:
         d = os.path.join(models, name)
         if os.path.isdir(d):
             shutil.rmtree(d)
-        merge_shards(os.path.join(src, name), d)
+        merge_shards(os.path.join(target_src if name == "target" and target_src else src, name), d)
     t = os.path.join(models, "target")
     shutil.copy(os.path.join(work, "tokenizer.json"), os.path.join(t, "tokenizer.json"))
     with open(os.path.join(t, "generation_config.json"), "w") as f:
@@ -922,7 +955,14 @@ def finalize(src: str, work: str, models: str) -> None:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "mask_token": MASK,
                    "model_max_length": 2048}, f, indent=2)
     if os.path.isfile(os.path.join(src, "train_log.json")):
-        shutil.copy(os.path.join(src, "train_log.json"), os.path.join(models, "train_log.json"))
+        with open(os.path.join(src, "train_log.json")) as f:
+            lg = json.load(f)
+        tl = os.path.join(target_src or "", "train_log.json")
+        if target_src and os.path.isfile(tl):  # the target came from an earlier run: keep its log too
+            with open(tl) as f:
+                lg["target_run"] = json.load(f)
+        with open(os.path.join(models, "train_log.json"), "w") as f:
+            json.dump(lg, f, indent=1)
     sizes = {n: sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(models, n)) for f in fs)
              for n in ("target", "drafter")}
     print(f"finalize: {models}/target {sizes['target'] / 1e6:.1f} MB, {models}/drafter {sizes['drafter'] / 1e6:.1f} MB")
@@ -1022,6 +1062,8 @@ def main(argv=None) -> int:
         tp.add_argument("--small", action="store_true", help="tiny shapes, for a CPU smoke run")
         tp.add_argument("--smoke", action="store_true", help="real shapes, tiny batches/data (CPU smoke run)")
         tp.add_argument("--max-shard-mb", type=int, default=15)
+        tp.add_argument("--init-target", default=None, help="target dir of an earlier run: train the drafter only")
+        tp.add_argument("--held-prompt-lens", default=None, help="comma list, prompt lengths of held-out continuations")
         tp.add_argument("--seed", type=int, default=0)
         if name == "all":
             tp.add_argument("--models", default="models")
@@ -1030,6 +1072,7 @@ def main(argv=None) -> int:
     fp.add_argument("--src", required=True)
     fp.add_argument("--work", default=".train_data")
     fp.add_argument("--models", default="models")
+    fp.add_argument("--target-src", default=None, help="take target/ (and its log) from this run's dir instead")
     sub.add_parser("selfcheck")
     a = p.parse_args(argv)
     if a.cmd == "prepare":
@@ -1039,11 +1082,12 @@ def main(argv=None) -> int:
             prepare(a.work, seed=a.seed, prompts_out=a.prompts_out)
         train(a.work, a.out, a.target_seconds, a.drafter_seconds, a.target_steps, a.drafter_steps, a.seed,
               a.device, n_gen=a.n_gen, small=a.small, max_shard_mb=a.max_shard_mb,
-              smoke=a.smoke)
+              smoke=a.smoke, init_target=a.init_target,
+              held_prompt_lens=[int(x) for x in a.held_prompt_lens.split(",")] if a.held_prompt_lens else None)
         if a.cmd == "all":
             finalize(a.out, a.work, a.models)
     elif a.cmd == "finalize":
-        finalize(a.src, a.work, a.models)
+        finalize(a.src, a.work, a.models, a.target_src)
     else:
         selfcheck()
     return 0
