@@ -148,6 +148,9 @@ def resolve_ccs(requested, gpu_cc) -> list:
     kernel_ok = [cc for cc in C.RTX_CCS if cc >= C.MIN_KERNEL_CC]
     if C.IS_RTX:
         if not requested:
+            if gpu_cc == (9, 0):
+                raise BuildError("this GPU is CC 9.0 (Hopper), which TensorRT-RTX does not run on: pass --target-cc "
+                                 "(e.g. 86,89,120) to build for other GPUs, or use full TensorRT for Hopper")
             requested = ["current"] if gpu_cc else kernel_ok  # no GPU: every CC TensorRT-RTX and our kernels run
         if requested == ["current"]:
             if gpu_cc is None:

@@ -112,7 +112,7 @@ def test_inlined_body_while_plugins_expected_fails_loudly(tmp_path):
 
 
 def test_stale_or_tampered_engines_refused(built, tmp_path):
-    from dflash_trt.engines.load import EngineError, check_device, check_engine
+    from dflash_trt.engines.load import EngineError, check_device, check_engine, check_io
 
     d = _copy(built, tmp_path / "m")
     shutil.copytree(os.path.join(built, "engines"), os.path.join(d, "engines"))
@@ -142,6 +142,12 @@ def test_stale_or_tampered_engines_refused(built, tmp_path):
     os.remove(os.path.join(d, m["engines"]["target_prefill"]["file"]))
     with pytest.raises(EngineError, match="missing"):
         check_engine(d, "target_prefill", allow_unsupported_shapes=True)
+    io = m["engines"]["drafter_ctx"]["io"]  # what load_engine compares a deserialized engine's tensors with
+    check_io(d, "drafter_ctx", io)
+    bad = json.loads(json.dumps(io))
+    bad["outputs"][0]["dtype"] = "float16"
+    with pytest.raises(EngineError, match="dkv_rows dtype float16 in engine"):
+        check_io(d, "drafter_ctx", bad)
     if C.IS_RTX:
         with pytest.raises(EngineError, match="Hopper"):
             check_device(rec, (9, 0))
