@@ -23,11 +23,8 @@ def view(ptr, shape, dt):
 class FakeLaunch:
     """Stand-ins for plugins/launch.py with the same signatures, computing on host memory."""
 
-    KernelError = P.launch.KernelError
-    _gdn_checks = staticmethod(P.launch._gdn_checks)
-    _gdn_cg = staticmethod(P.launch._gdn_cg)
-    _conv_checks = staticmethod(P.launch._conv_checks)
-    _attn_checks = staticmethod(P.launch._attn_checks)
+    KernelError, DTYPES, GDN_DK, ATTN_HD, CONV_MAX_W = (P.launch.KernelError, P.launch.DTYPES, P.launch.GDN_DK,
+                                                       P.launch.ATTN_HD, P.launch.CONV_MAX_W)
 
     def __init__(self):
         self.calls = []
