@@ -186,3 +186,29 @@ def test_compat_basics():
         import os
 
         assert os.path.exists(C.ensure_parser_lib())
+
+
+@pytest.mark.skipif(not C.IS_RTX, reason="TensorRT-RTX only")
+def test_parser_lib_unwritable_dir_explains_fix(tmp_path, monkeypatch):
+    import os
+
+    libdir = tmp_path / "libs"
+    libdir.mkdir()
+    (libdir / "libtensorrt_rtx.so.1").write_bytes(b"")
+    real_symlink = os.symlink
+
+    def symlink(src, dst):
+        if os.path.dirname(dst) == str(libdir):
+            raise PermissionError("read-only file system")
+        real_symlink(src, dst)
+
+    monkeypatch.setattr(C, "_rtx_lib_dir", lambda: str(libdir))
+    monkeypatch.setattr(C.os, "symlink", symlink)
+    monkeypatch.setenv("LD_LIBRARY_PATH", "")
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
+    alt = tmp_path / "cache" / "lib"
+    with pytest.raises(C.ParserLibError, match=f"LD_LIBRARY_PATH={alt}"):
+        C.ensure_parser_lib()
+    assert os.readlink(alt / "libtensorrt_rtx.so") == str(libdir / "libtensorrt_rtx.so.1")
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(alt))
+    assert C.ensure_parser_lib() == str(alt / "libtensorrt_rtx.so")
