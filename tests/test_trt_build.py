@@ -156,6 +156,16 @@ def test_stale_or_tampered_engines_refused(built, tmp_path):
     assert check_device(rec, (8, 6)) == (8, 6)
 
 
+def test_load_without_gpu_names_what_is_needed(built):
+    from dflash_trt.engines.load import EngineError, load_engine
+    from dflash_trt.engines.network import local_gpu_cc
+
+    if local_gpu_cc() is not None:
+        pytest.skip("a GPU is present")
+    with pytest.raises(EngineError, match="no CUDA GPU found"):
+        load_engine(built, "drafter_ctx")
+
+
 def test_cc_rules():
     from dflash_trt.engines.network import BuildError, parse_cc, resolve_ccs
 
