@@ -48,10 +48,19 @@ def test_torch_device_matches_host_device(dirs):
         assert out == ref
 
 
+@pytest.fixture(scope="module")
+def kernel_dirs(tmp_path_factory):
+    """Head dims our CUDA kernels support (GDN dk 64, dv 32; attention head_dim 64)."""
+    return make_tiny_pair(str(tmp_path_factory.mktemp("k")), seed=5,
+                          target_over=dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=32),
+                          drafter_over=dict(head_dim=64))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gamma", [1, 3, 15])
-def test_gpu_spec_path_matches_cpu_greedy(dirs, gamma):
+def test_gpu_spec_path_matches_cpu_greedy(kernel_dirs, gamma):
     """fp32 on the GPU (our kernels for GDN/conv/attention/commit) vs the CPU reference, token-identical."""
+    dirs = kernel_dirs
     t, d = load(dirs)
     ref, _ = generate(t, d, None, PROMPT, spec=False)
     tg, dg = load(dirs, torch.float32, "cuda")

@@ -29,9 +29,9 @@ def tiny_target_config(vocab=259, hidden=64, layers=4, ratio=2, model_type="qwen
     return cfg
 
 
-def tiny_drafter_config(target: dict, layers=1, block_size=16, taps=None, mask_token_id=None) -> dict:
+def tiny_drafter_config(target: dict, layers=1, block_size=16, taps=None, mask_token_id=None, **over) -> dict:
     n = target["num_hidden_layers"]
-    return dict(
+    cfg = dict(
         architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=target["hidden_size"],
         intermediate_size=2 * target["hidden_size"], num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -39,6 +39,8 @@ def tiny_drafter_config(target: dict, layers=1, block_size=16, taps=None, mask_t
         dflash_config={"target_layer_ids": taps or sorted({1, n - 2}),
                        "mask_token_id": target["vocab_size"] - 1 if mask_token_id is None else mask_token_id},
     )
+    cfg.update(over)
+    return cfg
 
 
 def _randomize(module: torch.nn.Module, gen: torch.Generator) -> None:
