@@ -22,6 +22,16 @@ def _exporting() -> bool:
     return torch.onnx.is_in_onnx_export()
 
 
+def _cuda_ops(t):
+    """torch.ops.dflash (our NVRTC kernels) for CUDA tensors, else None (reference math).
+    Imported lazily: CPU-only installs never load cuda-python."""
+    if not t.is_cuda:
+        return None
+    from ..plugins import torch_ops  # noqa: F401  registers torch.ops.dflash.*
+
+    return torch.ops.dflash
+
+
 def _node(op: str, inputs, attrs: dict, dtypes, shapes):
     return torch.onnx.ops.symbolic_multi_out(
         f"dflash::{op}", list(inputs), {**attrs, **PLUGIN_ATTRS}, dtypes=list(dtypes), shapes=list(shapes), version=1
@@ -38,10 +48,20 @@ def gdn_chunk(q, k, v, g, beta, state, scale=None):
                      (q.dtype, f, f, f, f),
                      ([B, T, Hv, dv], [B, Hv, dk, dv], [B, T, Hk, dk], [B, T, Hv, dv], [B, T, Hv]))
         return gdn_ref.GdnOut(*outs)
+    dflash = _cuda_ops(q)
+    if dflash is not None:
+        o, k_hat, v_new, gamma, _ = dflash.gdn_wy16(q, k, v, g, beta, state, None, scale, False)
+        return gdn_ref.GdnOut(o, None, k_hat, v_new, gamma)
     return gdn_ref.gdn_chunk_wy16(q, k, v, g, beta, state, scale=scale)
 
 
 def gdn_fold(state, k_hat, v_new, gamma, n):
+    """State after the first n[b] rows of fold data (a new tensor; `state` is not modified)."""
+    dflash = _cuda_ops(state)
+    if dflash is not None:
+        out = state.float().clone()
+        dflash.gdn_fold(out, None, k_hat, v_new, gamma, n)
+        return out
     return gdn_ref.gdn_fold(state, k_hat, v_new, gamma, n)
 
 
@@ -49,6 +69,9 @@ def conv_verify(x, conv_state, weight):
     """CausalConvVerify: silu(depthwise causal conv over [conv_state | x]); conv_state read-only."""
     if _exporting():
         return _node("CausalConvVerify", (x, conv_state, weight), {}, (x.dtype,), (x.shape,))[0]
+    dflash = _cuda_ops(x)
+    if dflash is not None:
+        return dflash.conv_verify(x, conv_state, weight, None)
     return gdn_ref.conv_verify(x, conv_state, weight)
 
 
@@ -58,6 +81,10 @@ def paged_attention(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_l
         attrs = {"layer": int(layer), "causal": int(bool(causal)), "scale": float(scale)}
         return _node("PagedAttention", (q, k_new, v_new, kv_pool, block_table, kv_start, kv_len), attrs,
                      (q.dtype,), (q.shape,))[0]
+    dflash = _cuda_ops(q)
+    if dflash is not None:
+        return dflash.paged_attention(q, k_new, v_new, kv_pool, int(layer), block_table, kv_start, kv_len,
+                                      bool(causal), float(scale))
     return attention_ref.paged_attention_ref(
         q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale
     )
