@@ -28,6 +28,7 @@ from ..abi import DRAFTER_BLOCK, DRAFTER_CTX, PoolSizes, graph_io
 from ..manifest import Manifest, ManifestError, diff_io, expected_graphs
 
 TWO_GB = 2 * 1024**3
+MAX_IR = 10  # onnx >= 1.16 writes newer IR versions than onnxruntime 1.30 / TensorRT parsers accept
 DEFAULT_KS = (1, 2, 3, 4, 8, 16)
 _SOURCES = ("export/onnx_export.py", "export/onnx_functions.py", "export/ops.py", "export/target.py",
             "export/drafter.py", "export/gdn_ref.py", "export/attention_ref.py", "dflash_trt/abi.py",
@@ -103,13 +104,20 @@ def export_graph(name, target, drafter, sizes, path, *, batch="B", want_logits=T
     big = weights > TWO_GB - 64 * 1024**2
     log = io.StringIO()
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # torchvision notes
-    with warnings.catch_warnings(), contextlib.redirect_stdout(log), torch.no_grad():
-        warnings.simplefilter("ignore")
-        prog = torch.onnx.export(mod, args, input_names=[n for n, _, _ in ins], output_names=[n for n, _, _ in outs],
-                                 dynamo=True, dynamic_shapes=_dynamic_shapes(ins) if batch == "B" else None,
-                                 optimize=True, verbose=False)
-        prog.save(path, external_data=big)
+    # opt_einsum (when installed) plans multi-operand einsums on concrete sizes, which pins the batch dim
+    opt_einsum = torch.backends.opt_einsum.enabled
+    torch.backends.opt_einsum.enabled = False
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(log), torch.no_grad():
+            warnings.simplefilter("ignore")
+            prog = torch.onnx.export(mod, args, input_names=[n for n, _, _ in ins],
+                                     output_names=[n for n, _, _ in outs], dynamo=True, optimize=True, verbose=False,
+                                     dynamic_shapes=_dynamic_shapes(ins) if batch == "B" else None)
+            prog.save(path, external_data=big)
+    finally:
+        torch.backends.opt_einsum.enabled = opt_einsum
     model = onnx.load(path, load_external_data=False)
+    model.ir_version = min(model.ir_version, MAX_IR)
     add_functions(model)
     model.producer_name, model.doc_string = "dflash-trt", f"dflash-trt graph {name}"
     onnx.save(model, path)

@@ -263,6 +263,7 @@ def single_op_model(op: str, inputs: dict, attrs: dict | None = None, opset: int
         [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape) for n, a in inputs.items()],
         [helper.make_tensor_value_info(n, first if i == 0 else TensorProto.FLOAT, inputs[like].shape)
          for i, (n, like) in enumerate(zip(outs, OUT_LIKE[op]))])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, OP_VERSION)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, OP_VERSION)],
+                          ir_version=10)  # what onnxruntime >= 1.17 and TensorRT parsers read
     add_functions(m)
     return m
