@@ -124,15 +124,16 @@ def _gdn_checks(B, T, Hk, Hv, dk, dv, cg):
 
 
 def _gdn_cg(B, Hv, dk, dv, cg, allowed):
-    """Column-group factor: a CTA owns 32*cg state columns of one head. 0/None = auto (the largest
-    allowed cg that still gives >= 264 CTAs, i.e. two per SM on an H200); DFLASH_GDN_CG overrides."""
+    """Column-group factor: a CTA owns 32*cg state columns of one head. 0/None = auto: the largest
+    allowed cg that still gives >= 256 CTAs (H200 measurements: cg1 best at B=1, cg4 at B=8 and 64
+    on Qwen3-Next shapes); DFLASH_GDN_CG overrides."""
     if cg is None:
         cg = int(os.environ.get("DFLASH_GDN_CG", "0"))
     if cg not in (0, 1, 2, 4):
         raise KernelError(f"gdn: column-group factor cg={cg} must be 0 (auto), 1, 2 or 4")
     allowed = [c for c in allowed if c != 4 or dk == 128]
     if cg == 0:
-        cg = next((c for c in sorted(allowed, reverse=True) if dv % (32 * c) == 0 and B * Hv * dv // (32 * c) >= 264), 1)
+        cg = next((c for c in sorted(allowed, reverse=True) if dv % (32 * c) == 0 and B * Hv * dv // (32 * c) >= 256), 1)
     while cg > 1 and (cg not in allowed or dv % (32 * cg)):
         cg //= 2
     return cg
