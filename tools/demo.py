@@ -36,15 +36,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--gamma", type=int, default=None)
-    p.add_argument("--backend", default="torch", choices=["torch"])
+    p.add_argument("--backend", default="ort", choices=["ort", "torch"],
+                   help="ort: ONNX graphs on ONNX Runtime (exported once, cached); torch: reference modules")
 
 
 def run(args) -> int:
-    from .generate import load_runtime
+    from ..config import DrafterConfig, read_json
+    from .generate import load_runtime, verify_widths
 
     tdir, ddir, what = default_pair()
     print(f"model: {what}\nbackend: {args.backend} (CPU)")
-    rt, codec = load_runtime(tdir, ddir, args.backend, PoolSizes(max_seq_len=1024, kv_blocks=80, dkv_blocks=160))
+    block = DrafterConfig.from_dict(read_json(os.path.join(ddir, "config.json"))).block_size
+    sizes = PoolSizes(max_seq_len=512, kv_blocks=40, dkv_blocks=80, max_seqs=1)
+    rt, codec = load_runtime(tdir, ddir, args.backend, sizes, ks=verify_widths(args.gamma, block, True))
     ids = codec.encode(args.prompt)
     plain, sp = rt.generate(ids, args.max_new_tokens, spec=False)
     spec, ss = rt.generate(ids, args.max_new_tokens, gamma=args.gamma)
