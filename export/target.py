@@ -49,7 +49,7 @@ class GatedRMSNorm(nn.Module):
 
 def rope_cos_sin(positions, rotary_dim: int, theta: float, dtype):
     """positions [B,T] -> cos, sin [B,T,rotary_dim] (NeoX layout: frequencies repeated twice)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim))
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
