@@ -190,6 +190,19 @@ class TargetModel(nn.Module):
     def logits(self, h):
         return self.lm_head(self.norm(h)).float()
 
+    def forward_full(self, input_ids, want_logits=True):
+        """Whole sequences [B,T] from empty state, no cache: the dense oracle path (tests, training)."""
+        c, (B, T) = self.cfg, input_ids.shape
+        dev, dt = input_ids.device, self.embed_tokens.weight.dtype
+        zeros = lambda *shape, dtype=dt: torch.zeros(shape, dtype=dtype, device=dev)
+        return self.step(
+            input_ids, torch.arange(T, device=dev).expand(B, T), torch.arange(B, device=dev),
+            zeros(B, dtype=torch.long), zeros(B, 1, dtype=torch.long),
+            zeros(len(c.attn_layers), 2, 1, 1, c.num_kv_heads, c.head_dim),
+            zeros(len(c.gdn_layers), B, c.lin_num_v_heads, c.lin_k_dim, c.lin_v_dim, dtype=torch.float32),
+            zeros(len(c.gdn_layers), B, c.conv_dim, c.conv_kernel - 1), want_logits=want_logits,
+        )
+
     def step(self, input_ids, positions, slot, seq_len, block_table, kv_pool, gdn_pool, conv_pool,
              valid_len=None, want_logits=False):
         """One target graph. input_ids/positions [B,T] int64; slot, seq_len [B]; block_table [B,max_blocks];

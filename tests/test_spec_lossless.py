@@ -32,15 +32,10 @@ def pair(tmp_path_factory):
 
 def full_ctx_rows(target, drafter, tokens):
     """Drafter ctx K/V rows for every position, recomputed from one dense target pass (the oracle)."""
-    c = target.cfg
     ids = torch.tensor([tokens])
     T = ids.shape[1]
-    kv = torch.zeros(len(c.attn_layers), 2, 1, 4, c.num_kv_heads, c.head_dim)
-    gdn = torch.zeros(len(c.gdn_layers), 1, c.lin_num_v_heads, c.lin_k_dim, c.lin_v_dim)
-    conv = torch.zeros(len(c.gdn_layers), 1, c.conv_dim, c.conv_kernel - 1)
     with torch.no_grad():
-        out = target.step(ids, torch.arange(T)[None], torch.tensor([0]), torch.tensor([0]),
-                          torch.zeros(1, 1, dtype=torch.long), kv, gdn, conv)
+        out = target.forward_full(ids, want_logits=False)
         return drafter.ctx(out["ctx_hidden"], torch.arange(T)[None])["dkv_rows"][:, :, 0].numpy()
 
 

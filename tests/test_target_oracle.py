@@ -18,15 +18,8 @@ CASES = [("qwen3_next", 1), ("qwen3_next", 2), ("qwen3_5", 1), ("qwen3_5", 2)]
 
 def dense_logits(model, ids):
     """Full-sequence logits of our target through its graph entry point, from empty pools."""
-    c = model.cfg
-    T = ids.shape[1]
-    kv = torch.zeros(len(c.attn_layers), 2, 1, 16, c.num_kv_heads, c.head_dim)
-    gdn = torch.zeros(len(c.gdn_layers), 1, c.lin_num_v_heads, c.lin_k_dim, c.lin_v_dim)
-    conv = torch.zeros(len(c.gdn_layers), 1, c.conv_dim, c.conv_kernel - 1)
     with torch.no_grad():
-        out = model.step(ids, torch.arange(T)[None], torch.tensor([0]), torch.tensor([0]),
-                         torch.zeros(1, 1, dtype=torch.long), kv, gdn, conv, want_logits=True)
-    return out["logits"]
+        return model.forward_full(ids)["logits"]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{k}-r{r}" for k, r in CASES])
