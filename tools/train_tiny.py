@@ -150,9 +150,26 @@ def train_tokenizer(texts, vocab: int = 4096):
 
 
 def function_prompts(files, tok, n: int, seed: int, max_tokens: int = 96) -> list[str]:
-    """First lines of functions of held-out files: the `def` line(s) and the first body line, dedented,
-    ending at the end of that line's text (a natural token boundary: the next token starts with a
-    newline). Picked evenly over the sorted candidates with a seeded shuffle, at most 2 per file."""
+    """Held-out prompts: function_snippets of held-out files, picked with a seeded shuffle, at most 2 per file."""
+    cands = function_snippets(files, tok, max_tokens)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(cands))
+    chosen, used = [], {}
+    for i in order:
+        rel, s = cands[i]
+        if used.get(rel, 0) >= 2 or s in chosen:
+            continue
+        used[rel] = used.get(rel, 0) + 1
+        chosen.append(s)
+        if len(chosen) == n:
+            break
+    return chosen
+
+
+def function_snippets(files, tok, max_tokens: int = 96) -> list[tuple[str, str]]:
+    """(file, snippet): first lines of every function: the `def` line(s) and the first body line,
+    dedented, ending at the end of that line's text (a natural token boundary: the next token starts
+    with a newline). Sorted by file, then line."""
     cands = []
     for rel, text in files:
         try:
@@ -177,18 +194,7 @@ def function_prompts(files, tok, n: int, seed: int, max_tokens: int = 96) -> lis
             per_file.append((node.lineno, snippet))
         per_file.sort()
         cands += [(rel, s) for _, s in per_file]
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(cands))
-    chosen, used = [], {}
-    for i in order:
-        rel, s = cands[i]
-        if used.get(rel, 0) >= 2 or s in chosen:
-            continue
-        used[rel] = used.get(rel, 0) + 1
-        chosen.append(s)
-        if len(chosen) == n:
-            break
-    return chosen
+    return cands
 
 
 def write_prompts(path: str, prompts: list[str]) -> None:
@@ -933,6 +939,175 @@ def train(work: str, out: str, target_seconds=190.0, drafter_seconds=120.0, targ
 
 
 # ----------------------------------------------------------------------------------------------
+# stage 2b: drafter fine-tune on function-start continuations (the regime generate/demo/tests run in)
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def snippet_data(target, tok, snippets, n_new: int, dev, log, tag, batch: int = 256):
+    """Greedy continuations (n_new tokens) of function-start snippets, grouped by prompt length.
+    Returns seqs [N,Tmax] (right-padded with 0), prompt lengths [N], ctx [N,Tmax,F] bf16 (pad rows 0:
+    a block at anchor a only sees ctx rows < a, and a + BLOCK - 1 < P + n_new, so pads are never read)."""
+    t0 = time.time()
+    enc = [tok.encode(s).ids for s in snippets]
+    groups = {}
+    for ids in enc:
+        groups.setdefault(len(ids), []).append(ids)
+    Tmax = max(groups) + n_new
+    taps = target.tap_ids
+    seqs, plens, ctxs = [], [], []
+    for P in sorted(groups):
+        g = groups[P]
+        for i in range(0, len(g), batch):
+            prompt = torch.tensor(g[i:i + batch], device=dev)
+            sq = greedy_generate(target, prompt, n_new)
+            _, c = target_forward(target, sq, taps, with_logits=False)
+            seqs.append(F.pad(sq, (0, Tmax - sq.shape[1])))
+            ctxs.append(F.pad(c, (0, 0, 0, Tmax - sq.shape[1])).to(torch.bfloat16))
+            plens.append(torch.full((sq.shape[0],), P, device=dev))
+    seqs, plens, ctxs = torch.cat(seqs), torch.cat(plens), torch.cat(ctxs)
+    log(f"snippet data ({tag}): {seqs.shape[0]} function starts + {n_new} greedy tokens, "
+        f"{len(groups)} prompt lengths, {time.time() - t0:.0f} s")
+    return seqs, plens, ctxs
+
+
+@torch.no_grad()
+def simulate_tau(drafter, data, mask_id, n_new: int, data_new: int, gamma: int = BLOCK - 1, batch: int = 128):
+    """Exact offline replay of greedy speculative decoding over the target's own continuations: block at
+    anchor a (the bonus token's position), accept the all-correct prefix of the gamma drafts, next anchor
+    a + accepted + 1, until n_new tokens (the first comes from prefill, as in Runtime.generate).
+    data_new: how many greedy tokens each sequence holds after its prompt (>= n_new + BLOCK - 2 is exact)
+    Returns (mean tau per sequence, pooled tau)."""
+    seqs, plens, ctx = data
+    drafter.eval()
+    taus, tot_tok, tot_steps = [], 0, 0
+    for i in range(0, seqs.shape[0], batch):
+        s, p, c = seqs[i:i + batch], plens[i:i + batch], ctx[i:i + batch].float()
+        B = s.shape[0]
+        anc = p.clone()
+        end = p + n_new  # sequence positions P .. P+n_new-1 are the new tokens
+        acc_sum = torch.zeros(B, dtype=torch.long, device=s.device)
+        steps = torch.zeros(B, dtype=torch.long, device=s.device)
+        while True:
+            live = anc + 1 < end  # Runtime.generate: loop while fewer than n_new tokens
+            if not live.any():
+                break
+            a = torch.minimum(anc, p + data_new - BLOCK)[:, None]  # labels must exist (clamp only if data is short)
+            block, labels = _blocks(s, a, mask_id)
+            d = drafter_blocks(drafter, c, a, block)[:, 0, 1:gamma + 1].argmax(-1)
+            ok = (d == labels[:, 0, 1:gamma + 1]).long().cumprod(-1).sum(-1)
+            ok = torch.where(a[:, 0] == anc, ok, torch.zeros_like(ok))
+            acc_sum += torch.where(live, ok, 0)
+            steps += live.long()
+            anc = torch.where(live, anc + ok + 1, anc)
+        taus += ((acc_sum + steps).float() / steps.clamp(min=1)).tolist()
+        tot_tok += int((acc_sum + steps).sum())
+        tot_steps += int(steps.sum())
+    drafter.train()
+    return sum(taus) / len(taus), tot_tok / max(tot_steps, 1)
+
+
+def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_held: int = 256, n_new: int = 80,
+         steps: int = 1800, batch: int = 32, anchors: int = 8, lr: float = 1e-3, seed: int = 0, device=None,
+         decay_gamma: float = 7.0) -> dict:
+    """Fine-tune models/drafter on the target's continuations of function starts of training files
+    (prompts like tests/prompts_heldout.txt, anchors in the first n_new-16 generated positions: the regime
+    of generate/demo). Cheap enough for a CPU (a few minutes of generation, ~1 s a step)."""
+    from ..export.checkpoint import load_drafter, load_target, load_tokenizer
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(seed)
+    out = out or models
+    log = Log(None)
+    tdir, ddir = os.path.join(models, "target"), os.path.join(models, "drafter")
+    with open(os.path.join(ddir, "config.json")) as f:
+        dcfg_d = json.load(f)
+    taps = dcfg_d["dflash_config"]["target_layer_ids"]
+    mask_id = dcfg_d["dflash_config"]["mask_token_id"]
+    target = load_target(tdir, torch.float32, tap_ids=taps).to(dev)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    drafter = load_drafter(ddir, target, torch.float32).to(dev)
+    drafter.bind_target(target)
+    tok = load_tokenizer(tdir)
+    with open(os.path.join(work, "meta.json")) as f:
+        meta = json.load(f)
+    files = stdlib_sources(meta.get("stdlib"))
+    rng = np.random.default_rng(seed + 3)
+
+    def pick(files_, n, n_lengths):
+        """n snippets whose token lengths are among the n_lengths most common ones (few length groups
+        keep the batched greedy generation cheap on a CPU)."""
+        sn = [x[1] for x in function_snippets(files_, tok)]
+        lens = [len(tok.encode(x).ids) for x in sn]
+        common = sorted(set(lens), key=lambda L: (-lens.count(L), L))[:n_lengths]
+        sn = [x for x, L in zip(sn, lens) if L in common]
+        return [sn[i] for i in rng.permutation(len(sn))[:n]]
+
+    tr_sn = pick([f for f in files if not is_heldout(f[0])], n_train, 8)
+    he_sn = pick([f for f in files if is_heldout(f[0])], n_held, 4)
+    key = hashlib.sha1(json.dumps([tr_sn, he_sn, n_new]).encode() + open(os.path.join(tdir, "model.safetensors"),
+                                                                          "rb").read()).hexdigest()[:12]
+    cache = os.path.join(work, f"tune_data_{key}.pt")  # the continuations depend only on target + snippets
+    if os.path.isfile(cache):
+        train_data, held_data = (tuple(t.to(dev) for t in d) for d in torch.load(cache))
+        log(f"snippet data: cached {cache}")
+    else:
+        train_data = snippet_data(target, tok, tr_sn, n_new, dev, log, "train")
+        held_data = snippet_data(target, tok, he_sn, n_new, dev, log, "held-out")
+        torch.save([tuple(t.cpu() for t in train_data), tuple(t.cpu() for t in held_data)], cache)
+    before = simulate_tau(drafter, held_data, mask_id, 64, n_new)
+    log(f"drafter before tune: held-out function starts, replayed tau (64 new) mean {before[0]:.2f} pooled {before[1]:.2f}")
+
+    seqs, plens, ctx = train_data
+    N = seqs.shape[0]
+    w = torch.exp(-torch.arange(BLOCK - 1, device=dev, dtype=torch.float32) / decay_gamma)
+    gdev = torch.Generator(device=dev).manual_seed(seed + 4)
+    opt = torch.optim.AdamW(_param_groups(drafter, 0.01), lr=lr, betas=(0.9, 0.95))
+    drafter.train()
+    t0 = time.time()
+    perm, pi = torch.randperm(N, device=dev, generator=gdev), 0
+    for step in range(steps):
+        if pi + batch > N:
+            perm, pi = torch.randperm(N, device=dev, generator=gdev), 0
+        idx = perm[pi:pi + batch]
+        pi += batch
+        p = plens[idx]
+        r = torch.rand(batch, anchors, device=dev, generator=gdev)
+        span = n_new - BLOCK + 1
+        anc = (p[:, None].float() + r * span).long().clamp_(max=p[:, None] + span - 1)
+        for gp in opt.param_groups:
+            gp["lr"] = cosine_lr(step, steps, lr, 30)
+        with _autocast(dev):
+            loss, _, _ = drafter_loss(drafter, ctx[idx].float(), seqs[idx], anc, mask_id, w)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        if (step + 1) % 50 == 0 or step + 1 == steps:
+            log(f"tune step {step + 1}/{steps} loss {loss.item():.3f}", stage="tune", step=step + 1, loss=loss.item())
+    tune_s = time.time() - t0
+    _round_bf16_(drafter)
+    after = simulate_tau(drafter, held_data, mask_id, 64, n_new)
+    acc, otau, _ = eval_drafter(drafter, held_data, mask_id, dev)
+    log(f"drafter after tune: replayed tau (64 new) mean {after[0]:.2f} pooled {after[1]:.2f}; "
+        "per-position accuracy " + " ".join(f"{a:.2f}" for a in acc))
+    save_dir(drafter, dcfg_d, os.path.join(out, "drafter"))
+    rep = dict(device=str(dev), n_train=N, n_held=int(held_data[0].shape[0]), new_tokens=n_new, steps=steps,
+               batch_seqs=batch, anchors_per_seq=anchors, peak_lr=lr, seconds=round(tune_s, 1),
+               heldout_replayed_tau_before=before, heldout_replayed_tau_after=after,
+               heldout_position_accuracy=acc, events=log.data["events"])
+    lp, lg = os.path.join(out, "train_log.json"), {}
+    if os.path.isfile(lp):
+        with open(lp) as f:
+            lg = json.load(f)
+    lg["drafter_tune"] = rep
+    with open(lp, "w") as f:
+        json.dump(lg, f, indent=1)
+    return rep
+
+
+# ----------------------------------------------------------------------------------------------
 # stage 3: finalize
 # ----------------------------------------------------------------------------------------------
 
@@ -963,6 +1138,9 @@ def finalize(src: str, work: str, models: str, target_src: str | None = None) ->
                 lg["target_run"] = json.load(f)
         with open(os.path.join(models, "train_log.json"), "w") as f:
             json.dump(lg, f, indent=1)
+    for r, _, fs in os.walk(models):  # copies of the device's read-only files: make them plain 0644
+        for fn in fs:
+            os.chmod(os.path.join(r, fn), 0o644)
     sizes = {n: sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(models, n)) for f in fs)
              for n in ("target", "drafter")}
     print(f"finalize: {models}/target {sizes['target'] / 1e6:.1f} MB, {models}/drafter {sizes['drafter'] / 1e6:.1f} MB")
@@ -1073,6 +1251,16 @@ def main(argv=None) -> int:
     fp.add_argument("--work", default=".train_data")
     fp.add_argument("--models", default="models")
     fp.add_argument("--target-src", default=None, help="take target/ (and its log) from this run's dir instead")
+    up = sub.add_parser("tune")
+    up.add_argument("--models", default="models")
+    up.add_argument("--work", default=".train_data")
+    up.add_argument("--out", default=None, help="where drafter/ goes (default: --models, in place)")
+    up.add_argument("--n-train", type=int, default=6144)
+    up.add_argument("--steps", type=int, default=1800)
+    up.add_argument("--device", default=None)
+    up.add_argument("--lr", type=float, default=1e-3)
+    up.add_argument("--anchors", type=int, default=8)
+    up.add_argument("--seed", type=int, default=0)
     sub.add_parser("selfcheck")
     a = p.parse_args(argv)
     if a.cmd == "prepare":
@@ -1086,6 +1274,9 @@ def main(argv=None) -> int:
               held_prompt_lens=[int(x) for x in a.held_prompt_lens.split(",")] if a.held_prompt_lens else None)
         if a.cmd == "all":
             finalize(a.out, a.work, a.models)
+    elif a.cmd == "tune":
+        tune(a.models, a.work, a.out, n_train=a.n_train, steps=a.steps, device=a.device, lr=a.lr, anchors=a.anchors,
+             seed=a.seed)
     elif a.cmd == "finalize":
         finalize(a.src, a.work, a.models, a.target_src)
     else:
