@@ -1009,7 +1009,7 @@ def simulate_tau(drafter, data, mask_id, n_new: int, data_new: int, gamma: int =
 
 def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_held: int = 256, n_new: int = 80,
          steps: int = 1800, batch: int = 32, anchors: int = 8, lr: float = 1e-3, seed: int = 0, device=None,
-         decay_gamma: float = 7.0) -> dict:
+         decay_gamma: float = 7.0, n_lengths: int = 8) -> dict:
     """Fine-tune models/drafter on the target's continuations of function starts of training files
     (prompts like tests/prompts_heldout.txt, anchors in the first n_new-16 generated positions: the regime
     of generate/demo). Cheap enough for a CPU (a few minutes of generation, ~1 s a step)."""
@@ -1033,9 +1033,7 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
     with open(os.path.join(work, "meta.json")) as f:
         meta = json.load(f)
     files = stdlib_sources(meta.get("stdlib"))
-    rng = np.random.default_rng(seed + 3)
-
-    def pick(files_, n, n_lengths):
+    def pick(files_, n, n_lengths, rng):
         """n snippets whose token lengths are among the n_lengths most common ones (few length groups
         keep the batched greedy generation cheap on a CPU)."""
         sn = [x[1] for x in function_snippets(files_, tok)]
@@ -1044,8 +1042,8 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
         sn = [x for x, L in zip(sn, lens) if L in common]
         return [sn[i] for i in rng.permutation(len(sn))[:n]]
 
-    tr_sn = pick([f for f in files if not is_heldout(f[0])], n_train, 8)
-    he_sn = pick([f for f in files if is_heldout(f[0])], n_held, 4)
+    tr_sn = pick([f for f in files if not is_heldout(f[0])], n_train, n_lengths, np.random.default_rng(seed + 3))
+    he_sn = pick([f for f in files if is_heldout(f[0])], n_held, 4, np.random.default_rng(3))  # fixed eval set
     key = hashlib.sha1(json.dumps([tr_sn, he_sn, n_new]).encode() + open(os.path.join(tdir, "model.safetensors"),
                                                                           "rb").read()).hexdigest()[:12]
     cache = os.path.join(work, f"tune_data_{key}.pt")  # the continuations depend only on target + snippets
@@ -1093,7 +1091,8 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
     log(f"drafter after tune: replayed tau (64 new) mean {after[0]:.2f} pooled {after[1]:.2f}; "
         "per-position accuracy " + " ".join(f"{a:.2f}" for a in acc))
     save_dir(drafter, dcfg_d, os.path.join(out, "drafter"))
-    rep = dict(device=str(dev), n_train=N, n_held=int(held_data[0].shape[0]), new_tokens=n_new, steps=steps,
+    rep = dict(device=str(dev), init_drafter=ddir, n_train=N, prompt_lengths=n_lengths, seed=seed,
+               loss_decay_gamma=decay_gamma, n_held=int(held_data[0].shape[0]), new_tokens=n_new, steps=steps,
                batch_seqs=batch, anchors_per_seq=anchors, peak_lr=lr, seconds=round(tune_s, 1),
                heldout_replayed_tau_before=before, heldout_replayed_tau_after=after,
                heldout_position_accuracy=acc, events=log.data["events"])
@@ -1101,7 +1100,7 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
     if os.path.isfile(lp):
         with open(lp) as f:
             lg = json.load(f)
-    lg["drafter_tune"] = rep
+    lg["drafter_tunes"] = lg.get("drafter_tunes", []) + [rep]  # one entry per tune run, in order
     with open(lp, "w") as f:
         json.dump(lg, f, indent=1)
     return rep
@@ -1261,6 +1260,8 @@ def main(argv=None) -> int:
     up.add_argument("--lr", type=float, default=1e-3)
     up.add_argument("--anchors", type=int, default=8)
     up.add_argument("--seed", type=int, default=0)
+    up.add_argument("--lengths", type=int, default=8, help="use snippets of the N most common token lengths")
+    up.add_argument("--decay-gamma", type=float, default=7.0, help="loss weight exp(-(j-1)/gamma) of slot j")
     sub.add_parser("selfcheck")
     a = p.parse_args(argv)
     if a.cmd == "prepare":
@@ -1276,7 +1277,7 @@ def main(argv=None) -> int:
             finalize(a.out, a.work, a.models)
     elif a.cmd == "tune":
         tune(a.models, a.work, a.out, n_train=a.n_train, steps=a.steps, device=a.device, lr=a.lr, anchors=a.anchors,
-             seed=a.seed)
+             seed=a.seed, n_lengths=a.lengths, decay_gamma=a.decay_gamma)
     elif a.cmd == "finalize":
         finalize(a.src, a.work, a.models, a.target_src)
     else:
