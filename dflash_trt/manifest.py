@@ -19,7 +19,7 @@ from dataclasses import asdict, fields
 import numpy as np
 
 from .abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, PoolSizes, graph_io, parse_target_graph, pool_specs, target_graph
-from .config import DrafterConfig, TargetConfig
+from .config import ConfigError, DrafterConfig, TargetConfig, read_json
 
 FORMAT = "dflash-trt-manifest"
 VERSION = 1
@@ -88,11 +88,10 @@ class Manifest:
         if not os.path.isfile(path):
             raise ManifestError(f"{path}: no manifest (run `dflash-trt export ... --out {root}` first)")
         try:
-            with open(path) as f:
-                data = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            data = read_json(path)
+        except ConfigError as e:
+            raise ManifestError(str(e)) from None
+        if data.get("format") != FORMAT:
             raise ManifestError(f"{path}: not a dflash-trt manifest (format {data.get('format')!r}, expected {FORMAT!r})")
         if data.get("version") != VERSION:
             raise ManifestError(f"{path}: manifest version {data.get('version')} but this dflash-trt reads {VERSION}")

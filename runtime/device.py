@@ -11,10 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def _n(n, B: int) -> np.ndarray:
+def _n(n, B: int, T: int | None = None) -> np.ndarray:
+    """Rows to commit per sequence as int64 [B]; with T, checked to lie in [0, T]."""
     n = np.asarray(n, dtype=np.int64).reshape(-1)
     if n.shape[0] != B:
         raise ValueError(f"n has {n.shape[0]} entries, batch is {B}")
+    if T is not None and (np.any(n < 0) or np.any(n > T)):
+        raise ValueError(f"n must be in [0, {T}], got {n.tolist()}")
     return n
 
 
@@ -49,9 +52,7 @@ class HostDevice:
         Row i of sequence b -> page block_table[b, (start_row[b]+i)//bs], offset (..)%bs.
         """
         B, T = rows.shape[2], rows.shape[3]
-        n = _n(n, B)
-        if np.any(n < 0) or np.any(n > T):
-            raise ValueError(f"n must be in [0, {T}], got {n.tolist()}")
+        n = _n(n, B, T)
         bs = pool.shape[3]
         bt = np.asarray(block_table, dtype=np.int64)
         st = np.asarray(start_row, dtype=np.int64).reshape(-1)
@@ -89,9 +90,7 @@ class HostDevice:
         """
         L, B, T, Hk, dk = k_hat.shape
         Hv = v_new.shape[3]
-        n = _n(n, B)
-        if np.any(n < 0) or np.any(n > T):
-            raise ValueError(f"n must be in [0, {T}], got {n.tolist()}")
+        n = _n(n, B, T)
         sel = np.nonzero(n > 0)[0]
         if sel.size == 0:
             return
@@ -132,9 +131,7 @@ class HostDevice:
         """
         L, B, T, C = cols.shape
         W1 = pool.shape[3]
-        n = _n(n, B)
-        if np.any(n < 0) or np.any(n > T):
-            raise ValueError(f"n must be in [0, {T}], got {n.tolist()}")
+        n = _n(n, B, T)
         sel = np.nonzero(n > 0)[0]
         if sel.size == 0:
             return
