@@ -12,7 +12,7 @@ from ..abi import PoolSizes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "models")
-DEFAULT_PROMPT = "def fibonacci(n):\n    "
+DEFAULT_PROMPT = 'def test_trailing_garbage(self):\n    data = tarfile.TarInfo("foo").tobuf()'
 
 
 def cache_dir() -> str:
