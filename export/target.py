@@ -143,15 +143,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_pool, pool_layer, block_table, seq_len):
-        """Returns (y [B,T,H], k_rows, v_rows [B,T,Hkv,hd]) — rows post-norm, post-RoPE, as cached."""
+    def qkv(self, x, cos, sin):
+        """x [B,T,H] -> q, gate [B,T,Hq,hd] and k, v [B,T,Hkv,hd]; q/k normed and RoPE'd (k as cached)."""
         c = self.cfg
         B, T, _ = x.shape
         qg = self.q_proj(x).view(B, T, c.num_heads, 2 * c.head_dim)
         q, gate = qg[..., : c.head_dim], qg[..., c.head_dim :]
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim)), cos, sin)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        return q, gate, k, self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+
+    def forward(self, x, cos, sin, kv_pool, pool_layer, block_table, seq_len):
+        """Returns (y [B,T,H], k_rows, v_rows [B,T,Hkv,hd]) — rows post-norm, post-RoPE, as cached."""
+        c = self.cfg
+        B, T, _ = x.shape
+        q, gate, k, v = self.qkv(x, cos, sin)
         zero = torch.zeros_like(seq_len)
         o = ops.paged_attention(
             q, k, v, kv_pool, pool_layer, block_table, zero, seq_len, True, c.head_dim**-0.5

@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from ..config import DrafterConfig, TargetConfig
 from ..export.drafter import Drafter
 from ..export.gdn_ref import gdn_gates, gdn_recurrent, l2norm
-from ..export.target import TargetModel, apply_rope
+from ..export.target import TargetModel, apply_rope, rope_cos_sin
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 BLOCK = 16
@@ -327,16 +327,6 @@ def _gdn_chunk_fast(q, k, v, g, beta, state=None, chunk: int = 64):
     return o, S
 
 
-def rope_cos_sin(positions, rotary_dim: int, theta: float, dtype):
-    """export.target.rope_cos_sin, with the frequencies made on the positions' device (that one builds
-    them on the CPU, which fails for CUDA positions)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device)
-                                / rotary_dim))
-    freqs = positions.to(torch.float32)[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 def _gdn_layer(mod, x, conv_state=None, state=None, recurrent=False):
     """GatedDeltaNet.forward, dense. Returns (y, pre-conv cols, final GDN state)."""
     c = mod.cfg
@@ -358,17 +348,6 @@ def _gdn_layer(mod, x, conv_state=None, state=None, recurrent=False):
         o, S = gdn_chunk_fast(q, k, v, g, beta, state)
     y = mod.out_proj(mod.norm(o.to(x.dtype), z).reshape(B, T, Hv * dv))
     return y, cols, S
-
-
-def _attn_qkv(att, x, cos, sin):
-    c = att.cfg
-    B, T, _ = x.shape
-    qg = att.q_proj(x).view(B, T, c.num_heads, 2 * c.head_dim)
-    q, gate = qg[..., : c.head_dim], qg[..., c.head_dim:]
-    q = apply_rope(att.q_norm(q), cos, sin)
-    k = apply_rope(att.k_norm(att.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim)), cos, sin)
-    v = att.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
-    return q, gate, k, v
 
 
 def _sdpa(q, k, v, causal, scale, mask=None):
@@ -395,7 +374,7 @@ def target_forward(model: TargetModel, ids, taps=(), with_logits=True):
         x = layer.input_layernorm(h)
         if layer.is_attention:
             att = layer.self_attn
-            q, gate, k, v = _attn_qkv(att, x, cos, sin)
+            q, gate, k, v = att.qkv(x, cos, sin)
             o = _sdpa(q, k, v, True, cfg.head_dim**-0.5)
             y = att.o_proj((o * torch.sigmoid(gate)).reshape(B, T, cfg.num_heads * cfg.head_dim))
         else:
@@ -433,7 +412,7 @@ def greedy_generate(model: TargetModel, prompt, n_new: int):
             x = layer.input_layernorm(h)
             if layer.is_attention:
                 att = layer.self_attn
-                q, gate, k, v = _attn_qkv(att, x, cos, sin)
+                q, gate, k, v = att.qkv(x, cos, sin)
                 kcache[ia][:, t0:t0 + T], vcache[ia][:, t0:t0 + T] = k, v
                 o = _sdpa(q, kcache[ia][:, :t0 + T], vcache[ia][:, :t0 + T], T > 1, cfg.head_dim**-0.5)
                 y = att.o_proj((o * torch.sigmoid(gate)).reshape(B, T, -1))
@@ -894,7 +873,6 @@ def train(work: str, out: str, target_seconds=190.0, drafter_seconds=120.0, targ
                  max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
 
     # the fast training math vs the reference path (TargetModel.step) on held-out text, fp32
-    # (the reference runs on a CPU copy: export/target.py's rope_cos_sin builds its tables on the CPU)
     x = torch.stack([held_tok[i * 200:i * 200 + 128] for i in range(2)]).long()
     with torch.no_grad():
         ref = reference_logits(copy.deepcopy(target).cpu(), x)
