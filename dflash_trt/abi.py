@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import DrafterConfig, TargetConfig
+from dflash_trt.config import DrafterConfig, TargetConfig
 
 PREFILL = "target_prefill"
 DRAFTER_CTX = "drafter_ctx"

@@ -20,10 +20,10 @@ PASSTHROUGH = {
 
 
 def _user_errors():
-    from .config import ConfigError
-    from .export.checkpoint import CheckpointError
-    from .runtime.pools import PoolExhausted
-    from .runtime.runtime import CapacityError
+    from dflash_trt.config import ConfigError
+    from dflash_trt.export.checkpoint import CheckpointError
+    from dflash_trt.runtime.pools import PoolExhausted
+    from dflash_trt.runtime.runtime import CapacityError
 
     return (ConfigError, CheckpointError, CapacityError, PoolExhausted, NotImplementedError)
 

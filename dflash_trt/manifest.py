@@ -18,8 +18,8 @@ from dataclasses import asdict, fields
 
 import numpy as np
 
-from .abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, PoolSizes, graph_io, parse_target_graph, pool_specs, target_graph
-from .config import ConfigError, DrafterConfig, TargetConfig, read_json
+from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, PoolSizes, graph_io, parse_target_graph, pool_specs, target_graph
+from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, read_json
 
 FORMAT = "dflash-trt-manifest"
 VERSION = 1

@@ -17,10 +17,10 @@ import sys
 import time
 import warnings
 
-from ..abi import parse_target_graph
-from ..manifest import Manifest, ManifestError, diff_io
-from ..plugins import trt_compat as C
-from .network import (BuildError, builder_config, cc_str, file_sha256, graph_files, local_gpu_cc, network_io,
+from dflash_trt.abi import parse_target_graph
+from dflash_trt.manifest import Manifest, ManifestError, diff_io
+from dflash_trt.plugins import trt_compat as C
+from dflash_trt.engines.network import (BuildError, builder_config, cc_str, file_sha256, graph_files, local_gpu_cc, network_io,
                       parse_cc, parse_graph, resolve_ccs)
 
 ENGINE_DIR = "engines"
@@ -54,7 +54,7 @@ def _load_timing_cache(cfg_factory, path):
 def build_one(man: Manifest, name: str, *, builder, ccs, plugins=True, batch=None, timing_cache=None,
               opt_level=None, out_dir=None) -> dict:
     """Build the engine of graph `name`; returns its manifest record (the engine file is written)."""
-    from ..plugins import trt_plugins
+    from dflash_trt.plugins import trt_plugins
 
     rec_g = man.require_graph(name)
     onnx_path = man.graph_path(name)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..manifest import Manifest, ManifestError, diff_io
-from ..plugins import trt_compat as C
-from .network import cc_str, file_sha256, graph_files, local_gpu_cc
+from dflash_trt.manifest import Manifest, ManifestError, diff_io
+from dflash_trt.plugins import trt_compat as C
+from dflash_trt.engines.network import cc_str, file_sha256, graph_files, local_gpu_cc
 
 
 class EngineError(RuntimeError):
@@ -37,7 +37,7 @@ def engine_record(man, graph: str) -> dict:
 
 def check_engine(man, graph: str, *, allow_unsupported_shapes=False, verify_engine_hash=True) -> dict:
     """The engine's record if it may be loaded by this process; EngineError otherwise (no GPU needed)."""
-    from ..plugins import trt_plugins
+    from dflash_trt.plugins import trt_plugins
 
     man = _manifest(man)
     rec = engine_record(man, graph)
@@ -137,7 +137,7 @@ _runtimes: dict = {}
 
 def load_engine(man, graph: str, *, allow_unsupported_shapes=False, cc=None, logger=None) -> LoadedEngine:
     """Check, register the plugin creators, deserialize, and compare I/O with the manifest."""
-    from ..plugins import trt_plugins
+    from dflash_trt.plugins import trt_plugins
 
     man = _manifest(man)
     rec = check_engine(man, graph, allow_unsupported_shapes=allow_unsupported_shapes)

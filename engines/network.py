@@ -13,7 +13,7 @@ import os
 import re
 from collections import Counter
 
-from ..plugins import trt_compat as C
+from dflash_trt.plugins import trt_compat as C
 
 DOMAIN = "dflash"
 
@@ -68,7 +68,7 @@ def _fmt(counts) -> str:
 def parse_graph(builder, onnx_path: str, *, plugins: bool, logger=None):
     """(network, parser, info). info: nodes {op: n}, plugin_layers {op: n}, inlined {op: n}, layers."""
     trt = C.require()
-    from ..plugins import trt_plugins
+    from dflash_trt.plugins import trt_plugins
 
     nodes = dflash_nodes(onnx_path)
     if plugins:

@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..config import ConfigError, DrafterConfig, TargetConfig, read_json
-from .drafter import Drafter
-from .target import TargetModel
+from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, read_json
+from dflash_trt.export.drafter import Drafter
+from dflash_trt.export.target import TargetModel
 
 
 class CheckpointError(ValueError):
@@ -94,11 +94,11 @@ def _target_prefix(src: WeightSource) -> str:
     raise CheckpointError(f"{src.files[0]}: missing tensor 'model.embed_tokens.weight' (not a Qwen3-Next/3.5 decoder?)")
 
 
-def load_target(d: str, dtype=torch.float32, tap_ids=None) -> TargetModel:
+def load_target(d: str, dtype=torch.float32) -> TargetModel:
     cfg = TargetConfig.from_dict(read_json(os.path.join(d, "config.json")), os.path.join(d, "config.json"))
     src = WeightSource(d)
     prefix = _target_prefix(src)
-    model = TargetModel(cfg, tap_ids)
+    model = TargetModel(cfg)
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in src.where
     if tied and not cfg.tie_word_embeddings:
         raise CheckpointError(f"{src.files[0]}: missing tensor 'lm_head.weight' and tie_word_embeddings is false")

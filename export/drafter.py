@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import DrafterConfig
-from . import ops
-from .target import MLP, apply_rope, rope_cos_sin
+from dflash_trt.config import DrafterConfig
+from dflash_trt.export import ops
+from dflash_trt.export.target import MLP, apply_rope, rope_cos_sin
 
 
 class PlainRMSNorm(nn.Module):
@@ -76,7 +76,9 @@ class Drafter(nn.Module):
         self._target = ()  # (embed_tokens, lm_head) borrowed from the target; a tuple keeps them out of state_dict
 
     def bind_target(self, target) -> "Drafter":
+        """Borrow the target's embedding and lm_head, and make the target emit this drafter's taps."""
         self._target = (target.embed_tokens, target.lm_head)
+        target.tap_ids = list(self.cfg.target_layer_ids)
         return self
 
     def _rope(self, positions, dtype):

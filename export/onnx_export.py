@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib
 import io
 import json
 import logging
@@ -24,15 +25,16 @@ import time
 import warnings
 from dataclasses import asdict
 
-from ..abi import DRAFTER_BLOCK, DRAFTER_CTX, PoolSizes, graph_io
-from ..manifest import Manifest, ManifestError, diff_io, expected_graphs
+from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PoolSizes, graph_io
+from dflash_trt.manifest import Manifest, ManifestError, diff_io, expected_graphs
 
 TWO_GB = 2 * 1024**3
 MAX_IR = 10  # onnx >= 1.16 writes newer IR versions than onnxruntime 1.30 / TensorRT parsers accept
 DEFAULT_KS = (1, 2, 3, 4, 8, 16)
-_SOURCES = ("export/onnx_export.py", "export/onnx_functions.py", "export/ops.py", "export/target.py",
-            "export/drafter.py", "export/gdn_ref.py", "export/attention_ref.py", "dflash_trt/abi.py",
-            "dflash_trt/manifest.py")
+# The modules whose source decides what an export contains (the cache key hashes them).
+_SOURCES = ("dflash_trt.export.onnx_export", "dflash_trt.export.onnx_functions", "dflash_trt.export.ops",
+            "dflash_trt.export.target", "dflash_trt.export.drafter", "dflash_trt.export.gdn_ref",
+            "dflash_trt.export.attention_ref", "dflash_trt.abi", "dflash_trt.manifest")
 
 
 def _graph_module(name, target, drafter, in_names, out_names, want_logits):
@@ -94,7 +96,7 @@ def export_graph(name, target, drafter, sizes, path, *, batch="B", want_logits=T
     import onnx
     import torch
 
-    from .onnx_functions import add_functions
+    from dflash_trt.export.onnx_functions import add_functions
 
     tcfg, dcfg = target.cfg, drafter.cfg if drafter is not None else None
     ins, outs = graph_io(name, tcfg, dcfg, sizes, B=batch, want_logits=want_logits, kv_dtype=kv_dtype)
@@ -137,18 +139,13 @@ def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSiz
     """Export every graph of the ABI into out_dir and write out_dir/manifest.json."""
     import torch
 
-    from ..config import DrafterConfig, read_json
-    from .checkpoint import checkpoint_hash, load_drafter, load_target
+    from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
 
     sizes = sizes or PoolSizes()
     progress = progress or (lambda *_: None)
     t_all = time.perf_counter()
-    taps = None
-    if drafter_dir:
-        p = os.path.join(drafter_dir, "config.json")
-        taps = DrafterConfig.from_dict(read_json(p), p).target_layer_ids
     tdt = getattr(torch, dtype)
-    target = load_target(model_dir, tdt, tap_ids=taps)
+    target = load_target(model_dir, tdt)
     drafter = load_drafter(drafter_dir, target, tdt) if drafter_dir else None
     man = Manifest.new(target.cfg, drafter.cfg if drafter else None, sizes, ks, batch=batch, want_logits=want_logits,
                        kv_dtype=dtype, target={"dir": os.path.abspath(model_dir), "hash": checkpoint_hash(model_dir)},
@@ -177,15 +174,10 @@ def _mb(n: int) -> str:
 
 
 def _source_hash() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     h = hashlib.sha256()
-    for rel in _SOURCES:
-        p = os.path.join(root, rel)
-        if not os.path.isfile(p):  # installed layout: dflash_trt/export/..., dflash_trt/abi.py
-            p = os.path.join(root, rel.replace("dflash_trt/", ""))
-        if os.path.isfile(p):
-            with open(p, "rb") as f:
-                h.update(f.read())
+    for name in _SOURCES:
+        with open(importlib.import_module(name).__file__, "rb") as f:
+            h.update(f.read())
     return h.hexdigest()[:16]
 
 
@@ -197,7 +189,7 @@ def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None
                   batch="B", want_logits=True, dtype="float32", progress=print) -> str:
     """Export once, reuse after: the directory is keyed by both checkpoint hashes, the settings and a hash of
     the exporter's source. Returns the manifest directory."""
-    from .checkpoint import checkpoint_hash
+    from dflash_trt.export.checkpoint import checkpoint_hash
 
     sizes = sizes or PoolSizes()
     key = json.dumps([checkpoint_hash(model_dir), checkpoint_hash(drafter_dir) if drafter_dir else None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attention_ref, gdn_ref
+from dflash_trt.export import attention_ref, gdn_ref
 
 PLUGIN_ATTRS = {"plugin_namespace": "dflash", "plugin_version": "1"}
 
@@ -27,7 +27,7 @@ def _cuda_ops(t):
     Imported lazily: CPU-only installs never load cuda-python."""
     if not t.is_cuda:
         return None
-    from ..plugins import torch_ops  # noqa: F401  registers torch.ops.dflash.*
+    from dflash_trt.plugins import torch_ops  # noqa: F401  registers torch.ops.dflash.*
 
     return torch.ops.dflash
 

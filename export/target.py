@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import TargetConfig
-from . import ops
-from .gdn_ref import gdn_gates
+from dflash_trt.config import TargetConfig
+from dflash_trt.export import ops
+from dflash_trt.export.gdn_ref import gdn_gates
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""Implementation of the dflash:: torch custom ops (import plugins.torch_ops, not this module).
+"""Implementation of the dflash:: torch custom ops (import dflash_trt.plugins.torch_ops, not this module).
 CUDA impl -> our NVRTC kernels (launch.py) on torch's current stream; CPU impl -> the reference math (export/gdn_ref.py, export/attention_ref.py).
 
 Ops (index tensors may be int32 or int64; ``slot`` None means row b uses pool row b):
@@ -17,12 +17,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-try:
-    from dflash_trt.export import attention_ref, gdn_ref
-except ImportError:  # repo root on sys.path, package not installed
-    from export import attention_ref, gdn_ref
+from dflash_trt.export import attention_ref, gdn_ref
 
-from . import launch
+from dflash_trt.plugins import launch
 
 
 def _stream(t: Tensor) -> int:

@@ -12,7 +12,7 @@ import ctypes
 import os
 import threading
 
-from . import nvrtc as _nv
+from dflash_trt.plugins import nvrtc as _nv
 
 DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}
 MIN_ARCH = (8, 0)

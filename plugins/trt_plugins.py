@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import launch
-from . import trt_compat as C
+from dflash_trt.plugins import launch
+from dflash_trt.plugins import trt_compat as C
 
 NAMESPACE, VERSION = "dflash", "1"
 FLOATS = ("float32", "bfloat16", "float16")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pools import BlockAllocator, PoolExhausted
+from dflash_trt.runtime.pools import BlockAllocator, PoolExhausted
 
 
 def _reserve(seqs, n, kv_alloc: BlockAllocator, page_size: int, with_ctx: bool):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pools import BlockAllocator
+from dflash_trt.runtime.pools import BlockAllocator
 
 
 def _cdiv(a: int, b: int) -> int:

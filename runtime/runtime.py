@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, PoolSizes, pool_specs, target_graph
-from .commit import commit
-from .ctx import CtxWindow
-from .device import HostDevice
-from .gating import Gate
-from .pools import BlockAllocator, SlotPool
-from .sequence import Sequence
+from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, PoolSizes, pool_specs, target_graph
+from dflash_trt.runtime.commit import commit
+from dflash_trt.runtime.ctx import CtxWindow
+from dflash_trt.runtime.devices.host import HostDevice
+from dflash_trt.runtime.gating import Gate
+from dflash_trt.runtime.pools import BlockAllocator, SlotPool
+from dflash_trt.runtime.sequence import Sequence
 
 
 class CapacityError(ValueError):

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .ctx import CtxWindow
+from dflash_trt.runtime.ctx import CtxWindow
 
 
 @dataclass

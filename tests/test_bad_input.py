@@ -136,7 +136,7 @@ def test_drafter_fc_width_mismatch(pair_dir, tmp_path):
 
 
 def runtime(pair_dir, **sizes):
-    target = load_target(pair_dir[0], tap_ids=[1, 2])
+    target = load_target(pair_dir[0])
     drafter = load_drafter(pair_dir[1], target)
     base = dict(kv_blocks=64, page_size=4, max_seq_len=128, dkv_blocks=64, ctx_window=16, prefill_chunk=16)
     base.update(sizes)

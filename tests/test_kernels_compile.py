@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from export import attention_ref, gdn_ref
-from plugins import launch, nvrtc
+from dflash_trt.export import attention_ref, gdn_ref
+from dflash_trt.plugins import launch, nvrtc
 
 ENTRIES = {
     "gdn": [f"gdn_wy16_dk{dk}_cg{cg}_r{r}" for dk in (64, 128) for cg in (1, 2, 4)[: 3 if dk == 128 else 2]
@@ -82,7 +82,7 @@ def _gdn_inputs(B, T, Hk, Hv, dk, dv, seed=0, dtype=torch.float32):
 
 @pytest.mark.parametrize("T", [1, 5, 16, 37])
 def test_cpu_gdn_ops_equal_reference(T):
-    import plugins.torch_ops  # noqa: F401  (registers dflash::*)
+    import dflash_trt.plugins.torch_ops  # noqa: F401  (registers dflash::*)
     B, Hk, Hv, dk, dv = 3, 1, 2, 32, 16
     q, k, v, g, beta, pool = _gdn_inputs(B, T, Hk, Hv, dk, dv)
     slot = torch.tensor([4, 0, 2])
@@ -100,7 +100,7 @@ def test_cpu_gdn_ops_equal_reference(T):
 
 
 def test_cpu_conv_ops_equal_reference():
-    import plugins.torch_ops  # noqa: F401
+    import dflash_trt.plugins.torch_ops  # noqa: F401
     B, T, C, W = 3, 6, 10, 4
     x, pool, w = torch.randn(B, T, C), torch.randn(5, C, W - 1), torch.randn(C, W)
     slot = torch.tensor([1, 4, 0])
@@ -116,7 +116,7 @@ def test_cpu_conv_ops_equal_reference():
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_cpu_attention_ops_equal_reference(causal):
-    import plugins.torch_ops  # noqa: F401
+    import dflash_trt.plugins.torch_ops  # noqa: F401
     B, T, Hq, Hkv, hd, L, NB, BS = 2, 3, 4, 2, 16, 2, 12, 4
     pool = torch.randn(L, 2, NB, BS, Hkv, hd)
     bt = torch.randperm(NB)[: B * 5].view(B, 5).int()

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from export import attention_ref, gdn_ref
+from dflash_trt.export import attention_ref, gdn_ref
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -15,7 +15,7 @@ ERRS: dict = {}
 
 @pytest.fixture(scope="module", autouse=True)
 def _report():
-    import plugins.torch_ops  # noqa: F401  (registers dflash::*)
+    import dflash_trt.plugins.torch_ops  # noqa: F401  (registers dflash::*)
     yield
     print("\nKERNEL MAX ERRORS (max|got-ref| / max|ref|):")
     for k in sorted(ERRS):
@@ -217,7 +217,7 @@ def test_kv_write(B, T):
 
 
 def test_bad_inputs_raise_before_launch():
-    from plugins.launch import KernelError
+    from dflash_trt.plugins.launch import KernelError
     q, k, v, g, beta, st = _gdn_inputs(1, 2, 1, 1, 96, 128, torch.bfloat16, seed=0)
     with pytest.raises(KernelError, match="dk=96"):
         torch.ops.dflash.gdn_wy16(q, k, v, g, beta, st, None, None, False)

@@ -40,10 +40,8 @@ def torch_backend(tiny_pair, want_logits=True):
 
     from dflash_trt.export.checkpoint import load_drafter, load_target
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
-    from dflash_trt.tools.tiny import tiny_drafter_config, tiny_target_config
 
-    taps = tiny_drafter_config(tiny_target_config())["dflash_config"]["target_layer_ids"]
-    target = load_target(tiny_pair[0], torch.float32, tap_ids=taps)
+    target = load_target(tiny_pair[0], torch.float32)
     return TorchBackend(target, load_drafter(tiny_pair[1], target), want_logits=want_logits)
 
 

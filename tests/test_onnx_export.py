@@ -16,7 +16,7 @@ pytest.importorskip("onnxruntime")
 from dflash_trt.runtime.backends import make_backend  # noqa: E402
 from dflash_trt.runtime.gating import Gate  # noqa: E402
 from dflash_trt.runtime.runtime import Runtime  # noqa: E402
-from dflash_trt.tools.generate import ByteCodec  # noqa: E402
+from dflash_trt.runtime.load import ByteCodec  # noqa: E402
 
 GRAPHS = [target_graph(k) for k in KS] + [PREFILL, DRAFTER_CTX, DRAFTER_BLOCK]
 NEW = 64
@@ -241,7 +241,7 @@ def test_half_precision_graphs(tiny_pair, exported, torch_be, tmp_path):
 
     m32 = Manifest.load(exported)
     for dt in ("float16", "bfloat16"):
-        target = load_target(tiny_pair[0], getattr(torch, dt), tap_ids=m32.drafter_config.target_layer_ids)
+        target = load_target(tiny_pair[0], getattr(torch, dt))
         drafter = load_drafter(tiny_pair[1], target, getattr(torch, dt))
         path = str(tmp_path / f"target_k4_{dt}.onnx")
         export_graph("target_k4", target, drafter, SIZES, path, kv_dtype=dt)

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from runtime.ctx import CtxWindow
-from runtime.device import HostDevice
-from runtime.pools import BlockAllocator, PoolExhausted, SlotPool
+from dflash_trt.runtime.ctx import CtxWindow
+from dflash_trt.runtime.devices.host import HostDevice
+from dflash_trt.runtime.pools import BlockAllocator, PoolExhausted, SlotPool
 
 
 # ---------------------------------------------------------------- pools

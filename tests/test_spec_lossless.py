@@ -22,9 +22,7 @@ N_NEW = 64
 def pair(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("pair"))
     tdir, ddir = make_tiny_pair(d, seed=3)
-    import json
-    taps = json.load(open(ddir + "/config.json"))["dflash_config"]["target_layer_ids"]
-    target = load_target(tdir, tap_ids=taps)
+    target = load_target(tdir)
     drafter = load_drafter(ddir, target)
     prompt = list(np.random.default_rng(0).integers(0, 250, 23))
     return target, drafter, prompt

@@ -1,6 +1,5 @@
 """The torch-pool Device (the GPU path's commit through dflash:: ops) gives the same tokens as the host
 twin; on a GPU the whole spec loop runs on our CUDA kernels and matches the CPU tokens."""
-import json
 
 import numpy as np
 import pytest
@@ -9,7 +8,7 @@ import torch
 from dflash_trt.abi import PoolSizes
 from dflash_trt.export.checkpoint import load_drafter, load_target
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
-from dflash_trt.runtime.backends.torch_device import TorchDevice
+from dflash_trt.runtime.devices.torch_device import TorchDevice
 from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.tools.tiny import make_tiny_pair
@@ -24,8 +23,7 @@ def dirs(tmp_path_factory):
 
 
 def load(dirs, dtype=torch.float32, device="cpu"):
-    taps = json.load(open(dirs[1] + "/config.json"))["dflash_config"]["target_layer_ids"]
-    t = load_target(dirs[0], dtype, tap_ids=taps).to(device)
+    t = load_target(dirs[0], dtype).to(device)
     d = load_drafter(dirs[1], t, dtype).to(device)
     return t, d
 

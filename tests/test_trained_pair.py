@@ -33,7 +33,7 @@ def runs():
     pytest.importorskip("torch")
     from dflash_trt.abi import PoolSizes
     from dflash_trt.runtime.gating import Gate
-    from dflash_trt.tools.generate import load_runtime
+    from dflash_trt import load_runtime
 
     rt, codec = load_runtime(TARGET, DRAFTER, "torch", PoolSizes(max_seq_len=512, kv_blocks=64, dkv_blocks=96),
                              gate=Gate(min_rate=0.0))

@@ -25,8 +25,8 @@ def hardware(device: str = "cpu") -> str:
 
 def bench_generate(argv) -> int:
     """Plain greedy vs DFlash on a prompt file: tokens/s, target launches, τ, speedup; checks identity."""
-    from .demo import default_pair
-    from .generate import load_runtime
+    from dflash_trt.tools.demo import default_pair
+    from dflash_trt import load_runtime
 
     p = argparse.ArgumentParser(prog="dflash-trt bench generate")
     p.add_argument("--model"), p.add_argument("--drafter")
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         print("usage: dflash-trt bench {kernels,generate} [options]  (see --help of each)", file=sys.stderr)
         return 2
     if argv[0] == "kernels":
-        from . import bench_kernels
+        from dflash_trt.tools import bench_kernels
 
         return int(bench_kernels.main(argv[1:]) or 0)
     return bench_generate(argv[1:])

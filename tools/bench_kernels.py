@@ -74,7 +74,7 @@ def floor_bytes(B, K):
 
 def bench_one(B, K, iters, reps, replays, fla, cgs):
     import torch
-    from plugins import launch
+    from dflash_trt.plugins import launch
     gen = torch.Generator(device="cuda").manual_seed(B * 31 + K)
     r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", generator=gen).to(dt)
     q, k, v = r(B, K, HK, DK), r(B, K, HK, DK), r(B, K, HV, DV)
@@ -143,7 +143,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import plugins.torch_ops  # noqa: F401
+    import dflash_trt.plugins.torch_ops  # noqa: F401
     fla = None
     if not a.no_fla:
         try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..manifest import Manifest, ManifestError
+from dflash_trt.manifest import Manifest, ManifestError
 
 DEFAULT_PROMPTS = ["def fibonacci(n):\n    ", "The quick brown fox jumps over the lazy dog because"]
 DEFAULT_TOL = {"float32": 1e-4, "float64": 1e-4, "float16": 2e-2, "bfloat16": 2e-2}
@@ -174,8 +174,8 @@ class _Tee:
 def _torch_backend(m: Manifest, model_dir=None, drafter_dir=None):
     import torch
 
-    from ..export.checkpoint import checkpoint_hash, load_drafter, load_target
-    from ..runtime.backends.torch_backend import TorchBackend
+    from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
 
     tdir = model_dir or m.data["target"].get("dir")
     ddir = drafter_dir or (m.data.get("drafter") or {}).get("dir")
@@ -185,7 +185,7 @@ def _torch_backend(m: Manifest, model_dir=None, drafter_dir=None):
                                 f"pass --{'model' if what == 'target' else 'drafter'} DIR")
     m.check(target_hash=checkpoint_hash(tdir), drafter_hash=checkpoint_hash(ddir) if ddir else None)
     dt = getattr(torch, m.kv_dtype)
-    target = load_target(tdir, dt, tap_ids=m.data.get("tap_ids") or None)
+    target = load_target(tdir, dt)
     drafter = load_drafter(ddir, target, dt) if ddir else None
     return TorchBackend(target, drafter, want_logits=m.want_logits)
 
@@ -193,7 +193,7 @@ def _torch_backend(m: Manifest, model_dir=None, drafter_dir=None):
 def make_named_backend(name: str, m: Manifest, model_dir=None, drafter_dir=None):
     if name == "torch":
         return _torch_backend(m, model_dir, drafter_dir)
-    from ..runtime.backends import make_backend
+    from dflash_trt.runtime.backends import make_backend
 
     return make_backend(name, manifest=m)
 
@@ -204,8 +204,8 @@ def compare(manifest, backends=("torch", "ort"), prompts=None, steps: int = 8, *
     reference. prompts: strings (encoded with the target's tokenizer, else bytes) or lists of token ids."""
     from polygraphy.logger import G_LOGGER
 
-    from ..runtime.runtime import Runtime
-    from .generate import ByteCodec, TokenizerCodec
+    from dflash_trt.runtime.runtime import Runtime
+    from dflash_trt.runtime.load import ByteCodec, TokenizerCodec
 
     G_LOGGER.module_severity = G_LOGGER.CRITICAL  # the report says what failed; keep polygraphy quiet
     m = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
@@ -222,7 +222,7 @@ def compare(manifest, backends=("torch", "ort"), prompts=None, steps: int = 8, *
     codec = ByteCodec()
     tdir = model_dir or m.data["target"].get("dir")
     if tdir:
-        from ..export.checkpoint import load_tokenizer
+        from dflash_trt.export.checkpoint import load_tokenizer
 
         tok = load_tokenizer(tdir) if os.path.isdir(tdir) else None
         codec = TokenizerCodec(tok) if tok is not None else codec

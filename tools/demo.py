@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..abi import PoolSizes
+from dflash_trt.abi import PoolSizes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "models")
@@ -24,7 +24,7 @@ def default_pair() -> tuple[str, str, str]:
     t, d = os.path.join(SHIPPED, "target"), os.path.join(SHIPPED, "drafter")
     if os.path.isfile(os.path.join(t, "config.json")) and os.path.isfile(os.path.join(d, "config.json")):
         return t, d, "trained tiny pair shipped in models/"
-    from .tiny import make_tiny_pair
+    from dflash_trt.tools.tiny import make_tiny_pair
 
     root = os.path.join(cache_dir(), "tiny-random-seed0")
     if not os.path.isfile(os.path.join(root, "drafter", "model.safetensors")):
@@ -41,8 +41,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from ..config import DrafterConfig, read_json
-    from .generate import load_runtime, verify_widths
+    from dflash_trt.config import DrafterConfig, read_json
+    from dflash_trt.runtime.load import load_runtime
+    from dflash_trt.tools.generate import verify_widths
 
     tdir, ddir, what = default_pair()
     print(f"model: {what}\nbackend: {args.backend} (CPU)")

@@ -9,10 +9,10 @@ import os
 
 import torch
 
-from ..config import DrafterConfig, TargetConfig
-from ..export.checkpoint import save_checkpoint
-from ..export.drafter import Drafter
-from ..export.target import TargetModel
+from dflash_trt.config import DrafterConfig, TargetConfig
+from dflash_trt.export.checkpoint import save_checkpoint
+from dflash_trt.export.drafter import Drafter
+from dflash_trt.export.target import TargetModel
 
 
 def tiny_target_config(vocab=259, hidden=64, layers=4, ratio=2, model_type="qwen3_5_text", **over) -> dict:

@@ -67,10 +67,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import DrafterConfig, TargetConfig
-from ..export.drafter import Drafter
-from ..export.gdn_ref import gdn_gates, gdn_recurrent, l2norm
-from ..export.target import TargetModel, apply_rope, rope_cos_sin
+from dflash_trt.config import DrafterConfig, TargetConfig
+from dflash_trt.export.drafter import Drafter
+from dflash_trt.export.gdn_ref import gdn_gates, gdn_recurrent, l2norm
+from dflash_trt.export.target import TargetModel, apply_rope, rope_cos_sin
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 BLOCK = 16
@@ -832,7 +832,7 @@ def train(work: str, out: str, target_seconds=190.0, drafter_seconds=120.0, targ
     taps = dcfg_d["dflash_config"]["target_layer_ids"]
     gen = torch.Generator().manual_seed(seed)
     if init_target:
-        from ..export.checkpoint import load_target
+        from dflash_trt.export.checkpoint import load_target
 
         with open(os.path.join(init_target, "config.json")) as f:
             tcfg_d = json.load(f)
@@ -1010,7 +1010,7 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
     """Fine-tune models/drafter on the target's continuations of function starts of training files
     (prompts like tests/prompts_heldout.txt, anchors in the first n_new-16 generated positions: the regime
     of generate/demo). Cheap enough for a CPU (a few minutes of generation, ~1 s a step)."""
-    from ..export.checkpoint import load_drafter, load_target, load_tokenizer
+    from dflash_trt.export.checkpoint import load_drafter, load_target, load_tokenizer
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(seed)
@@ -1149,7 +1149,7 @@ def finalize(src: str, work: str, models: str, target_src: str | None = None) ->
 
 def selfcheck(seed: int = 0) -> None:
     """The fast math here against the project's reference modules, fp32/fp64 on CPU."""
-    from ..export.gdn_ref import gdn_chunk_wy16
+    from dflash_trt.export.gdn_ref import gdn_chunk_wy16
 
     g = torch.Generator().manual_seed(seed)
     B, T, Hk, Hv, dk, dv = 2, 77, 2, 4, 8, 6

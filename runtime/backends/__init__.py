@@ -7,11 +7,11 @@ BACKENDS = ("torch", "ort")
 def make_backend(name: str, **kw):
     """torch: make_backend("torch", target=..., drafter=...); ort: make_backend("ort", manifest=DIR or Manifest)."""
     if name == "torch":
-        from .torch_backend import TorchBackend
+        from dflash_trt.runtime.backends.torch_backend import TorchBackend
 
         return TorchBackend(**kw)
     if name == "ort":
-        from .ort_backend import OrtBackend
+        from dflash_trt.runtime.backends.ort_backend import OrtBackend
 
         return OrtBackend(**kw)
     raise ValueError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...manifest import Manifest, ManifestError, diff_io
+from dflash_trt.manifest import Manifest, ManifestError, diff_io
 
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
                "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(double)": "float64"}

@@ -1,6 +1,6 @@
 """Torch backend: runs the reference modules (export/target.py, export/drafter.py) for each graph.
 
-On CPU, inputs/outputs are numpy (pairs with runtime.device.HostDevice; pools are viewed with
+On CPU, inputs/outputs are numpy (pairs with runtime.devices.host.HostDevice; pools are viewed with
 torch.from_numpy, never copied or written). On CUDA, pools are torch tensors owned by
 TorchDevice, graph outputs stay on the GPU, and only the token outputs the scheduler reads on the
 host (argmax, drafts) come back as numpy. The custom ops inside the models run our CUDA kernels there.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, parse_target_graph
+from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, parse_target_graph
 
 HOST_OUTPUTS = ("argmax", "drafts")
 

@@ -1,6 +1,6 @@
 """The Device seam: allocation, host transfer and the commit kernels.
 
-`HostDevice` is the numpy twin of `CudaDevice`: same interface, so all runtime logic is
+`HostDevice` is the numpy twin of the GPU devices (`TorchDevice`): same interface, so all runtime logic is
 tested on CPU. Every commit kernel mutates a pool array IN PLACE, is vectorised over a batch
 of B sequences, and takes `n` (int [B]): rows to commit per sequence (0 allowed = untouched).
 numpy only (no torch / tensorrt).

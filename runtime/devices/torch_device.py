@@ -1,6 +1,6 @@
 """TorchDevice: the Device seam with pools as torch tensors (CPU or CUDA).
 
-Same interface as runtime.device.HostDevice. The commit kernels are the `dflash::` torch ops
+Same interface as runtime.devices.host.HostDevice. The commit kernels are the `dflash::` torch ops
 (plugins/torch_ops.py): our NVRTC CUDA kernels on a GPU, the reference math on CPU — so the GPU
 path's commit is the code TensorRT deployments use, and the CPU run of this class tests the wiring.
 Pools are [L, ...]; each op works on one layer's contiguous [slots|blocks, ...] view in place.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...plugins import torch_ops  # noqa: F401  (registers torch.ops.dflash.*)
+from dflash_trt.plugins import torch_ops  # noqa: F401  (registers torch.ops.dflash.*)
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
