@@ -36,6 +36,12 @@ def parse_target_graph(name: str) -> int | None:
     return None
 
 
+def ctx_block_table_width(window: int, page_size: int, max_append: int) -> int:
+    """Pages a drafter ctx window can hold at once (runtime.ctx.CtxWindow): up to 2*window rows (at least
+    window + a page - 1, the in-page offset after a slide) plus one append of max_append rows."""
+    return -(-(max(2 * window, window + page_size - 1) + max_append) // page_size)
+
+
 @dataclass(frozen=True)
 class PoolSizes:
     """How big the runtime's pools are; static per engine build."""
@@ -54,9 +60,8 @@ class PoolSizes:
 
     @property
     def max_ctx_blocks(self) -> int:
-        """Width of a drafter block table: must match runtime.ctx.CtxWindow.max_blocks."""
-        w, bs = self.ctx_window, self.page_size
-        return -(-(max(2 * w, w + bs - 1) + self.max_append) // bs)
+        """Width of a drafter block table (the graphs' static dim)."""
+        return ctx_block_table_width(self.ctx_window, self.page_size, self.max_append)
 
     @property
     def max_append(self) -> int:

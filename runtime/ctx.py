@@ -14,9 +14,9 @@ Capacity = 2*window rows. When `end` exceeds it, the window SLIDES: the newest `
 kept (watermark = newest half of capacity); every page that holds only dropped rows is freed
 and the remaining offset into the first kept page simply stays in `start` (kv_start), no copy.
 
-Block tables are padded with 0 to `max_blocks` (static width for the graphs):
-    max_blocks = ceil((max(2*window, window + block_size - 1) + max_append) / block_size)
-which bounds the pages ever held; `max_append` (default: window) caps n per append.
+Block tables are padded with 0 to `max_blocks` (static width for the graphs,
+dflash_trt.abi.ctx_block_table_width), which bounds the pages ever held; `max_append`
+(default: window) caps n per append.
 numpy only.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash_trt.abi import ctx_block_table_width
 from dflash_trt.runtime.pools import BlockAllocator
 
 
@@ -41,10 +42,7 @@ class CtxWindow:
         self.allocator = allocator
         self.max_append = int(max_append) if max_append is not None else self.window
         self.capacity = 2 * self.window
-        self.max_blocks = _cdiv(
-            max(self.capacity, self.window + self.block_size - 1) + self.max_append,
-            self.block_size,
-        )
+        self.max_blocks = ctx_block_table_width(self.window, self.block_size, self.max_append)
         self.pages: list[int] = []
         self.start = 0
         self.end = 0
