@@ -18,19 +18,7 @@ from torch import nn
 
 from dflash_trt.config import DrafterConfig
 from dflash_trt.export import ops
-from dflash_trt.export.target import MLP, apply_rope, rope_cos_sin
-
-
-class PlainRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+from dflash_trt.export.target import MLP, RMSNorm, apply_rope, rope_cos_sin
 
 
 class DrafterAttention(nn.Module):
@@ -42,8 +30,8 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(H, nkv * hd, bias=False)
         self.v_proj = nn.Linear(H, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, H, bias=False)
-        self.q_norm = PlainRMSNorm(hd, cfg.rms_norm_eps)
-        self.k_norm = PlainRMSNorm(hd, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centred=False)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centred=False)
 
     def kv(self, x, cos, sin):
         """x [B,R,H] -> K (normed, RoPE'd), V [B,R,Hkv,hd] — used for ctx rows and for block rows alike."""
@@ -56,9 +44,9 @@ class DrafterAttention(nn.Module):
 class DrafterLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.input_layernorm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False)
         self.self_attn = DrafterAttention(cfg)
-        self.post_attention_layernorm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
@@ -70,9 +58,9 @@ class Drafter(nn.Module):
         self.cfg = cfg
         n_taps = len(cfg.target_layer_ids)
         self.fc = nn.Linear(n_taps * target_hidden, cfg.hidden_size, bias=False)
-        self.hidden_norm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False)
         self._target = ()  # (embed_tokens, lm_head) borrowed from the target; a tuple keeps them out of state_dict
 
     def bind_target(self, target) -> "Drafter":

@@ -25,7 +25,8 @@ import time
 import warnings
 from dataclasses import asdict
 
-from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PoolSizes, graph_io
+from dflash_trt.abi import PoolSizes, graph_io
+from dflash_trt.export.graphs import run_graph
 from dflash_trt.manifest import Manifest, ManifestError, diff_io, expected_graphs
 
 TWO_GB = 2 * 1024**3
@@ -34,7 +35,7 @@ DEFAULT_KS = (1, 2, 3, 4, 8, 16)
 # The modules whose source decides what an export contains (the cache key hashes them).
 _SOURCES = ("dflash_trt.export.onnx_export", "dflash_trt.export.onnx_functions", "dflash_trt.export.ops",
             "dflash_trt.export.target", "dflash_trt.export.drafter", "dflash_trt.export.gdn_ref",
-            "dflash_trt.export.attention_ref", "dflash_trt.abi", "dflash_trt.manifest")
+            "dflash_trt.export.attention_ref", "dflash_trt.export.graphs", "dflash_trt.abi", "dflash_trt.manifest")
 
 
 def _graph_module(name, target, drafter, in_names, out_names, want_logits):
@@ -49,16 +50,7 @@ def _graph_module(name, target, drafter, in_names, out_names, want_logits):
                 self.embed, self.lm_head = target.embed_tokens, target.lm_head
 
         def forward(self, *args):
-            x = dict(zip(in_names, args))
-            if name == DRAFTER_CTX:
-                out = self.drafter.ctx(x["ctx_hidden"], x["positions"])
-            elif name == DRAFTER_BLOCK:
-                out = self.drafter.block(x["block_ids"], x["positions"], x["block_table"], x["kv_start"],
-                                         x["kv_len"], x["dkv_pool"], want_logits=want_logits)
-            else:
-                out = self.target.step(x["input_ids"], x["positions"], x["slot"], x["seq_len"], x["block_table"],
-                                       x["kv_pool"], x["gdn_pool"], x["conv_pool"], valid_len=x.get("valid_len"),
-                                       want_logits=want_logits)
+            out = run_graph(name, self.target, self.drafter, dict(zip(in_names, args)), want_logits)
             return tuple(out[n] for n in out_names)
 
     return Graph().eval()

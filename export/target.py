@@ -20,31 +20,30 @@ from dflash_trt.export.gdn_ref import gdn_gates
 
 
 class RMSNorm(nn.Module):
-    """Qwen3-Next/3.5 RMSNorm, zero-centred: x̂·(1+w), computed in fp32 (HF multiplies before the cast)."""
+    """RMSNorm in fp32. zero_centred (Qwen3-Next/3.5 decoder norms): x̂·(1+w), multiplied before the cast
+    as HF does. Plain (Qwen3 / the DFlash drafter, the GDN output norm): w·x̂ after the cast to x's dtype."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, zero_centred: bool = True):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps, self.zero_centred = eps, zero_centred
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+        if self.zero_centred:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(RMSNorm):
     """GDN output norm: w ⊙ o/rms(o) ⊙ silu(z) per value head (plain weight, not zero-centred)."""
 
     def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        super().__init__(dim, eps, zero_centred=False)
 
     def forward(self, o, z):
-        of = o.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * of.to(o.dtype) * F.silu(z.float())).to(o.dtype)
+        return (super().forward(o) * F.silu(z.float())).to(o.dtype)
 
 
 def rope_cos_sin(positions, rotary_dim: int, theta: float, dtype):

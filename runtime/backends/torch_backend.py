@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, parse_target_graph
+from dflash_trt.export.graphs import run_graph
 
 HOST_OUTPUTS = ("argmax", "drafts")
 
@@ -39,18 +39,6 @@ class TorchBackend:
 
     @torch.no_grad()
     def run(self, graph: str, inputs: dict) -> dict:
-        x = {k: self._in(v) for k, v in inputs.items()}
-        if parse_target_graph(graph) is not None or graph == PREFILL:
-            out = self.target.step(
-                x["input_ids"], x["positions"], x["slot"], x["seq_len"], x["block_table"],
-                x["kv_pool"], x["gdn_pool"], x["conv_pool"], valid_len=x.get("valid_len"),
-                want_logits=self.want_logits,
-            )
-        elif graph == DRAFTER_CTX:
-            out = self.drafter.ctx(x["ctx_hidden"], x["positions"])
-        elif graph == DRAFTER_BLOCK:
-            out = self.drafter.block(x["block_ids"], x["positions"], x["block_table"], x["kv_start"],
-                                     x["kv_len"], x["dkv_pool"], want_logits=self.want_logits)
-        else:
-            raise ValueError(f"unknown graph '{graph}'")
+        out = run_graph(graph, self.target, self.drafter, {k: self._in(v) for k, v in inputs.items()},
+                        self.want_logits)
         return {k: self._out(k, v) for k, v in out.items() if v is not None}

@@ -1,0 +1,21 @@
+"""Which model method implements which graph of the ABI: the one dispatch shared by the exporter
+(export/onnx_export.py traces it) and the torch backend (runtime/backends/torch_backend.py runs it)."""
+from __future__ import annotations
+
+from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, parse_target_graph
+
+
+def run_graph(name: str, target, drafter, x: dict, want_logits: bool = False) -> dict:
+    """Run graph `name` on inputs `x` (ABI input names -> tensors); returns its outputs by ABI name."""
+    if parse_target_graph(name) is not None or name == PREFILL:
+        return target.step(x["input_ids"], x["positions"], x["slot"], x["seq_len"], x["block_table"],
+                           x["kv_pool"], x["gdn_pool"], x["conv_pool"], valid_len=x.get("valid_len"),
+                           want_logits=want_logits)
+    if drafter is None:
+        raise ValueError(f"graph '{name}' needs a drafter")
+    if name == DRAFTER_CTX:
+        return drafter.ctx(x["ctx_hidden"], x["positions"])
+    if name == DRAFTER_BLOCK:
+        return drafter.block(x["block_ids"], x["positions"], x["block_table"], x["kv_start"], x["kv_len"],
+                             x["dkv_pool"], want_logits=want_logits)
+    raise ValueError(f"unknown graph '{name}' (expected target_k<K>, {PREFILL}, {DRAFTER_CTX}, {DRAFTER_BLOCK})")
