@@ -25,6 +25,23 @@ DRAFTER_CTX = "drafter_ctx"
 DRAFTER_BLOCK = "drafter_block"
 
 
+MAX_K = 16  # verify width limit: one GDN chunk (DESIGN §3, T = K <= 16)
+DEFAULT_KS = (1, 2, 3, 4, 8, 16)
+
+
+def parse_ks(s: str) -> list[int]:
+    """'1,16' -> [1, 16] (the --k option of export and build); argparse-friendly errors."""
+    import argparse
+
+    try:
+        ks = sorted({int(x) for x in s.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k wants comma-separated integers, got '{s}'") from None
+    if not ks or ks[0] < 1 or ks[-1] > MAX_K:
+        raise argparse.ArgumentTypeError(f"--k values must be in 1..{MAX_K}, got {ks}")
+    return ks
+
+
 def target_graph(k: int) -> str:
     return f"target_k{k}"
 

@@ -15,6 +15,12 @@ class ConfigError(ValueError):
     """A checkpoint's config.json is missing, unreadable or inconsistent."""
 
 
+def cache_root() -> str:
+    """Where built artifacts are cached (ONNX exports, NVRTC modules, ...): $DFLASH_TRT_CACHE when set and
+    non-empty, else ~/.cache/dflash_trt."""
+    return os.environ.get("DFLASH_TRT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash_trt")
+
+
 def read_json(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: file not found")

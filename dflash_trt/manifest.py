@@ -18,7 +18,8 @@ from dataclasses import asdict, fields
 
 import numpy as np
 
-from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, PoolSizes, graph_io, parse_target_graph, pool_specs, target_graph
+from dflash_trt.abi import (DRAFTER_BLOCK, DRAFTER_CTX, MAX_K, PREFILL, PoolSizes, graph_io, parse_target_graph, pool_specs,
+                            target_graph)
 from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, read_json
 
 FORMAT = "dflash-trt-manifest"
@@ -49,8 +50,8 @@ class Manifest:
             want_logits=True, kv_dtype="float32", target=None, drafter=None) -> Manifest:
         """target / drafter: {"dir": ..., "hash": ...} of the source checkpoints."""
         ks = sorted({int(k) for k in ks})
-        if not ks or ks[0] < 1 or ks[-1] > 16:
-            raise ManifestError(f"K list {ks} must be non-empty with every K in 1..16")
+        if not ks or ks[0] < 1 or ks[-1] > MAX_K:
+            raise ManifestError(f"K list {ks} must be non-empty with every K in 1..{MAX_K}")
         data = {
             "format": FORMAT, "version": VERSION,
             "ks": ks, "batch": batch, "want_logits": bool(want_logits), "kv_dtype": kv_dtype,

@@ -17,7 +17,7 @@ import sys
 import time
 import warnings
 
-from dflash_trt.abi import parse_target_graph
+from dflash_trt.abi import parse_ks, parse_target_graph
 from dflash_trt.manifest import Manifest, ManifestError, diff_io
 from dflash_trt.plugins import trt_compat as C
 from dflash_trt.engines.network import (BuildError, builder_config, cc_str, file_sha256, graph_files, local_gpu_cc, network_io,
@@ -152,17 +152,10 @@ def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=
     return man
 
 
-def _ks(s: str) -> list:
-    try:
-        return sorted({int(x) for x in s.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--k wants comma-separated integers, got '{s}'") from None
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dflash-trt build", description=__doc__.split("\n\n")[0])
     p.add_argument("--manifest", required=True, help="directory of `dflash-trt export` (or its manifest.json)")
-    p.add_argument("--k", type=_ks, help="build target_k{K} for these K only (default: every exported K)")
+    p.add_argument("--k", type=parse_ks, help="build target_k{K} for these K only (default: every exported K)")
     p.add_argument("--graphs", help="comma-separated graph names to build (overrides --k)")
     p.add_argument("--timing-cache", help="TensorRT timing cache file: read if present, written after the build")
     p.add_argument("--target-cc", help="compute capabilities, e.g. 86,89,120 (TensorRT-RTX; default: this GPU, or "

@@ -158,12 +158,3 @@ def load_engine(man, graph: str, *, allow_unsupported_shapes=False, cc=None, log
     io = engine_io(engine)
     check_io(man, graph, io)
     return LoadedEngine(graph, engine, rec, io)
-
-
-def load_engines(man, graphs=None, **kw) -> dict:
-    """graph -> LoadedEngine for every engine recorded (or the named ones)."""
-    man = _manifest(man)
-    names = graphs or list((man.data.get("engines") or {}))
-    if not names:
-        raise EngineError(f"no TensorRT engines recorded in {man.root}: run `dflash-trt build --manifest {man.root}`")
-    return {g: load_engine(man, g, **kw) for g in names}

@@ -25,13 +25,13 @@ import time
 import warnings
 from dataclasses import asdict
 
-from dflash_trt.abi import PoolSizes, graph_io
+from dflash_trt.abi import DEFAULT_KS, PoolSizes, graph_io, parse_ks
+from dflash_trt.config import cache_root
 from dflash_trt.export.graphs import run_graph
 from dflash_trt.manifest import Manifest, ManifestError, diff_io, expected_graphs
 
 TWO_GB = 2 * 1024**3
 MAX_IR = 10  # onnx >= 1.16 writes newer IR versions than onnxruntime 1.30 / TensorRT parsers accept
-DEFAULT_KS = (1, 2, 3, 4, 8, 16)
 # The modules whose source decides what an export contains (the cache key hashes them).
 _SOURCES = ("dflash_trt.export.onnx_export", "dflash_trt.export.onnx_functions", "dflash_trt.export.ops",
             "dflash_trt.export.target", "dflash_trt.export.drafter", "dflash_trt.export.gdn_ref",
@@ -107,14 +107,15 @@ def export_graph(name, target, drafter, sizes, path, *, batch="B", want_logits=T
             prog = torch.onnx.export(mod, args, input_names=[n for n, _, _ in ins],
                                      output_names=[n for n, _, _ in outs], dynamo=True, optimize=True, verbose=False,
                                      dynamic_shapes=_dynamic_shapes(ins) if batch == "B" else None)
-            prog.save(path, external_data=big)
+            model = prog.model_proto
     finally:
         torch.backends.opt_einsum.enabled = opt_einsum
-    model = onnx.load(path, load_external_data=False)
     model.ir_version = min(model.ir_version, MAX_IR)
     add_functions(model)
     model.producer_name, model.doc_string = "dflash-trt", f"dflash-trt graph {name}"
-    onnx.save(model, path)
+    # written once, finished (function bodies appended): weights beside it past protobuf's 2 GB limit
+    onnx.save(model, path, save_as_external_data=big, all_tensors_to_one_file=True,
+              location=os.path.basename(path) + ".data")
     got_in, got_out = _onnx_io(model)
     for kind, got, exp in (("input", got_in, ins), ("output", got_out, outs)):
         diff_io(f"exported {path}", kind, got, [{"name": n, "shape": list(s), "dtype": d} for n, s, d in exp],
@@ -173,10 +174,6 @@ def _source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def cache_root() -> str:
-    return os.environ.get("DFLASH_TRT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dflash_trt"))
-
-
 def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, cache_dir=None,
                   batch="B", want_logits=True, dtype="float32", progress=print) -> str:
     """Export once, reuse after: the directory is keyed by both checkpoint hashes, the settings and a hash of
@@ -212,16 +209,6 @@ def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None
     return out
 
 
-def _ks(s: str) -> list[int]:
-    try:
-        ks = sorted({int(x) for x in s.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--k wants comma-separated integers, got '{s}'") from None
-    if not ks or ks[0] < 1 or ks[-1] > 16:
-        raise argparse.ArgumentTypeError(f"--k values must be in 1..16, got {ks}")
-    return ks
-
-
 def add_size_args(p: argparse.ArgumentParser) -> None:
     d = PoolSizes()
     for f, v in asdict(d).items():
@@ -236,7 +223,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dflash-trt export", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="target checkpoint dir (HF format)")
     p.add_argument("--drafter", help="DFlash drafter checkpoint dir (omit: target graphs only)")
-    p.add_argument("--k", type=_ks, default=list(DEFAULT_KS), help="verify widths, e.g. 1,2,3,4,8,16")
+    p.add_argument("--k", type=parse_ks, default=list(DEFAULT_KS), help="verify widths, e.g. 1,2,3,4,8,16")
     p.add_argument("--out", required=True, help="output directory (graphs + manifest.json)")
     p.add_argument("--batch", default="B", help="'B' for a dynamic batch dim (default) or a fixed int")
     p.add_argument("--no-logits", action="store_true", help="do not output logits (argmax only)")

@@ -4,10 +4,8 @@ The one place that wires a target (+ drafter) to a backend; the CLI, demo, bench
 """
 from __future__ import annotations
 
-from dflash_trt.abi import PoolSizes
+from dflash_trt.abi import DEFAULT_KS, PoolSizes
 from dflash_trt.runtime.runtime import Runtime
-
-DEFAULT_KS = (1, 2, 3, 4, 8, 16)
 
 
 class ByteCodec:

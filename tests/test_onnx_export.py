@@ -32,16 +32,62 @@ def torch_be(tiny_pair):
     return torch_backend(tiny_pair)
 
 
+def _file_io(path):
+    """(inputs, outputs) as [(name, shape, dtype)] read from the ONNX file itself (symbolic dims -> 'B')."""
+    g = onnx.load(path, load_external_data=False).graph
+
+    def rec(v):
+        tt = v.type.tensor_type
+        dims = ["B" if d.dim_param else d.dim_value for d in tt.shape.dim]
+        return v.name, dims, str(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
+
+    return [rec(v) for v in g.input], [rec(v) for v in g.output]
+
+
+def _io_dicts(exported, graph):
+    """name -> (shape, dtype) for the inputs and the outputs of one exported graph file."""
+    return tuple({n: (sh, dt) for n, sh, dt in x} for x in _file_io(os.path.join(exported, graph + ".onnx")))
+
+
 def test_manifest_describes_graphs(exported):
     m = Manifest.load(exported)
     assert m.ks == list(KS) and m.sizes == SIZES and m.batch == "B" and m.want_logits
     assert sorted(m.graphs) == sorted(GRAPHS)
     assert m.data["block_size"] == 16 and m.data["mask_token_id"] == 258 and m.data["vocab_size"] == 259
     assert m.data["tap_ids"] == m.drafter_config.target_layer_ids and len(m.data["target"]["hash"]) == 16
-    for g in GRAPHS:
-        ins, outs = m.io(g)
-        assert [(i["name"], i["shape"], i["dtype"]) for i in ins] == [(n, list(s), d) for n, s, d in m.abi_io(g)[0]]
-        assert [o["name"] for o in outs] == [n for n, _, _ in m.abi_io(g)[1]]
+    for g in GRAPHS:  # what the manifest records is what the file holds
+        ins, outs = _file_io(m.graph_path(g))
+        assert [(i["name"], i["shape"], i["dtype"]) for i in m.io(g)[0]] == ins, g
+        assert [(o["name"], o["shape"], o["dtype"]) for o in m.io(g)[1]] == outs, g
+
+
+def test_graph_io_shapes_from_the_configs(exported):
+    """The files' I/O against shapes written out by hand from the tiny pair's configs (tools/tiny.py:
+    4 layers = 3 GDN + 1 attention, 2 KV heads of 16, GDN Hk 2 / Hv 4, dk 16 / dv 8, conv W 4, hidden 64,
+    vocab 259; drafter 1 layer, 2 KV heads of 16, block 16, taps [1, 2])."""
+    s = SIZES
+    conv_dim = 2 * 2 * 16 + 4 * 8
+    for K in KS:
+        ins, outs = _io_dicts(exported, target_graph(K))
+        assert ins["input_ids"] == (["B", K], "int64") and ins["block_table"] == (["B", s.max_blocks], "int64")
+        assert ins["kv_pool"] == ([1, 2, s.kv_blocks, s.page_size, 2, 16], "float32")
+        assert ins["gdn_pool"] == ([3, s.max_seqs, 4, 16, 8], "float32")
+        assert ins["conv_pool"] == ([3, s.max_seqs, conv_dim, 3], "float32")
+        assert outs["argmax"] == (["B", K], "int64") and outs["logits"] == (["B", K, 259], "float32")
+        assert outs["kv_rows"] == ([1, 2, "B", K, 2, 16], "float32")
+        assert outs["gdn_k"] == ([3, "B", K, 2, 16], "float32") and outs["gdn_v"] == ([3, "B", K, 4, 8], "float32")
+        assert outs["gdn_gamma"] == ([3, "B", K, 4], "float32") and outs["conv_cols"] == ([3, "B", K, conv_dim], "float32")
+        assert outs["ctx_hidden"] == (["B", K, 2 * 64], "float32") and "gdn_state" not in outs
+    ins, outs = _io_dicts(exported, PREFILL)
+    assert ins["valid_len"] == (["B"], "int64") and ins["input_ids"] == (["B", s.prefill_chunk], "int64")
+    assert outs["gdn_state"] == ([3, "B", 4, 16, 8], "float32") and "gdn_k" not in outs
+    ins, outs = _io_dicts(exported, DRAFTER_BLOCK)
+    assert ins["block_ids"] == (["B", 16], "int64") and ins["block_table"] == (["B", s.max_ctx_blocks], "int64")
+    assert ins["dkv_pool"] == ([1, 2, s.dkv_blocks, s.page_size, 2, 16], "float32")
+    assert outs["drafts"] == (["B", 15], "int64")
+    ins, outs = _io_dicts(exported, DRAFTER_CTX)
+    assert ins["ctx_hidden"] == (["B", s.max_append, 2 * 64], "float32")
+    assert outs["dkv_rows"] == ([1, 2, "B", s.max_append, 2, 16], "float32")
 
 
 @pytest.mark.parametrize("graph", GRAPHS)

@@ -86,9 +86,25 @@ def test_acceptance_length(runs):
     assert mean >= MIN_TAU, f"mean tau {mean:.2f} < {MIN_TAU}"
 
 
-def test_output_is_code_like(runs):
-    """The target learnt something: its continuations are mostly printable text with Python-ish tokens."""
-    text = "".join(r["text"] for r in runs)
-    printable = sum(c.isprintable() or c in "\n\t" for c in text) / max(len(text), 1)
-    assert printable > 0.95
-    assert sum(kw in text for kw in ("self", "return", "=", "(", ")", ":")) >= 5
+def test_target_matches_transformers_and_predicts_heldout_code():
+    """External oracle: transformers' Qwen3_5ForCausalLM loads the shipped target and gives the same logits
+    on every held-out prompt; and the target learnt the corpus: teacher-forced top-1 accuracy on held-out
+    prompt tokens is far above chance (1/4096; 0.46 measured when shipped, an untrained model gets ~0)."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from dflash_trt.export.checkpoint import load_target
+    from dflash_trt.runtime.load import load_codec
+
+    ours, codec = load_target(TARGET, torch.float32), load_codec(TARGET)
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    hit = total = 0
+    with torch.no_grad():
+        for p in read_prompts():
+            ids = torch.tensor([codec.encode(p)])
+            a, b = ours.forward_full(ids)["logits"], hf(ids).logits
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), p
+            assert torch.equal(a.argmax(-1), b.argmax(-1)), p
+            hit += int((a[0, :-1].argmax(-1) == ids[0, 1:]).sum())
+            total += ids.shape[1] - 1
+    assert hit / total >= 0.35, f"held-out next-token accuracy {hit / total:.3f} over {total} tokens"

@@ -9,14 +9,11 @@ import argparse
 import os
 
 from dflash_trt.abi import PoolSizes
+from dflash_trt.config import cache_root
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "models")
 DEFAULT_PROMPT = 'def test_trailing_garbage(self):\n    data = tarfile.TarInfo("foo").tobuf()'
-
-
-def cache_dir() -> str:
-    return os.environ.get("DFLASH_TRT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dflash_trt"))
 
 
 def default_pair() -> tuple[str, str, str]:
@@ -26,7 +23,7 @@ def default_pair() -> tuple[str, str, str]:
         return t, d, "trained tiny pair shipped in models/"
     from dflash_trt.tools.tiny import make_tiny_pair
 
-    root = os.path.join(cache_dir(), "tiny-random-seed0")
+    root = os.path.join(cache_root(), "tiny-random-seed0")
     if not os.path.isfile(os.path.join(root, "drafter", "model.safetensors")):
         make_tiny_pair(root, seed=0)
     return os.path.join(root, "target"), os.path.join(root, "drafter"), f"tiny random pair (seed 0) in {root}"

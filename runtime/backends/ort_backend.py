@@ -105,10 +105,4 @@ class OrtBackend:
         return dict(zip(names, io.copy_outputs_to_cpu()))
 
 
-def make_ort_backend(manifest_dir: str, **kw) -> OrtBackend:
-    """The ORT backend over an export directory; build a Runtime with
-    Runtime(be, be.tcfg, be.dcfg, be.sizes)."""
-    return OrtBackend(manifest_dir, **kw)
-
-
-__all__ = ["ManifestError", "OrtBackend", "default_providers", "make_ort_backend"]
+__all__ = ["ManifestError", "OrtBackend", "default_providers"]

@@ -1,0 +1,66 @@
+"""The package's shape: every module imports under exactly one name (dflash_trt.*), no code edits the import
+path, and pyproject lists every subpackage (a non-editable install ships them all)."""
+import importlib
+import os
+import pkgutil
+import re
+import sys
+import tomllib
+
+import dflash_trt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOP = ("dflash_trt", "export", "plugins", "engines", "runtime", "tools")
+
+
+def _all_modules():
+    names = ["dflash_trt"]
+    for info in pkgutil.walk_packages(dflash_trt.__path__, "dflash_trt."):
+        names.append(info.name)
+    for sub in TOP[1:]:
+        pkg = importlib.import_module(f"dflash_trt.{sub}")
+        names += [i.name for i in pkgutil.walk_packages(pkg.__path__, f"dflash_trt.{sub}.")]
+    return sorted(set(names))
+
+
+def test_every_module_has_one_name():
+    names = _all_modules()
+    assert len(names) > 40, names  # the walk found the subpackages, not just dflash_trt/
+    for n in names:
+        if n.endswith("__main__"):
+            continue
+        importlib.import_module(n)
+    by_file = {}
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if f and os.path.isabs(f) and os.path.realpath(f).startswith(ROOT + os.sep) and "/tests/" not in f:
+            by_file.setdefault(os.path.realpath(f), set()).add(name)
+    twice = {f: sorted(n) for f, n in by_file.items() if len(n) > 1}
+    assert not twice, f"source files loaded under two module names: {twice}"
+    outside = sorted(n for ns in by_file.values() for n in ns if not n.startswith("dflash_trt"))
+    assert not outside, f"package files imported outside dflash_trt.*: {outside}"
+
+
+def test_no_import_path_edits():
+    pat = re.compile(r"sys\.path\.(insert|append|extend)|__path__\s*(\.append|\.extend|\+=|=)")
+    bad = []
+    for top in TOP + ("tests",):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith(".py") and f != os.path.basename(__file__):
+                    p = os.path.join(dirpath, f)
+                    bad += [f"{os.path.relpath(p, ROOT)}:{i}" for i, line in enumerate(open(p), 1) if pat.search(line)]
+    assert not bad, bad
+
+
+def test_pyproject_lists_every_subpackage():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        tool = tomllib.load(f)["tool"]["setuptools"]
+    listed, dirs = set(tool["packages"]), tool["package-dir"]
+    found = set()
+    for pkg, d in dirs.items():
+        for dirpath, _, files in os.walk(os.path.join(ROOT, d)):
+            if "__init__.py" in files and "__pycache__" not in dirpath:
+                rel = os.path.relpath(dirpath, os.path.join(ROOT, d))
+                found.add(pkg if rel == "." else pkg + "." + rel.replace(os.sep, "."))
+    assert found == listed, f"missing from pyproject packages: {sorted(found - listed)}; stale: {sorted(listed - found)}"
