@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, PoolSizes, pool_specs, target_graph
+from dflash_trt.runtime import snapshot
 from dflash_trt.runtime.commit import commit
 from dflash_trt.runtime.ctx import CtxWindow
 from dflash_trt.runtime.devices.host import HostDevice
@@ -89,6 +90,16 @@ class Runtime:
             seq.ctx.release()
         self.slots.free(seq.slot)
         seq.slot = -1
+
+    def save_sequence(self, seq: Sequence, path: str, extra: dict | None = None) -> str:
+        """Snapshot seq's state (KV rows, GDN/conv slot, ctx rows + positions, tokens, bonus) between steps
+        to the directory `path` (safetensors + JSON, written atomically); runtime/snapshot.py has the format."""
+        return snapshot.save_sequence(self, seq, path, extra)
+
+    def restore_sequence(self, path: str) -> Sequence:
+        """A live sequence in the state saved at `path`, on fresh pages and slot; continues token-identically.
+        Refuses a snapshot of another model/config (SnapshotMismatch names the fields)."""
+        return snapshot.restore_sequence(self, path)
 
     # ---- graph launches ---------------------------------------------------------------
     def _target_inputs(self, seqs, ids, T):
