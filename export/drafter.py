@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import DrafterConfig
-from dflash_trt.export import ops
+from dflash_trt.plugins import ops
 from dflash_trt.export.target import MLP, RMSNorm, apply_rope, rope_cos_sin
 
 

@@ -88,7 +88,7 @@ def export_graph(name, target, drafter, sizes, path, *, batch="B", want_logits=T
     import onnx
     import torch
 
-    from dflash_trt.export.onnx_functions import add_functions
+    from dflash_trt.plugins.onnx_functions import add_functions
 
     tcfg, dcfg = target.cfg, drafter.cfg if drafter is not None else None
     ins, outs = graph_io(name, tcfg, dcfg, sizes, B=batch, want_logits=want_logits, kv_dtype=kv_dtype)

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import TargetConfig
-from dflash_trt.export import ops
-from dflash_trt.export.gdn_ref import gdn_gates
+from dflash_trt.export.gdn_gates import gdn_gates
+from dflash_trt.plugins import ops
 
 
 class RMSNorm(nn.Module):

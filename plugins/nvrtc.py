@@ -1,9 +1,12 @@
-"""NVRTC build of the plugin CUDA sources through cuda-python, with an on-disk cache.
+"""NVRTC build of the ops' CUDA sources through cuda-python, with an on-disk cache.
 
-compile_source(name, arch) -> bytes: cubin for ``sm_XY``, PTX for ``compute_XY``. The cache key is
-the sha256 of the source + headers + arch + options + NVRTC version; the cache directory is
-``$DFLASH_TRT_CACHE`` or ``~/.cache/dflash_trt`` (sub-folder ``nvrtc``). No GPU is needed.
-The sources are self-contained (no toolkit headers); include dirs are still passed when found.
+compile_source(name, arch) -> bytes: cubin for ``sm_XY``, PTX for ``compute_XY`` of
+``plugins/<name>/kernel.cu``, compiled with the ``-D`` macros of that op's spec (``cuda_defines``: the
+limits the host also reads are stated once, in spec.py). The cache key is the sha256 of the source +
+headers + arch + options + NVRTC version; the cache directory is ``$DFLASH_TRT_CACHE`` or
+``~/.cache/dflash_trt`` (sub-folder ``nvrtc``). No GPU is needed. The sources are self-contained (no
+toolkit headers); include dirs are still passed when found. Local includes resolve in the kernel's
+folder, then in plugins/ (common.cuh).
 """
 from __future__ import annotations
 
@@ -13,8 +16,14 @@ import os
 import re
 import tempfile
 
+from dflash_trt.plugins.conv import spec as conv_spec
+from dflash_trt.plugins.gdn import spec as gdn_spec
+from dflash_trt.plugins.paged_attention import spec as attention_spec
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("gdn", "conv", "attention")
+# kernel source folder -> the OpSpec whose cuda_defines it is compiled with
+SPECS = {"gdn": gdn_spec.SPEC, "conv": conv_spec.SPEC, "paged_attention": attention_spec.SPEC}
+SOURCES = tuple(SPECS)
 DEFAULT_OPTIONS = ("-std=c++17", "-default-device", "-lineinfo")
 
 
@@ -66,20 +75,31 @@ def cache_dir() -> str:
     return os.path.join(root, "nvrtc")
 
 
+def source_path(name: str) -> str:
+    return os.path.join(HERE, name, "kernel.cu")
+
+
 def read_source(name: str) -> str:
-    with open(os.path.join(HERE, name + ".cu")) as f:
+    with open(source_path(name)) as f:
         return f.read()
 
 
-def _headers(src: str) -> dict:
-    """Local ``#include "x.cuh"`` files, handed to NVRTC in memory."""
+def _headers(src: str, dirs=(HERE,)) -> dict:
+    """Local ``#include "x.cuh"`` files (first found in `dirs`), handed to NVRTC in memory."""
     out = {}
     for inc in re.findall(r'#include\s+"([^"]+)"', src):
-        path = os.path.join(HERE, inc)
-        if os.path.exists(path):
-            with open(path) as f:
-                out[inc] = f.read()
+        for d in dirs:
+            path = os.path.join(d, inc)
+            if os.path.exists(path):
+                with open(path) as f:
+                    out[inc] = f.read()
+                break
     return out
+
+
+def define_options(name: str) -> list:
+    """``-DNAME=value`` for the spec's cuda_defines of kernel source `name`."""
+    return [f"-D{k}={v}" for k, v in sorted(SPECS[name].cuda_defines.items())]
 
 
 def normalize_arch(arch) -> str:
@@ -143,7 +163,9 @@ def compile_text(src: str, name: str, arch, options=(), headers=None, use_cache=
 
 
 def compile_source(name: str, arch, options=(), use_cache=True) -> bytes:
-    """Compile ``plugins/<name>.cu`` (name in SOURCES)."""
+    """Compile ``plugins/<name>/kernel.cu`` (name in SOURCES) with its spec's -D macros."""
     if name not in SOURCES:
         raise ValueError(f"unknown kernel source {name!r}; have {SOURCES}")
-    return compile_text(read_source(name), name, arch, options, use_cache=use_cache)
+    src = read_source(name)
+    headers = _headers(src, (os.path.dirname(source_path(name)), HERE))
+    return compile_text(src, name, arch, [*define_options(name), *options], headers=headers, use_cache=use_cache)

@@ -1,7 +1,7 @@
-"""torch.library custom ops ``dflash::*`` (CUDA -> our NVRTC kernels, CPU -> reference math).
-
-Importing this module registers the ops; see _ops_impl.py for their signatures.
-"""
-from dflash_trt.plugins._ops_impl import conv_roll, conv_verify, gdn_fold, gdn_wy16, kv_write, paged_attention
+"""Importing this module registers every ``dflash::`` torch custom op (CUDA -> our NVRTC kernels,
+CPU -> the reference math); each op's signature is documented in its folder's torch_op.py."""
+from dflash_trt.plugins.conv.torch_op import conv_roll, conv_verify
+from dflash_trt.plugins.gdn.torch_op import gdn_fold, gdn_wy16
+from dflash_trt.plugins.paged_attention.torch_op import kv_write, paged_attention
 
 __all__ = ["gdn_wy16", "gdn_fold", "conv_verify", "conv_roll", "paged_attention", "kv_write"]

@@ -18,9 +18,11 @@ import importlib.util
 import os
 from types import SimpleNamespace
 
+from dflash_trt.plugins.opspec import MIN_ARCH
+
 # TensorRT-RTX runs on these compute capabilities (not on 9.0 Hopper: full TensorRT is needed there).
 RTX_CCS = ((7, 5), (8, 0), (8, 6), (8, 9), (12, 0), (12, 1))
-MIN_KERNEL_CC = (8, 0)  # our CUDA kernels (bf16 cvt)
+MIN_KERNEL_CC = MIN_ARCH  # what our CUDA kernels need (stated in opspec)
 INSTALL_HINT = ("install TensorRT: `pip install tensorrt-rtx` (GPUs of compute capability 8.0/8.6/8.9/12.x, incl. "
                 "GB10; builds engines without a GPU) or full TensorRT >= 10 (`pip install tensorrt`; data-center "
                 "GPUs incl. Hopper H100/H200, which TensorRT-RTX does not run on)")

@@ -74,7 +74,7 @@ def floor_bytes(B, K):
 
 def bench_one(B, K, iters, reps, replays, fla, cgs):
     import torch
-    from dflash_trt.plugins import launch
+    from dflash_trt.plugins.gdn import launch
     gen = torch.Generator(device="cuda").manual_seed(B * 31 + K)
     r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", generator=gen).to(dt)
     q, k, v = r(B, K, HK, DK), r(B, K, HK, DK), r(B, K, HV, DV)

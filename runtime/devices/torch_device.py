@@ -3,7 +3,7 @@
 Same interface as runtime.devices.host.HostDevice. The commit kernels are the `dflash::` torch ops
 (plugins/torch_ops.py): our NVRTC CUDA kernels on a GPU, the reference math on CPU — so the GPU
 path's commit is the code TensorRT deployments use, and the CPU run of this class tests the wiring.
-Pools are [L, ...]; each op works on one layer's contiguous [slots|blocks, ...] view in place.
+Pools are [L, ...] and contiguous; each commit is one op (one kernel launch) over all layers, in place.
 """
 from __future__ import annotations
 
@@ -51,18 +51,15 @@ class TorchDevice:
 
     # ---- commit kernels (in place) --------------------------------------------------------
     def kv_write(self, pool, rows, block_table, start_row, n) -> None:
-        """pool [L,2,blocks,bs,H,hd]; rows [L,2,B,T,H,hd]; row i -> logical row start_row[b]+i."""
-        rows = self._t(rows)
+        """pool [L,2,blocks,bs,H,hd]; rows [L,2,B,T,H,hd]; row i -> logical row start_row[b]+i (all layers, one op)."""
         bt, pos, n = self._i(block_table), self._i(start_row), self._i(n)
-        for layer in range(pool.shape[0]):
-            torch.ops.dflash.kv_write(pool, layer, rows[layer, 0], rows[layer, 1], bt, pos, n)
+        torch.ops.dflash.kv_write(pool, self._t(rows), bt, pos, n)
 
     def gdn_fold(self, pool, slots, k_hat, v_new, gamma, n) -> None:
-        """pool [L,slots,Hv,dk,dv]; fold data [L,B,T,...]; folds the first n[b] rows into slot[b]."""
+        """pool [L,slots,Hv,dk,dv]; fold data [L,B,T,...]; folds the first n[b] rows into slot[b] (all layers, one op)."""
         slots, n = self._i(slots), self._i(n)
         k_hat, v_new, gamma = (self._t(x, torch.float32) for x in (k_hat, v_new, gamma))
-        for layer in range(pool.shape[0]):
-            torch.ops.dflash.gdn_fold(pool[layer], slots, k_hat[layer], v_new[layer], gamma[layer], n)
+        torch.ops.dflash.gdn_fold(pool, slots, k_hat, v_new, gamma, n)
 
     def gdn_set(self, pool, slots, state, n) -> None:
         keep = np.nonzero(np.asarray(self.to_host(n)).reshape(-1) > 0)[0]
@@ -71,7 +68,5 @@ class TorchDevice:
             pool[:, sl] = self._t(state)[:, torch.as_tensor(keep, device=self.device)].to(pool.dtype)
 
     def conv_roll(self, pool, slots, cols, n) -> None:
-        """pool [L,slots,C,W-1]; cols [L,B,T,C]."""
-        cols, slots, n = self._t(cols), self._i(slots), self._i(n)
-        for layer in range(pool.shape[0]):
-            torch.ops.dflash.conv_roll(pool[layer], slots, cols[layer], n)
+        """pool [L,slots,C,W-1]; cols [L,B,T,C] (all layers, one op)."""
+        torch.ops.dflash.conv_roll(pool, self._i(slots), self._t(cols), self._i(n))

@@ -4,8 +4,11 @@
 // One warp per query row (t, q-head); a CTA holds NWARP rows of one kv head (GQA: the K/V tile in
 // shared memory is shared by the q-heads of the group). Online softmax in fp32, exp2 domain.
 #include "common.cuh"
-#define NWARP 8
-#define KT 32  // keys per tile (one per lane when scoring)
+// NWARP (warps = query rows per CTA) and KT (keys per tile, one per lane when scoring) come from
+// paged_attention/spec.py through NVRTC -D options: the launcher sizes grid and shared memory from them.
+#if !defined(NWARP) || !defined(KT)
+#error "NWARP and KT come from paged_attention/spec.py through NVRTC -D options"
+#endif
 
 template <int HD>
 __device__ __forceinline__ void paged_attention_body(
@@ -108,23 +111,24 @@ PAGED_ATTN(64)
 PAGED_ATTN(128)
 PAGED_ATTN(256)
 
-// Scatter rows t < n[b] of k_new/v_new [B,T,Hkv,HD] to logical positions pos[b] + t of the
-// sequence's pages in layer `layer`. grid (T*Hkv, B). Negative block ids are skipped.
-extern "C" __global__ void kv_write(void* __restrict__ pool, int p_dt, int layer, int num_blocks,
-                                    int block_size, const int* __restrict__ block_table, int max_blocks,
-                                    const void* __restrict__ k_new, const void* __restrict__ v_new,
-                                    int n_dt, const int* __restrict__ pos, const int* __restrict__ n,
-                                    int T, int Hkv, int HD) {
-  const int b = blockIdx.y, t = blockIdx.x / Hkv, h = blockIdx.x % Hkv;
+// Scatter rows t < n[b] of every layer to logical positions pos[b] + t of the sequence's pages:
+// rows [L, 2, B, T, Hkv, HD] (K then V) -> pool [L, 2, num_blocks, block_size, Hkv, HD].
+// grid (T*Hkv, B, L). Negative block ids are skipped; n and pos are read on the device (graph capturable).
+extern "C" __global__ void kv_write(void* __restrict__ pool, int p_dt, int num_blocks, int block_size,
+                                    const int* __restrict__ block_table, int max_blocks,
+                                    const void* __restrict__ rows, int n_dt, const int* __restrict__ pos,
+                                    const int* __restrict__ n, int B, int T, int Hkv, int HD) {
+  const int b = blockIdx.y, l = blockIdx.z, t = blockIdx.x / Hkv, h = blockIdx.x % Hkv;
   if (t >= n[b]) return;
   const int p = pos[b] + t;
   const int blk = block_table[(i64)b * max_blocks + p / block_size];
   if (blk < 0) return;
-  const i64 vofs = (i64)num_blocks * block_size * Hkv * HD;
-  const i64 dst = (i64)layer * 2 * vofs + (((i64)blk * block_size + p % block_size) * Hkv + h) * HD;
-  const i64 src = (((i64)b * T + t) * Hkv + h) * HD;
+  const i64 vofs = (i64)num_blocks * block_size * Hkv * HD;  // K -> V in the pool
+  const i64 rofs = (i64)B * T * Hkv * HD;                    // K -> V in the rows
+  const i64 dst = (i64)l * 2 * vofs + (((i64)blk * block_size + p % block_size) * Hkv + h) * HD;
+  const i64 src = (i64)l * 2 * rofs + (((i64)b * T + t) * Hkv + h) * HD;
   for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-    stf(pool, p_dt, dst + d, ldf(k_new, n_dt, src + d));
-    stf(pool, p_dt, dst + vofs + d, ldf(v_new, n_dt, src + d));
+    stf(pool, p_dt, dst + d, ldf(rows, n_dt, src + d));
+    stf(pool, p_dt, dst + vofs + d, ldf(rows, n_dt, src + rofs + d));
   }
 }

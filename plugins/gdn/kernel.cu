@@ -6,7 +6,9 @@
 #include "common.cuh"
 #define CH 16   // fold: rows per smem batch
 #define WS 20   // row stride of the transposed W / Q tiles (bank-conflict free float4 stores)
-#define L2EPS 1e-6f
+#ifndef L2EPS
+#error "L2EPS (the l2norm epsilon) comes from gdn/spec.py through NVRTC -D options"
+#endif
 
 template <int DK, int CG, int R>
 __device__ __forceinline__ void gdn_wy16_body(
@@ -265,22 +267,30 @@ __device__ __forceinline__ void gdn_wy16_body(
   }
 }
 
-// Fold the first n[b] rows of fold data into pool[slot[b]] in place:
+// Fold the first n[b] rows of fold data into pool[l, slot[b]] in place, every layer l in one launch:
 // S_n = e^{gamma_n} S + sum_{i<n} e^{gamma_n - gamma_i} k_hat_i v'_i^T. n <= 0 or slot < 0: no-op.
+// pool [L, num_slots, Hv, DK, DV]; k_hat [L, B, T, Hk, DK]; v_new [L, B, T, Hv, DV]; gamma [L, B, T, Hv].
+// grid (DV / (32*CG), Hv, L*B): blockIdx.z = l*B + b. n and slot are read on the device (graph capturable).
 template <int DK, int CG>
 __device__ __forceinline__ void gdn_fold_body(
     float* __restrict__ pool, const int* __restrict__ slot, const float* __restrict__ k_hat,
     const float* __restrict__ v_new, const float* __restrict__ gamma, const int* __restrict__ n,
-    int T, int Hk, int Hv, int DV) {
+    int B, int num_slots, int T, int Hk, int Hv, int DV) {
   constexpr int DVT = 32 * CG, NT = DK * CG, C4 = DVT / 4, RS = NT / C4, NR = DK / RS;
   __shared__ __align__(16) float Ks[CH][DK];
   __shared__ __align__(16) float Vs[CH][DVT];
   const int tid = threadIdx.x, c4 = tid % C4, r0 = tid / C4;
-  const int b = blockIdx.z, hv = blockIdx.y, d0 = blockIdx.x * DVT, hk = hv / (Hv / Hk);
+  const int l = blockIdx.z / B, b = blockIdx.z % B;
+  const int hv = blockIdx.y, d0 = blockIdx.x * DVT, hk = hv / (Hv / Hk);
   int nb = n[b];
   const i64 sl = slot ? (i64)slot[b] : (i64)b;
   if (nb <= 0 || sl < 0) return;
   nb = min(nb, T);
+  // this layer's pool and fold data (the rest of the body indexes within one layer)
+  pool += (i64)l * num_slots * Hv * DK * DV;
+  k_hat += (i64)l * B * T * Hk * DK;
+  v_new += (i64)l * B * T * Hv * DV;
+  gamma += (i64)l * B * T * Hv;
   float* base = pool + (sl * Hv + hv) * (i64)DK * DV + d0 + 4 * c4;
   float4 s[NR];
 #pragma unroll
@@ -348,8 +358,8 @@ __device__ __forceinline__ void gdn_fold_body(
 #define GDN_FOLD(DK, CG)                                                                          \
   extern "C" __global__ void __launch_bounds__(DK * CG) gdn_fold_dk##DK##_cg##CG(                 \
       float* pool, const int* slot, const float* k_hat, const float* v_new, const float* gamma,   \
-      const int* n, int T, int Hk, int Hv, int DV) {                                              \
-    gdn_fold_body<DK, CG>(pool, slot, k_hat, v_new, gamma, n, T, Hk, Hv, DV);                     \
+      const int* n, int B, int num_slots, int T, int Hk, int Hv, int DV) {                        \
+    gdn_fold_body<DK, CG>(pool, slot, k_hat, v_new, gamma, n, B, num_slots, T, Hk, Hv, DV);       \
   }
 GDN_WY16(128, 1, 4, 3)
 GDN_WY16(128, 1, 8, 3)

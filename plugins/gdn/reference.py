@@ -1,30 +1,18 @@
-"""Plain-torch reference math for the Gated DeltaNet (GDN) custom ops (DESIGN.md §2 step 2-5, §3).
+"""GdnChunkWY16 and gdn_fold in plain torch: the exact math (DESIGN §3) the ONNX body, the CUDA kernels
+and the TensorRT plugin are tested against; also the CPU implementation of the dflash:: torch ops.
 
-These are the oracles the ONNX function bodies, the TensorRT plugins and the runtime commit
-kernels are tested against, so they favour clarity over speed and never mutate their inputs.
-
-Dtypes: all state math runs in float32, or in float64 when any input is float64 (so tests can
-check the algebra exactly). `o` is returned in q's dtype (like HF's torch_recurrent_gated_delta_rule);
-states and fold data stay in the compute dtype (the design keeps GDN state in fp32).
-
-Shapes: q,k [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; state [B,Hv,dk,dv]. Value head h uses
-key head h // (Hv // Hk).
+Clarity over speed; inputs are never mutated. Dtypes: all state math runs in float32, or in float64
+when any input is float64 (so tests can check the algebra exactly). `o` is returned in q's dtype (like
+HF's torch_recurrent_gated_delta_rule); states and fold data stay in the compute dtype.
+Shapes: see spec.py (q,k [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; state [B,Hv,dk,dv]).
 """
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-__all__ = [
-    "GdnOut",
-    "l2norm",
-    "gdn_gates",
-    "gdn_recurrent",
-    "gdn_chunk_wy16",
-    "gdn_fold",
-    "conv_verify",
-    "conv_roll",
-]
+from dflash_trt.plugins.gdn.spec import CHUNK, L2NORM_EPS
+
+__all__ = ["GdnOut", "l2norm", "expand_heads", "gdn_recurrent", "gdn_chunk_wy16", "gdn_fold", "gdn_fold_layers"]
 
 
 def _cdtype(*ts):
@@ -32,27 +20,16 @@ def _cdtype(*ts):
     return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
 
 
-def _expand_heads(x, hv):
+def expand_heads(x, hv):
     """[B,T,Hk,d] -> [B,T,Hv,d]: value head h reads key head h // (Hv // Hk)."""
     hk = x.shape[2]
     assert hv % hk == 0, f"Hv={hv} not a multiple of Hk={hk}"
     return x if hv == hk else x.repeat_interleave(hv // hk, dim=2)
 
 
-def l2norm(x, eps=1e-6):
+def l2norm(x, eps=L2NORM_EPS):
     # Same form as HF Qwen3Next's l2norm (eps inside the rsqrt, not max(norm, eps)).
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def gdn_gates(a, b, A_log, dt_bias):
-    """a, b [..., Hv] -> (g, beta) in float32 (float64 if inputs are float64).
-
-    g = -exp(A_log) * softplus(a + dt_bias) is the per-token log-decay (<= 0); beta = sigmoid(b).
-    """
-    dt = _cdtype(a, b, A_log, dt_bias)
-    g = -torch.exp(A_log.to(dt)) * F.softplus(a.to(dt) + dt_bias.to(dt))
-    beta = torch.sigmoid(b.to(dt))
-    return g, beta
 
 
 def _prep(q, k, v, g, beta, state, scale):
@@ -64,7 +41,7 @@ def _prep(q, k, v, g, beta, state, scale):
     k_hat = l2norm(k.to(dt))  # per K-head (this is what the fold data stores)
     q_hat = l2norm(q.to(dt)) * scale
     hv = v.shape[2]
-    return (dt, _expand_heads(q_hat, hv), k_hat, _expand_heads(k_hat, hv),
+    return (dt, expand_heads(q_hat, hv), k_hat, expand_heads(k_hat, hv),
             v.to(dt), g.to(dt), beta.to(dt), state.to(dt))
 
 
@@ -112,7 +89,7 @@ def _inv_unit_lower(A):
     return Tm
 
 
-def gdn_chunk_wy16(q, k, v, g, beta, state, scale=None, chunk=16):
+def gdn_chunk_wy16(q, k, v, g, beta, state, scale=None, chunk=CHUNK):
     """Chunked WY form of the gated delta rule (DESIGN §3, GdnChunkWY16).
 
     Per chunk of C <= 16 rows with local γ = cumsum(g):
@@ -122,7 +99,7 @@ def gdn_chunk_wy16(q, k, v, g, beta, state, scale=None, chunk=16):
       S_next = e^{γ_C} S + K^T diag(e^{γ_C-γ}) V'.
     Returns GdnOut(o, state, k_hat, v_new, gamma); gamma is the *global* cumsum (what the fold needs).
     """
-    assert 1 <= chunk <= 16, "log-depth inverse is exact only for chunk <= 16"
+    assert 1 <= chunk <= CHUNK, "log-depth inverse is exact only for chunk <= 16"
     dt, qh, k_hat, kh, v, g, beta, S = _prep(q, k, v, g, beta, state, scale)
     B, T, Hv, dv = v.shape
     # Work head-major: [B,Hv,T,d].
@@ -168,7 +145,7 @@ def gdn_fold(state, k_hat, v_new, gamma, n):
     """
     dt = _cdtype(state, k_hat, v_new, gamma)
     B, T, Hv, _ = v_new.shape
-    S0, kh = state.to(dt), _expand_heads(k_hat.to(dt), Hv)
+    S0, kh = state.to(dt), expand_heads(k_hat.to(dt), Hv)
     vn, gam = v_new.to(dt), gamma.to(dt)
     n = n.to(device=state.device, dtype=torch.long).reshape(B)
     # γ_n per sequence (γ_0 = 0): prepend a zero column and gather at n.
@@ -182,30 +159,10 @@ def gdn_fold(state, k_hat, v_new, gamma, n):
     return torch.exp(g_n)[..., None, None] * S0 + upd
 
 
-def conv_verify(x, conv_state, weight):
-    """Depthwise causal conv + SiLU over T new columns (DESIGN §3, CausalConvVerify).
-
-    x [B,T,C]; conv_state [B,C,W-1] (oldest first); weight [C,W]. y_t uses columns t-W+1..t of
-    [state | x], i.e. window [t, t+W-1] of the concatenation (0-based). Returns y [B,T,C].
-    """
-    dt = torch.promote_types(torch.promote_types(x.dtype, conv_state.dtype), weight.dtype)
-    W = weight.shape[-1]
-    assert conv_state.shape[-1] == W - 1
-    full = torch.cat([conv_state.to(dt), x.to(dt).transpose(1, 2)], dim=-1)  # [B,C,W-1+T]
-    win = full.unfold(-1, W, 1)                                               # [B,C,T,W]
-    y = (win * weight.to(dt)[None, :, None, :]).sum(-1)                       # [B,C,T]
-    return F.silu(y).transpose(1, 2)
-
-
-def conv_roll(conv_state, x, n):
-    """New conv state = last W-1 columns of [state | x_1..x_n] per sequence (DESIGN §3, conv roll).
-
-    conv_state [B,C,W-1]; x [B,T,C] (the pre-conv columns the graph outputs); n int [B], 0..T.
-    """
-    B, C, Wm1 = conv_state.shape
-    dt = torch.promote_types(conv_state.dtype, x.dtype)
-    full = torch.cat([conv_state.to(dt), x.to(dt).transpose(1, 2)], dim=-1)  # [B,C,W-1+T]
-    n = n.to(device=conv_state.device, dtype=torch.long).reshape(B)
-    # Columns n .. n+W-2 of the concatenation are the W-1 newest after taking n new columns.
-    idx = n[:, None] + torch.arange(Wm1, device=conv_state.device)[None, :]   # [B,W-1]
-    return full.gather(2, idx[:, None, :].expand(B, C, Wm1))
+def gdn_fold_layers(state, k_hat, v_new, gamma, n):
+    """gdn_fold over L layers at once: state [L,B,Hv,dk,dv]; fold data [L,B,T,...]; n [B] (same per layer)."""
+    L, B = k_hat.shape[:2]
+    flat = lambda x: x.reshape(L * B, *x.shape[2:])  # noqa: E731  layers are independent: fold as L*B rows
+    n = n.to(device=state.device, dtype=torch.long).reshape(1, B).expand(L, B).reshape(L * B)
+    out = gdn_fold(flat(state), flat(k_hat), flat(v_new), flat(gamma), n)
+    return out.reshape(L, B, *out.shape[1:])

@@ -1,4 +1,5 @@
-"""Plain-torch reference for the PagedAttention custom op (DESIGN.md §3).
+"""PagedAttention and kv_write in plain torch: the exact math (DESIGN §3) the ONNX body, the CUDA kernels
+and the TensorRT plugin are tested against; also the CPU implementation of the dflash:: torch ops.
 
 T new query rows attend to a sequence's cached K/V rows (stored in fixed-size pages of a shared
 pool, addressed through a block table) plus the T new K/V rows. Causal within the new rows for
@@ -7,7 +8,7 @@ pages are gathered with plain indexing, one sequence at a time, no fused kernels
 """
 import torch
 
-__all__ = ["paged_attention_ref", "gather_pages"]
+__all__ = ["paged_attention_ref", "gather_pages", "kv_write"]
 
 
 def gather_pages(kv_pool, layer, block_table_row, start, end):
@@ -56,3 +57,19 @@ def paged_attention_ref(q, k_new, v_new, kv_pool, layer, block_table, kv_start, 
         p = torch.softmax(s, dim=-1)
         outs.append(torch.einsum("hts,shd->thd", p, V))
     return torch.stack(outs, dim=0).to(q.dtype)
+
+
+def kv_write(kv_pool, rows, block_table, pos, n):
+    """In place, all layers: row t < n[b] of rows [L,2,B,T,Hkv,hd] -> logical row pos[b] + t of sequence b,
+    i.e. page block_table[b, p // block_size] at offset p % block_size of kv_pool [L,2,blocks,bs,Hkv,hd].
+    Negative page ids (unallocated) are skipped, as in the kernel."""
+    B, T = rows.shape[2:4]
+    bs = kv_pool.shape[3]
+    dev = kv_pool.device
+    n = torch.as_tensor(n).to(dev, torch.long).reshape(B).clamp(0, T)
+    pos = torch.as_tensor(pos).to(dev, torch.long).reshape(B)
+    b, t = torch.nonzero(torch.arange(T, device=dev)[None, :] < n[:, None], as_tuple=True)
+    p = pos[b] + t
+    page = block_table.to(dev).long()[b, p // bs]
+    keep = page >= 0
+    kv_pool[:, :, page[keep], (p % bs)[keep]] = rows.to(dev)[:, :, b[keep], t[keep]].to(kv_pool.dtype)

@@ -1,7 +1,9 @@
 // Depthwise causal conv kernels (GDN short conv). x [B,T,C]; conv state [*, C, W-1] (pool indexed
 // by slot[b] when slot != null, else by b); weight [C, W]. One thread per (b, channel).
 #include "common.cuh"
-#define MAXW 8
+#ifndef MAXW
+#error "MAXW (the widest conv kernel) comes from conv/spec.py through NVRTC -D options"
+#endif
 
 // y[b,t,c] = silu(sum_w weight[c,w] * col[t+w]), col = [state (W-1 cols) | x_1..x_T].
 extern "C" __global__ void conv_verify(const void* __restrict__ x, int x_dt,
@@ -30,16 +32,19 @@ extern "C" __global__ void conv_verify(const void* __restrict__ x, int x_dt,
   }
 }
 
-// In place: pool[slot[b]] = last W-1 columns of [pool[slot[b]] | x_1..x_n[b]]. n <= 0: no-op.
+// In place, every layer l in one launch: pool[l, slot[b]] = last W-1 columns of
+// [pool[l, slot[b]] | x_1..x_n[b]]. n <= 0 or slot < 0: no-op. pool [L, num_slots, C, W-1];
+// x [L, B, T, C]; grid (ceil(C/128), B, L). n and slot are read on the device (graph capturable).
 extern "C" __global__ void conv_roll(void* __restrict__ pool, int s_dt, const int* __restrict__ slot,
                                      const void* __restrict__ x, int x_dt,
-                                     const int* __restrict__ n, int T, int C, int W) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+                                     const int* __restrict__ n, int B, int num_slots, int T, int C, int W) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y, l = blockIdx.z;
   if (c >= C) return;
   const i64 sl = slot ? (i64)slot[b] : (i64)b;
   const int nb = min(n[b], T);
   if (nb <= 0 || sl < 0) return;
-  const i64 base = (sl * C + c) * (W - 1);
+  const i64 base = (((i64)l * num_slots + sl) * C + c) * (W - 1);
+  const i64 xl = (i64)l * B * T * C;  // this layer's columns
   float old[MAXW];
 #pragma unroll
   for (int j = 0; j < MAXW; ++j) old[j] = j < W - 1 ? ldf(pool, s_dt, base + j) : 0.f;
@@ -51,7 +56,7 @@ extern "C" __global__ void conv_roll(void* __restrict__ pool, int s_dt, const in
 #pragma unroll
       for (int u = 0; u < MAXW; ++u) if (u == src) val = old[u];
     } else {
-      val = ldf(x, x_dt, ((i64)b * T + (src - (W - 1))) * C + c);
+      val = ldf(x, x_dt, xl + ((i64)b * T + (src - (W - 1))) * C + c);
     }
     stf(pool, s_dt, base + j, val);
   }

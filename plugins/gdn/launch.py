@@ -1,0 +1,69 @@
+"""Launchers of the GDN kernels (kernel.cu): raw device pointers (ints) + a CUstream handle (int).
+
+Used by the torch ops (torch_op.py), the TensorRT plugin (trt_plugin.py) and tools/bench_kernels.py.
+Every check reads spec.py and runs before any launch (KernelError). Index tensors (slot, n) are int32;
+a null pointer (0) for ``slot`` means "row b uses slot b".
+"""
+from __future__ import annotations
+
+import os
+
+from dflash_trt.plugins.cuda_launch import F, I, P, get_function, launch
+from dflash_trt.plugins.gdn import spec
+from dflash_trt.plugins.opspec import KernelError, dtype_code, kernel_need
+
+MAX_GRID_Z = 65535
+
+
+def _gdn_cg(B, Hv, dk, dv, cg, allowed, variants=spec.WY16_CG):
+    """Column-group factor: a CTA owns 32*cg state columns of one head; `variants` (dk -> cgs) are the
+    instantiated kernels. 0/None = auto: the largest allowed cg that still gives >= spec.AUTO_CG_MIN_CTAS
+    CTAs; DFLASH_GDN_CG overrides; a cg the shape cannot use is halved."""
+    if cg is None:
+        cg = int(os.environ.get("DFLASH_GDN_CG", "0"))
+    if cg not in (0, 1, 2, 4):
+        raise KernelError(f"gdn: column-group factor cg={cg} must be 0 (auto), 1, 2 or 4")
+    allowed = [c for c in allowed if c in variants.get(dk, (1,))]
+    if cg == 0:
+        cg = next((c for c in sorted(allowed, reverse=True)
+                   if dv % (32 * c) == 0 and B * Hv * dv // (32 * c) >= spec.AUTO_CG_MIN_CTAS), 1)
+    while cg > 1 and (cg not in allowed or dv % (32 * cg)):
+        cg //= 2
+    return cg
+
+
+def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *, B, T, Hk, Hv, dk, dv,
+             in_dtype="bfloat16", gb_dtype="float32", o_dtype=None, state_dtype="float32", scale=None,
+             out_by_slot=False, stream=0, cg=None):
+    """GdnChunkWY16. q,k [B,T,Hk,dk], v [B,T,Hv,dv] (in_dtype); g,beta [B,T,Hv]; state fp32
+    [*,Hv,dk,dv] (pool rows by slot[B] if slot else [B,...]; slot < 0 = zero state). Outputs: o
+    [B,T,Hv,dv] (o_dtype), optional fold data (k_hat [B,T,Hk,dk], v_new, gamma; fp32) and optional
+    final state (state_out, indexed by b, or by slot when out_by_slot)."""
+    cg = _gdn_cg(B, Hv, dk, dv, cg, (1, 2, 4))
+    spec.check_dims(B, T, Hk, Hv, dk, dv, cg)
+    dtype_code(state_dtype, "gdn state", spec.STATE_DTYPES)
+    idt = dtype_code(in_dtype, "gdn q/k/v")
+    gdt = dtype_code(gb_dtype, "gdn g/beta")
+    odt = dtype_code(o_dtype or in_dtype, "gdn o")
+    scale = dk ** -0.5 if scale is None else scale
+    fn = get_function("gdn", f"gdn_wy16_dk{dk}_cg{cg}_r{spec.chunk_rows(T)}")
+    args = [(q, P), (k, P), (v, P), (idt, I), (g, P), (beta, P), (gdt, I), (state, P), (slot or 0, P),
+            (o, P), (odt, I), (k_hat or 0, P), (v_new or 0, P), (gamma or 0, P), (state_out or 0, P),
+            (int(bool(out_by_slot)), I), (T, I), (Hk, I), (Hv, I), (dv, I), (scale, F)]
+    launch(fn, (dv // (32 * cg), Hv, B), (dk * cg, 1, 1), 0, stream, args)
+
+
+def gdn_fold(pool, slot, k_hat, v_new, gamma, n, *, B, T, Hk, Hv, dk, dv, L=1, num_slots=0,
+             state_dtype="float32", stream=0, cg=None):
+    """In place, all L layers in one launch: pool[l, slot[b]] <- state after the first n[b] rows.
+    pool [L,num_slots,Hv,dk,dv] fp32; fold data (from gdn_wy16) [L,B,T,...] fp32; n, slot [B] on the device."""
+    cg = _gdn_cg(B, Hv, dk, dv, cg, (1, 2, 4), spec.FOLD_CG)
+    spec.check_dims(B, T, Hk, Hv, dk, dv, cg)
+    dtype_code(state_dtype, "gdn state", spec.STATE_DTYPES)
+    kernel_need(L >= 1 and (L == 1 or num_slots >= 1), f"gdn_fold: need L >= 1 and num_slots >= 1 (L={L}, "
+                f"num_slots={num_slots})")
+    kernel_need(L * B <= MAX_GRID_Z, f"gdn_fold: L*B = {L * B} exceeds the grid limit {MAX_GRID_Z}")
+    fn = get_function("gdn", f"gdn_fold_dk{dk}_cg{cg}")
+    args = [(pool, P), (slot or 0, P), (k_hat, P), (v_new, P), (gamma, P), (n, P), (B, I), (num_slots, I), (T, I),
+            (Hk, I), (Hv, I), (dv, I)]
+    launch(fn, (dv // (32 * cg), Hv, L * B), (dk * cg, 1, 1), 0, stream, args)

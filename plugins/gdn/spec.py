@@ -1,0 +1,86 @@
+"""The spec of GdnChunkWY16 and of its commit kernel gdn_fold (DESIGN §3). Math: reference.py.
+
+GdnChunkWY16(q, k, v, g, beta, state; scale) -> o, state_out, k_hat, v_new, gamma
+  q, k [B,T,Hk,dk], v [B,T,Hv,dv] (one float dtype); g, beta [B,T,Hv] (one float dtype);
+  state [B,Hv,dk,dv] float32, read-only. o [B,T,Hv,dv] in q's dtype; state_out [B,Hv,dk,dv],
+  k_hat [B,T,Hk,dk], v_new [B,T,Hv,dv], gamma [B,T,Hv] float32. Value head h reads key head h // (Hv/Hk).
+  scale 0 means dk ** -0.5.
+gdn_fold (runtime commit, all layers in one launch): pool [L,slots,Hv,dk,dv] float32 in place;
+  fold data k_hat [L,B,T,Hk,dk], v_new [L,B,T,Hv,dv], gamma [L,B,T,Hv] float32; slot [B] (none: slot b),
+  n [B]: pool[l, slot[b]] <- state after the first n[b] rows; n = 0 or slot < 0 leaves it untouched.
+"""
+from __future__ import annotations
+
+from dflash_trt.plugins.opspec import FLOATS, Attr, OpSpec, Port, check_float_dtypes, kernel_need, need
+
+CHUNK = 16  # rows per chunk: (I+A)^-1 = (I-A)(I+A^2)(I+A^4)(I+A^8) is exact only for C <= 16
+L2NORM_EPS = 1e-6  # inside the rsqrt, as HF Qwen3Next's l2norm
+STATE_DTYPES = ("float32",)  # the design keeps GDN state (and fold data) in fp32
+
+# CUDA kernel limits (kernel.cu instantiates exactly these variants)
+KERNEL_DK = (64, 128)
+WY16_CG = {64: (1, 2), 128: (1, 2, 4)}  # column-group factors: a CTA owns 32*cg state columns
+FOLD_CG = {64: (1, 2), 128: (1, 2)}
+CHUNK_ROWS = (4, 8, 16)                  # chunk-row variants of gdn_wy16 (the smallest >= min(T, 16))
+# auto cg: the largest allowed one that still gives >= this many CTAs (H200: cg1 best at B=1, cg4 at B>=8)
+AUTO_CG_MIN_CTAS = 256
+
+
+def chunk_rows(T: int) -> int:
+    return next(r for r in CHUNK_ROWS if T <= r or r == CHUNK_ROWS[-1])
+
+
+def check_dims(B, T, Hk, Hv, dk, dv, cg=1) -> None:
+    """The kernels' shape limits (launchers and the plugin)."""
+    kernel_need(dk in KERNEL_DK, f"gdn: unsupported key head dim dk={dk}; supported: {KERNEL_DK}")
+    kernel_need(dv > 0 and dv % (32 * cg) == 0, f"gdn: value head dim dv={dv} must be a positive multiple of {32 * cg}")
+    kernel_need(Hk > 0 and Hv % Hk == 0, f"gdn: Hv={Hv} must be a multiple of Hk={Hk}")
+    kernel_need(B > 0 and T > 0, f"gdn: need B >= 1 and T >= 1 (got B={B}, T={T})")
+
+
+def _output_shapes(ins):
+    q, v = ins[0], ins[2]
+    B, T, dk, Hv, dv = q[0], q[1], q[3], v[2], v[3]
+    return [[B, T, Hv, dv], [B, Hv, dk, dv], list(q), [B, T, Hv, dv], [B, T, Hv]]
+
+
+def _check_shapes(d, attrs=None):
+    q, k, v, g, beta, s = (tuple(x) for x in d)
+    need(len(q) == 4 and k == q, f"GdnChunkWY16: q {q} and k {k} must both be [B,T,Hk,dk]")
+    need(len(v) == 4 and v[:2] == q[:2], f"GdnChunkWY16: v {v} must be [B,T,Hv,dv] with q's B,T")
+    need(g == beta == v[:3], f"GdnChunkWY16: g {g} and beta {beta} must be [B,T,Hv] = {v[:3]}")
+    need(s == (q[0], v[2], q[3], v[3]), f"GdnChunkWY16: state {s} must be [B,Hv,dk,dv]")
+
+
+def _check_kernel(d, dtypes):
+    check_float_dtypes("GdnChunkWY16", dtypes)
+    (B, T, Hk, dk), (_, _, Hv, dv) = d[0], d[2]
+    check_dims(B, T, Hk, Hv, dk, dv)
+
+
+SPEC = OpSpec(
+    name="GdnChunkWY16",
+    inputs=(Port("q", "x", "[B,T,Hk,dk]"), Port("k", "x", "[B,T,Hk,dk]"), Port("v", "x", "[B,T,Hv,dv]"),
+            Port("g", "g", "[B,T,Hv]"), Port("beta", "g", "[B,T,Hv]"), Port("state", "f32", "[B,Hv,dk,dv]")),
+    outputs=(Port("o", "x", "[B,T,Hv,dv]"), Port("state_out", "f32", "[B,Hv,dk,dv]"),
+             Port("k_hat", "f32", "[B,T,Hk,dk]"), Port("v_new", "f32", "[B,T,Hv,dv]"), Port("gamma", "f32", "[B,T,Hv]")),
+    attrs=(Attr("scale", "float", 0.0, "0: dk ** -0.5"),),
+    groups={"x": FLOATS, "g": FLOATS, "f32": STATE_DTYPES},
+    output_shapes=_output_shapes,
+    check_shapes=_check_shapes,
+    check_kernel=_check_kernel,
+    doc="gated delta rule over T tokens in chunks of 16 from a read-only state",
+    cuda_defines={"L2EPS": f"{L2NORM_EPS!r}f"},
+)
+
+
+def check_fold_shapes(pool, k_hat, v_new, gamma, slot, n) -> None:
+    """Shapes of one layer-batched gdn_fold call (tuples; slot None = row b uses slot b)."""
+    need(len(pool) == 5, f"gdn_fold: pool {pool} must be [L,slots,Hv,dk,dv]")
+    L, S, Hv, dk, dv = pool
+    need(len(k_hat) == 5 and k_hat[0] == L and k_hat[4] == dk, f"gdn_fold: k_hat {k_hat} must be [L={L},B,T,Hk,dk={dk}]")
+    B, T, Hk = k_hat[1:4]
+    need(v_new == (L, B, T, Hv, dv), f"gdn_fold: v_new {v_new} must be [L,B,T,Hv,dv] = {(L, B, T, Hv, dv)}")
+    need(gamma == (L, B, T, Hv), f"gdn_fold: gamma {gamma} must be [L,B,T,Hv] = {(L, B, T, Hv)}")
+    need(n == (B,), f"gdn_fold: n {n} must be [B] = {(B,)}")
+    need(slot is None and B <= S or slot == (B,), f"gdn_fold: slot {slot} must be [B] = {(B,)} (or none with B <= slots)")

@@ -1,0 +1,117 @@
+"""torch custom ops dflash::gdn_wy16 and dflash::gdn_fold: CUDA -> kernel.cu via launch.py on torch's current
+stream, CPU -> reference.py, plus fake impls (torch.compile / export). Register all ops through
+dflash_trt.plugins.torch_ops. Index tensors may be int32 or int64; ``slot`` None means row b uses pool row b.
+
+  gdn_wy16(q, k, v, g, beta, state, slot, scale, output_state) -> (o, k_hat, v_new, gamma, final_state)
+      state is a pool read by slot (slot < 0 = zero state); final_state is [B,Hv,dk,dv] when output_state
+      else an empty [0] tensor.
+  gdn_fold(pool!, slot, k_hat, v_new, gamma, n)  all layers: pool [L,slots,Hv,dk,dv], fold data [L,B,T,...]
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from dflash_trt.plugins import torch_util as U
+from dflash_trt.plugins.gdn import launch, reference, spec
+from dflash_trt.plugins.opspec import KernelError
+
+
+def _sdt(state: Tensor):
+    return torch.float64 if state.dtype == torch.float64 else torch.float32
+
+
+def _shapes(q, k, v, g, beta):
+    """(o, state_out, k_hat, v_new, gamma) shapes from the spec."""
+    B, Hv, dk, dv = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
+    return spec.SPEC.output_shapes([q.shape, k.shape, v.shape, g.shape, beta.shape, (B, Hv, dk, dv)])
+
+
+@torch.library.custom_op("dflash::gdn_wy16", mutates_args=())
+def gdn_wy16(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, slot: Optional[Tensor] = None,
+             scale: Optional[float] = None, output_state: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    raise NotImplementedError("dflash::gdn_wy16: no kernel for this device")
+
+
+@gdn_wy16.register_kernel("cpu")
+def _gdn_wy16_cpu(q, k, v, g, beta, state, slot=None, scale=None, output_state=False):
+    r = reference.gdn_chunk_wy16(q, k, v, g, beta, U.gather(state, slot, q.shape[0]), scale=scale)
+    dt = _sdt(state)
+    fs = r.state.to(dt) if output_state else state.new_empty(0, dtype=dt)
+    return r.o.clone(), r.k_hat.to(dt), r.v_new.to(dt), r.gamma.to(dt), fs
+
+
+@gdn_wy16.register_kernel("cuda")
+def _gdn_wy16_cuda(q, k, v, g, beta, state, slot=None, scale=None, output_state=False):
+    B, T, Hk, dk = q.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    q, k, v, g, beta, state = (t.contiguous() for t in (q, k, v, g, beta, state))
+    U.check_groups(spec.SPEC, (q, k, v, g, beta, state))
+    slot = U.i32(slot)
+    so, ss, sk, sv, sg = _shapes(q, k, v, g, beta)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    o = torch.empty(so, device=q.device, dtype=q.dtype)
+    k_hat, v_new, gamma = torch.empty(sk, **f32), torch.empty(sv, **f32), torch.empty(sg, **f32)
+    fs = torch.empty(ss, **f32) if output_state else torch.empty(0, **f32)
+    launch.gdn_wy16(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), state.data_ptr(),
+                    U.ptr(slot), o.data_ptr(), k_hat.data_ptr(), v_new.data_ptr(), gamma.data_ptr(),
+                    fs.data_ptr() if output_state else 0, B=B, T=T, Hk=Hk, Hv=Hv, dk=dk, dv=dv,
+                    in_dtype=U.dname(q), gb_dtype=U.dname(g), o_dtype=U.dname(o), state_dtype=U.dname(state),
+                    scale=scale, stream=U.stream(q))
+    return o, k_hat, v_new, gamma, fs
+
+
+@gdn_wy16.register_fake
+def _gdn_wy16_fake(q, k, v, g, beta, state, slot=None, scale=None, output_state=False):
+    so, ss, sk, sv, sg = _shapes(q, k, v, g, beta)
+    dt = _sdt(state)
+    fs = q.new_empty(ss, dtype=dt) if output_state else q.new_empty(0, dtype=dt)
+    return q.new_empty(so), q.new_empty(sk, dtype=dt), q.new_empty(sv, dtype=dt), q.new_empty(sg, dtype=dt), fs
+
+
+@torch.library.custom_op("dflash::gdn_fold", mutates_args=("pool",))
+def gdn_fold(pool: Tensor, slot: Optional[Tensor], k_hat: Tensor, v_new: Tensor, gamma: Tensor, n: Tensor) -> None:
+    raise NotImplementedError("dflash::gdn_fold: no kernel for this device")
+
+
+def _check(pool, slot, k_hat, v_new, gamma, n) -> bool:
+    """ShapeError unless the shapes fit; False when there is nothing to fold (no layers, sequences or rows)."""
+    spec.check_fold_shapes(U.shape(pool), U.shape(k_hat), U.shape(v_new), U.shape(gamma),
+                           U.shape(None if slot is None else slot.reshape(-1)), tuple(n.reshape(-1).shape))
+    return min(k_hat.shape[:3]) > 0
+
+
+@gdn_fold.register_kernel("cpu")
+def _gdn_fold_cpu(pool, slot, k_hat, v_new, gamma, n):
+    if not _check(pool, slot, k_hat, v_new, gamma, n):
+        return
+    B, T = v_new.shape[1:3]
+    nn = n.reshape(-1).long().cpu().clamp(0, T)
+    slot = None if slot is None else slot.reshape(-1)
+    new = reference.gdn_fold_layers(U.gather(pool, slot, B, dim=1), k_hat, v_new, gamma, nn)
+    U.scatter_kept(pool, slot, nn, new)
+
+
+@gdn_fold.register_kernel("cuda")
+def _gdn_fold_cuda(pool, slot, k_hat, v_new, gamma, n):
+    if not _check(pool, slot, k_hat, v_new, gamma, n):
+        return
+    L, S, Hv, dk, dv = pool.shape
+    B, T, Hk = k_hat.shape[1:4]
+    if not pool.is_contiguous():
+        raise KernelError("gdn_fold: state pool must be contiguous (updated in place)")
+    for name, t in (("k_hat", k_hat), ("v_new", v_new), ("gamma", gamma)):
+        if U.dname(t) not in spec.STATE_DTYPES:
+            raise KernelError(f"gdn_fold: {name} must be float32, got {t.dtype}")
+    k_hat, v_new, gamma = k_hat.contiguous(), v_new.contiguous(), gamma.contiguous()
+    slot, n = U.i32(slot), U.i32(n.reshape(-1))
+    launch.gdn_fold(pool.data_ptr(), U.ptr(slot), k_hat.data_ptr(), v_new.data_ptr(), gamma.data_ptr(), n.data_ptr(),
+                    B=B, T=T, Hk=Hk, Hv=Hv, dk=dk, dv=dv, L=L, num_slots=S, state_dtype=U.dname(pool),
+                    stream=U.stream(pool))
+
+
+@gdn_fold.register_fake
+def _gdn_fold_fake(pool, slot, k_hat, v_new, gamma, n):
+    return None

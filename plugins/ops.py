@@ -1,0 +1,92 @@
+"""The custom ops as the models call them: the one seam between the model math and its backends.
+
+The torch modules (export/target.py, export/drafter.py) call only these functions. Under
+`torch.onnx.export` each becomes one `dflash::<Op>` node whose name, attributes, output dtypes and shapes
+come from the op's spec (plugins/<op>/spec.py; its semantics are the FunctionProto of the same name,
+plugins/<op>/onnx_body.py). On CUDA tensors they call the dflash:: torch ops (our kernels); otherwise the
+reference math (plugins/<op>/reference.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from dflash_trt.plugins.conv import reference as conv_ref
+from dflash_trt.plugins.conv.spec import SPEC as CONV
+from dflash_trt.plugins.gdn import reference as gdn_ref
+from dflash_trt.plugins.gdn.spec import SPEC as GDN
+from dflash_trt.plugins.opspec import PLUGIN_ATTRS
+from dflash_trt.plugins.paged_attention import reference as attention_ref
+from dflash_trt.plugins.paged_attention.spec import SPEC as ATTENTION
+from dflash_trt.plugins.torch_util import dname, torch_dtype
+
+
+def _exporting() -> bool:
+    return torch.onnx.is_in_onnx_export()
+
+
+def _cuda_ops(t):
+    """torch.ops.dflash (our NVRTC kernels) for CUDA tensors, else None (reference math).
+    Imported lazily: CPU-only installs never load cuda-python."""
+    if not t.is_cuda:
+        return None
+    from dflash_trt.plugins import torch_ops  # noqa: F401  registers torch.ops.dflash.*
+
+    return torch.ops.dflash
+
+
+def _node(spec, inputs, attrs: dict):
+    """The `dflash::<Op>` node of `spec` on `inputs` (attributes by spec name; outputs typed by the spec)."""
+    unknown = set(attrs) - set(spec.attr_kinds)
+    if unknown:
+        raise ValueError(f"{spec.name}: unknown attribute(s) {sorted(unknown)}")
+    attrs = {k: (float(v) if spec.attr_kinds[k] == "float" else int(v)) for k, v in attrs.items()}
+    dtypes = [torch_dtype(d) for d in spec.output_dtypes([dname(t) for t in inputs])]
+    shapes = spec.output_shapes([list(t.shape) for t in inputs])
+    return torch.onnx.ops.symbolic_multi_out(f"dflash::{spec.name}", list(inputs), {**attrs, **PLUGIN_ATTRS},
+                                             dtypes=dtypes, shapes=shapes, version=1)
+
+
+def gdn_chunk(q, k, v, g, beta, state, scale=None):
+    """GdnChunkWY16: returns GdnOut(o, state, k_hat, v_new, gamma); `state` is read-only."""
+    if _exporting():
+        dk = q.shape[3]
+        return gdn_ref.GdnOut(*_node(GDN, (q, k, v, g, beta, state), {"scale": dk ** -0.5 if scale is None else scale}))
+    dflash = _cuda_ops(q)
+    if dflash is not None:
+        o, k_hat, v_new, gamma, _ = dflash.gdn_wy16(q, k, v, g, beta, state, None, scale, False)
+        return gdn_ref.GdnOut(o, None, k_hat, v_new, gamma)
+    return gdn_ref.gdn_chunk_wy16(q, k, v, g, beta, state, scale=scale)
+
+
+def gdn_fold(state, k_hat, v_new, gamma, n):
+    """State [B,Hv,dk,dv] after the first n[b] rows of fold data (a new tensor; `state` is not modified).
+    Model math (prefill's final state), traced as plain ops under export."""
+    dflash = _cuda_ops(state)
+    if dflash is not None:
+        out = state.float().clone()[None]  # the commit kernel works on [L, ...]; here one layer
+        dflash.gdn_fold(out, None, k_hat[None], v_new[None], gamma[None], n)
+        return out[0]
+    return gdn_ref.gdn_fold(state, k_hat, v_new, gamma, n)
+
+
+def conv_verify(x, conv_state, weight):
+    """CausalConvVerify: silu(depthwise causal conv over [conv_state | x]); conv_state read-only."""
+    if _exporting():
+        return _node(CONV, (x, conv_state, weight), {})[0]
+    dflash = _cuda_ops(x)
+    if dflash is not None:
+        return dflash.conv_verify(x, conv_state, weight, None)
+    return conv_ref.conv_verify(x, conv_state, weight)
+
+
+def paged_attention(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale):
+    """PagedAttention over cached rows [kv_start, kv_len) in pages plus the T new rows."""
+    if _exporting():
+        attrs = {"layer": layer, "causal": bool(causal), "scale": scale}
+        return _node(ATTENTION, (q, k_new, v_new, kv_pool, block_table, kv_start, kv_len), attrs)[0]
+    dflash = _cuda_ops(q)
+    if dflash is not None:
+        return dflash.paged_attention(q, k_new, v_new, kv_pool, int(layer), block_table, kv_start, kv_len,
+                                      bool(causal), float(scale))
+    return attention_ref.paged_attention_ref(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len,
+                                             causal, scale)

@@ -1,0 +1,40 @@
+"""Launchers of the paged-attention kernels (kernel.cu): raw device pointers (ints) + a CUstream handle (int).
+
+Used by the torch ops (torch_op.py) and the TensorRT plugin (trt_plugin.py). Every check reads spec.py
+and runs before any launch (KernelError). Index tensors (block_table, kv_start, kv_len, pos, n) are int32.
+"""
+from __future__ import annotations
+
+from dflash_trt.plugins.cuda_launch import F, I, P, get_function, launch
+from dflash_trt.plugins.opspec import dtype_code
+from dflash_trt.plugins.paged_attention import spec
+
+KV_WRITE_THREADS = 128
+
+
+def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, B, T, Hq, Hkv, hd, layer,
+                    num_blocks, block_size, max_blocks, causal, scale, q_dtype="bfloat16", n_dtype=None,
+                    p_dtype=None, o_dtype=None, stream=0):
+    """o [B,T,Hq,hd] = attention of q over cached rows [kv_start, kv_len) in pages + T new rows."""
+    spec.check_dims(B, T, Hq, Hkv, hd, block_size)
+    args = [(q, P), (dtype_code(q_dtype, "attn q"), I), (k_new, P), (v_new, P),
+            (dtype_code(n_dtype or q_dtype, "attn k/v"), I), (pool, P), (dtype_code(p_dtype or q_dtype, "attn kv pool"), I),
+            (layer, I), (num_blocks, I), (block_size, I), (block_table, P), (max_blocks, I), (kv_start, P),
+            (kv_len, P), (o, P), (dtype_code(o_dtype or q_dtype, "attn o"), I), (T, I), (Hq, I), (Hkv, I),
+            (int(bool(causal)), I), (scale, F)]
+    G = Hq // Hkv
+    grid = ((G * T + spec.NWARP - 1) // spec.NWARP, Hkv, B)
+    smem = spec.smem_bytes(hd)
+    fn = get_function("paged_attention", f"paged_attention_hd{hd}", max_dynamic_smem=smem)
+    launch(fn, grid, (spec.NWARP * 32, 1, 1), smem, stream, args)
+
+
+def kv_write(pool, block_table, rows, pos, n, *, B, T, Hkv, hd, L, num_blocks, block_size, max_blocks,
+             p_dtype="bfloat16", n_dtype=None, stream=0):
+    """In place, all L layers in one launch: row t < n[b] of rows [L,2,B,T,Hkv,hd] -> the pages at logical
+    row pos[b] + t of pool [L,2,num_blocks,block_size,Hkv,hd]; pos, n, block_table on the device."""
+    spec.check_kv_write_dims(B, T, Hkv, hd, block_size, L)
+    args = [(pool, P), (dtype_code(p_dtype, "kv pool"), I), (num_blocks, I), (block_size, I), (block_table, P),
+            (max_blocks, I), (rows, P), (dtype_code(n_dtype or p_dtype, "kv rows"), I), (pos, P), (n, P), (B, I),
+            (T, I), (Hkv, I), (hd, I)]
+    launch(get_function("paged_attention", "kv_write"), (T * Hkv, B, L), (KV_WRITE_THREADS, 1, 1), 0, stream, args)

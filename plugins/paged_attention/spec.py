@@ -1,0 +1,88 @@
+"""The spec of PagedAttention and of its commit kernel kv_write (DESIGN §3). Math: reference.py.
+
+PagedAttention(q, k_new, v_new, kv_pool, block_table, kv_start, kv_len; layer, causal, scale) -> o
+  q [B,T,Hq,hd]; k_new, v_new [B,T,Hkv,hd] (one dtype); kv_pool [L,2,num_blocks,block_size,Hkv,hd]
+  (read-only); block_table [B,max_blocks]; kv_start, kv_len [B] (int32 or int64). Row t attends the
+  cached logical rows [kv_start, kv_len) of its pages and the T new rows (new rows <= t when causal).
+  GQA: q-head h reads kv-head h // (Hq/Hkv). o [B,T,Hq,hd] in q's dtype. scale 0 means hd ** -0.5.
+kv_write (runtime commit, all layers in one launch): kv_pool [L,2,num_blocks,block_size,Hkv,hd] in place;
+  rows [L,2,B,T,Hkv,hd] (K, V); block_table [B,max_blocks]; pos, n [B]: row t < n[b] of sequence b goes
+  to its logical row pos[b] + t in every layer; negative page ids are skipped.
+"""
+from __future__ import annotations
+
+import math
+
+from dflash_trt.plugins.opspec import FLOATS, INTS, Attr, OpSpec, Port, check_float_dtypes, kernel_need, need
+
+KERNEL_HD = (64, 128, 256)  # head dims the attention kernel is instantiated for
+NWARP, KT = 8, 32           # kernel tiling (warps per CTA = query rows per CTA, keys per smem tile)
+
+
+def smem_bytes(hd: int) -> int:
+    """Dynamic shared memory of paged_attention_hd{hd}: Q rows + padded K and V tiles, fp32."""
+    return (NWARP * hd + 2 * KT * (hd + 1)) * 4
+
+
+def check_dims(B, T, Hq, Hkv, hd, block_size) -> None:
+    """The attention kernel's shape limits (launcher and the plugin)."""
+    kernel_need(hd in KERNEL_HD, f"paged_attention: unsupported head dim {hd}; supported: {KERNEL_HD}")
+    kernel_need(Hkv > 0 and Hq % Hkv == 0, f"paged_attention: Hq={Hq} must be a multiple of Hkv={Hkv}")
+    kernel_need(B > 0 and T > 0 and block_size > 0,
+                f"paged_attention: need B, T, block_size >= 1 (got {B}, {T}, {block_size})")
+
+
+def check_kv_write_dims(B, T, Hkv, hd, block_size, L) -> None:
+    kernel_need(min(B, T, Hkv, hd, block_size, L) > 0,
+                f"kv_write: bad shape L={L} B={B} T={T} Hkv={Hkv} hd={hd} block_size={block_size}")
+
+
+def _output_shapes(ins):
+    return [list(ins[0])]
+
+
+def _check_shapes(d, attrs):
+    q, k, v, pool, bt, ks, kl = (tuple(x) for x in d)
+    B = q[0] if q else None
+    need(len(q) == 4 and len(k) == 4 and k == v and k[:2] == q[:2] and k[3] == q[3],
+         f"PagedAttention: q {q} [B,T,Hq,hd], k_new/v_new {k}/{v} [B,T,Hkv,hd]")
+    need(len(pool) == 6 and pool[1] == 2 and pool[4:] == k[2:],
+         f"PagedAttention: kv_pool {pool} must be [L,2,num_blocks,block_size,Hkv,hd] with Hkv,hd = {k[2:]}")
+    need(len(bt) == 2 and bt[0] == B, f"PagedAttention: block_table {bt} must be [B,max_blocks], B={B}")
+    need(math.prod(ks) == B and math.prod(kl) == B, f"PagedAttention: kv_start {ks}/kv_len {kl} need B={B}")
+    layer = int(attrs["layer"])
+    need(0 <= layer < pool[0], f"PagedAttention: layer {layer} not in [0, {pool[0]})")
+
+
+def _check_kernel(d, dtypes):
+    check_float_dtypes("PagedAttention", dtypes)
+    (B, T, Hq, hd), Hkv, BS = d[0], d[1][2], d[3][3]
+    check_dims(B, T, Hq, Hkv, hd, BS)
+
+
+SPEC = OpSpec(
+    name="PagedAttention",
+    inputs=(Port("q", "q", "[B,T,Hq,hd]"), Port("k_new", "n", "[B,T,Hkv,hd]"), Port("v_new", "n", "[B,T,Hkv,hd]"),
+            Port("kv_pool", "p", "[L,2,num_blocks,block_size,Hkv,hd]"), Port("block_table", "i0", "[B,max_blocks]"),
+            Port("kv_start", "i1", "[B]"), Port("kv_len", "i2", "[B]")),
+    outputs=(Port("o", "q", "[B,T,Hq,hd]"),),
+    attrs=(Attr("layer", "int", 0, "kv_pool layer"), Attr("causal", "int", 1, "1: new row t sees new rows <= t"),
+           Attr("scale", "float", 0.0, "0: hd ** -0.5")),
+    groups={"q": FLOATS, "n": FLOATS, "p": FLOATS, "i0": INTS, "i1": INTS, "i2": INTS},
+    output_shapes=_output_shapes,
+    check_shapes=_check_shapes,
+    check_kernel=_check_kernel,
+    doc="T query rows attend a sequence's cached K/V pages plus the T new rows",
+    cuda_defines={"NWARP": NWARP, "KT": KT},
+)
+INDEX_INPUTS = tuple(i for i, p in enumerate(SPEC.inputs) if p.group.startswith("i"))  # int32 in the kernel
+
+
+def check_kv_write_shapes(pool, rows, block_table, pos, n) -> None:
+    """Shapes of one layer-batched kv_write call (tuples)."""
+    need(len(pool) == 6 and pool[1] == 2, f"kv_write: kv_pool {pool} must be [L,2,num_blocks,block_size,Hkv,hd]")
+    need(len(rows) == 6 and rows[:2] == pool[:2] and rows[4:] == pool[4:],
+         f"kv_write: rows {rows} must be [L,2,B,T,Hkv,hd] with L,Hkv,hd of the pool {pool}")
+    B = rows[2]
+    need(len(block_table) == 2 and block_table[0] == B, f"kv_write: block_table {block_table} must be [B={B},max_blocks]")
+    need(math.prod(pos) == B and math.prod(n) == B, f"kv_write: pos {pos} / n {n} must have B={B} entries")
