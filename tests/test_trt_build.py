@@ -92,7 +92,7 @@ def test_inlined_body_while_plugins_expected_fails_loudly(tmp_path):
     import numpy as np
 
     from dflash_trt.engines.network import BuildError, parse_graph
-    from dflash_trt.export.onnx_functions import single_op_model
+    from dflash_trt.plugins.onnx_functions import single_op_model
 
     r = np.random.default_rng(0).standard_normal
     ins = {"x": r((1, 2, 8)).astype(np.float32), "conv_state": r((1, 8, 3)).astype(np.float32),

@@ -8,9 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_trt.export import attention_ref, gdn_ref
+from dflash_trt.plugins import trt_base
 from dflash_trt.plugins import trt_compat as C
 from dflash_trt.plugins import trt_plugins as P
+from dflash_trt.plugins.conv import reference as conv_ref
+from dflash_trt.plugins.conv import trt_plugin as conv_plugin
+from dflash_trt.plugins.gdn import reference as gdn_ref
+from dflash_trt.plugins.gdn import trt_plugin as gdn_plugin
+from dflash_trt.plugins.opspec import KernelError
+from dflash_trt.plugins.paged_attention import reference as attention_ref
+from dflash_trt.plugins.paged_attention import trt_plugin as attention_plugin
 
 NP = {"float32": np.float32, "int32": np.int32, "int64": np.int64}
 
@@ -21,10 +28,7 @@ def view(ptr, shape, dt):
 
 
 class FakeLaunch:
-    """Stand-ins for plugins/launch.py with the same signatures, computing on host memory."""
-
-    KernelError, DTYPES, GDN_DK, ATTN_HD, CONV_MAX_W = (P.launch.KernelError, P.launch.DTYPES, P.launch.GDN_DK,
-                                                       P.launch.ATTN_HD, P.launch.CONV_MAX_W)
+    """Stand-ins for the ops' launch.py functions the plugins call, same signatures, computing on host memory."""
 
     def __init__(self):
         self.calls = []
@@ -41,7 +45,7 @@ class FakeLaunch:
 
     def conv_verify(self, x, state, slot, weight, y, *, B, T, C, W, x_dtype, s_dtype, w_dtype, y_dtype, stream):
         self.calls.append(("conv", stream))
-        r = gdn_ref.conv_verify(view(x, (B, T, C), x_dtype), view(state, (B, C, W - 1), s_dtype),
+        r = conv_ref.conv_verify(view(x, (B, T, C), x_dtype), view(state, (B, C, W - 1), s_dtype),
                                 view(weight, (C, W), w_dtype))
         view(y, (B, T, C), y_dtype).copy_(r)
 
@@ -60,12 +64,13 @@ class FakeLaunch:
 @pytest.fixture
 def fake(monkeypatch):
     f = FakeLaunch()
-    monkeypatch.setattr(P, "launch", f)
+    for mod in (gdn_plugin, conv_plugin, attention_plugin):  # each op's plugin calls its own launcher module
+        monkeypatch.setattr(mod, "launch", f)
 
     def narrow(dst, src, n, stream):
         view(dst, (n,), "int32").copy_(view(src, (n,), "int64").to(torch.int32))
 
-    monkeypatch.setattr(P, "_narrow_i64", narrow)
+    monkeypatch.setattr(trt_base, "narrow_i64", narrow)
     return f
 
 
@@ -96,8 +101,8 @@ def test_gdn_enqueue_plumbing(fake, T):
 def test_conv_enqueue_plumbing(fake):
     ins = [torch.randn(2, 5, 24), torch.randn(2, 24, 3), torch.randn(24, 4)]
     outs = [torch.zeros(2, 5, 24)]
-    _enqueue(P.CausalConvVerifyPlugin(), ins, outs)
-    torch.testing.assert_close(outs[0], gdn_ref.conv_verify(*ins))
+    _enqueue(P.PLUGINS["CausalConvVerify"](), ins, outs)
+    torch.testing.assert_close(outs[0], conv_ref.conv_verify(*ins))
 
 
 @pytest.mark.parametrize("idx", [torch.int64, torch.int32])
@@ -109,7 +114,7 @@ def test_attention_enqueue_plumbing(fake, idx, causal):
     ins = [torch.randn(B, T, Hq, hd), torch.randn(B, T, Hkv, hd), torch.randn(B, T, Hkv, hd),
            torch.randn(L, 2, NB, BS, Hkv, hd), bt.to(idx), torch.tensor([1, 0]).to(idx), torch.tensor([9, 12]).to(idx)]
     outs = [torch.zeros(B, T, Hq, hd)]
-    plugin = P.PagedAttentionPlugin({"layer": 2, "causal": causal, "scale": 0.3})
+    plugin = P.PLUGINS["PagedAttention"]({"layer": 2, "causal": causal, "scale": 0.3})
     ws = _enqueue(plugin, ins, outs)
     want = attention_ref.paged_attention_ref(*ins[:4], 2, bt, ins[5].long(), ins[6].long(), bool(causal), 0.3)
     torch.testing.assert_close(outs[0], want)
@@ -117,8 +122,8 @@ def test_attention_enqueue_plumbing(fake, idx, causal):
 
 
 def test_runtime_shape_change_rejects_unsupported_kernel_shapes():
-    p = P.GdnChunkWY16Plugin({}, C.TensorRTPhase.RUNTIME)
+    p = P.PLUGINS["GdnChunkWY16"]({}, C.TensorRTPhase.RUNTIME)
     shapes = [(1, 2, 2, 16), (1, 2, 2, 16), (1, 2, 4, 8), (1, 2, 4), (1, 2, 4), (1, 4, 16, 8)]
     descs = [C.tensor_desc(s, "float32") for s in shapes]
-    with pytest.raises(P.launch.KernelError, match="dk=16"):
+    with pytest.raises(KernelError, match="dk=16"):
         p.on_shape_change(descs, [])

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from dflash_trt.plugins import trt_compat as C
+from dflash_trt.plugins import trt_base
 from dflash_trt.plugins import trt_plugins as P
+from dflash_trt.plugins.opspec import ShapeError
 
 pytestmark = pytest.mark.skipif(not C.HAVE_TRT, reason=f"no TensorRT: {C.IMPORT_ERROR}")
 DT = C.DataType
@@ -36,7 +38,7 @@ def attn_inputs(B, T, Hq=4, Hkv=2, hd=64, L=2, NB=8, BS=16, MB=4, idx=np.int64):
 
 def _build(op, inputs, attrs=None, build=True):
     """Parse a one-node model with the plugins registered; returns (network info, plan bytes or None)."""
-    from dflash_trt.export.onnx_functions import single_op_model
+    from dflash_trt.plugins.onnx_functions import single_op_model
 
     trt = C.require()
     P.register()
@@ -100,13 +102,13 @@ def test_attention_layer_out_of_range_is_a_shape_error():
 
 
 def test_output_shapes_pure():
-    g = P.GdnChunkWY16Plugin({"scale": 0.1})
+    g = P.PLUGINS["GdnChunkWY16"]({"scale": 0.1})
     ins = [list(a.shape) for a in gdn_inputs(3, 7).values()]
     assert g.output_shapes(ins) == [[3, 7, 4, 32], [3, 4, 64, 32], [3, 7, 2, 64], [3, 7, 4, 32], [3, 7, 4]]
     g.check_shapes([tuple(s) for s in ins])
     bad = [tuple(s) for s in ins]
     bad[5] = (3, 4, 32, 64)
-    with pytest.raises(P.PluginShapeError, match="state"):
+    with pytest.raises(ShapeError, match="state"):
         g.check_shapes(bad)
 
 
@@ -116,32 +118,32 @@ def _io(*types):
 
 def test_supports_format_combination():
     F, H, BF, I32, I64 = DT.FLOAT, DT.HALF, DT.BF16, DT.INT32, DT.INT64
-    g = P.GdnChunkWY16Plugin()
+    g = P.PLUGINS["GdnChunkWY16"]()
     ok = _io(BF, BF, BF, F, F, F, BF, F, F, F, F)
     assert all(g.supports_format_combination(i, ok, 6) for i in range(11))
     assert not g.supports_format_combination(1, _io(BF, H, BF, F, F, F, BF, F, F, F, F), 6)  # q/k differ
     assert not g.supports_format_combination(5, _io(F, F, F, F, F, H, F, F, F, F, F), 6)  # state must be fp32
     assert not g.supports_format_combination(6, _io(BF, BF, BF, F, F, F, F, F, F, F, F), 6)  # o follows q
     assert not g.supports_format_combination(0, _io(I32, I32, I32, F, F, F, I32, F, F, F, F), 6)
-    a = P.PagedAttentionPlugin()
+    a = P.PLUGINS["PagedAttention"]()
     for idx in (I32, I64):
         io = _io(BF, BF, BF, BF, idx, idx, idx, BF)
         assert all(a.supports_format_combination(i, io, 7) for i in range(8))
     assert not a.supports_format_combination(4, _io(F, F, F, F, F, I64, I64, F), 7)
     assert not a.supports_format_combination(2, _io(F, F, H, F, I64, I64, I64, F), 7)  # k_new / v_new differ
     nonlinear = [SimpleNamespace(desc=SimpleNamespace(type=F, format=C.TensorFormat.HWC))]
-    assert not P.CausalConvVerifyPlugin().supports_format_combination(0, nonlinear, 3)
+    assert not P.PLUGINS["CausalConvVerify"]().supports_format_combination(0, nonlinear, 3)
 
 
 def test_output_types():
     F, H = DT.FLOAT, DT.HALF
-    assert P.GdnChunkWY16Plugin().get_output_data_types([H, H, H, F, F, F]) == [H, F, F, F, F]
-    assert P.CausalConvVerifyPlugin().get_output_data_types([H, F, F]) == [H]
-    assert P.PagedAttentionPlugin().get_output_data_types([H, H, H, F, DT.INT64, DT.INT64, DT.INT64]) == [H]
+    assert P.PLUGINS["GdnChunkWY16"]().get_output_data_types([H, H, H, F, F, F]) == [H, F, F, F, F]
+    assert P.PLUGINS["CausalConvVerify"]().get_output_data_types([H, F, F]) == [H]
+    assert P.PLUGINS["PagedAttention"]().get_output_data_types([H, H, H, F, DT.INT64, DT.INT64, DT.INT64]) == [H]
 
 
 def test_workspace_for_int64_indices():
-    a = P.PagedAttentionPlugin({"layer": 0})
+    a = P.PLUGINS["PagedAttention"]({"layer": 0})
     shapes = [s.shape for s in attn_inputs(3, 4, MB=100).values()]
     d64 = [C.dynamic_desc(s, "float32" if i < 4 else "int64") for i, s in enumerate(shapes)]
     d32 = [C.dynamic_desc(s, "float32" if i < 4 else "int32") for i, s in enumerate(shapes)]
@@ -155,7 +157,7 @@ def test_serialization_round_trip_through_creator():
     for name, attrs in (("GdnChunkWY16", {"scale": 0.0884}), ("CausalConvVerify", {}),
                         ("PagedAttention", {"layer": 3, "causal": 0, "scale": 0.125})):
         keep = []
-        fc = C.plugin_fields(attrs, {k: t for k, (t, _) in P.PLUGINS[name].FIELDS.items()}, keep)
+        fc = C.plugin_fields(attrs, P.PLUGINS[name].SPEC.attr_kinds, keep)
         p = cr[name].create_plugin(name, fc, trt.TensorRTPhase.BUILD)
         assert (p.plugin_name, p.plugin_namespace, p.plugin_version) == (name, "dflash", "1")
         for k, v in attrs.items():
@@ -164,7 +166,7 @@ def test_serialization_round_trip_through_creator():
         assert q.attrs == pytest.approx(p.attrs) and q.phase == trt.TensorRTPhase.RUNTIME
         c = q.clone()
         assert type(c) is type(q) and c.attrs == q.attrs and c is not q
-    with pytest.raises(P.PluginShapeError, match="unknown attribute"):
+    with pytest.raises(ShapeError, match="unknown attribute"):
         cr["CausalConvVerify"].create_plugin("x", {"bogus": 1}, trt.TensorRTPhase.BUILD)
 
 
@@ -212,3 +214,15 @@ def test_parser_lib_unwritable_dir_explains_fix(tmp_path, monkeypatch):
     assert os.readlink(alt / "libtensorrt_rtx.so") == str(libdir / "libtensorrt_rtx.so.1")
     monkeypatch.setenv("LD_LIBRARY_PATH", str(alt))
     assert C.ensure_parser_lib() == str(alt / "libtensorrt_rtx.so")
+
+
+def test_plugins_read_their_specs():
+    """Name, I/O, attributes and limits of each plugin are its op's spec (the ONNX functions use the same)."""
+    from dflash_trt.plugins.onnx_functions import SPECS
+
+    assert set(P.PLUGINS) == set(SPECS)
+    for name, cls in P.PLUGINS.items():
+        p = cls()
+        assert cls.SPEC is SPECS[name] and p.plugin_name == name and p.num_outputs == len(SPECS[name].outputs)
+        assert p.attrs == SPECS[name].attr_defaults
+    assert trt_base.NAMESPACE == "dflash" and P.PLUGIN_VERSIONS == {n: "1" for n in SPECS}

@@ -5,9 +5,13 @@ new input values (no Python state, no allocation, no sync inside enqueue)."""
 import pytest
 import torch
 
-from dflash_trt.export import attention_ref, gdn_ref
 from dflash_trt.plugins import trt_compat as C
 from dflash_trt.plugins import trt_plugins as P
+from dflash_trt.plugins.conv import reference as conv_ref
+from dflash_trt.plugins.gdn import reference as gdn_ref
+from dflash_trt.plugins.paged_attention import reference as attention_ref
+
+from op_helpers import gdn_inputs
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -45,12 +49,7 @@ def _err(got, ref):
 
 
 def _gdn_case(B, T, Hk, Hv, dk, dv, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen)
-    g, beta = gdn_ref.gdn_gates(r(B, T, Hv), r(B, T, Hv), r(Hv) * 0.5, r(Hv))
-    ins = [r(B, T, Hk, dk).to(dtype), r(B, T, Hk, dk).to(dtype), r(B, T, Hv, dv).to(dtype), g, beta,
-           r(B, Hv, dk, dv) * 0.3]
-    ins = [t.to(DEV).contiguous() for t in ins]
+    ins = [t.contiguous() for t in gdn_inputs(B, T, Hk, Hv, dk, dv, dtype, seed, device=DEV)]
     f32 = dict(device=DEV, dtype=torch.float32)
     outs = [torch.empty(B, T, Hv, dv, device=DEV, dtype=dtype), torch.empty(B, Hv, dk, dv, **f32),
             torch.empty(B, T, Hk, dk, **f32), torch.empty(B, T, Hv, dv, **f32), torch.empty(B, T, Hv, **f32)]
@@ -89,7 +88,7 @@ def test_conv_enqueue(T, dtype):
     outs = [torch.empty(B, T, Cc, device=DEV, dtype=dtype)]
     Enqueuer(_plugin("CausalConvVerify", {}), ins, outs)()
     torch.cuda.synchronize()
-    ref = gdn_ref.conv_verify(*[t.double().cpu() for t in ins])
+    ref = conv_ref.conv_verify(*[t.double().cpu() for t in ins])
     assert _err(outs[0], ref) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 

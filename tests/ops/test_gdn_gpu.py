@@ -1,0 +1,205 @@
+"""GPU: the GDN kernels (plugins/gdn/kernel.cu through the dflash:: torch ops) vs the float64 reference and
+fla-core; the layer-batched gdn_fold kernel vs HostDevice; CUDA-graph capture. Max errors are printed at
+the end of the session (conftest.py)."""
+import numpy as np
+import pytest
+import torch
+
+from dflash_trt.plugins.gdn import reference as ref_gdn
+from dflash_trt.plugins.opspec import KernelError
+from dflash_trt.runtime.devices.host import HostDevice
+
+from op_helpers import fold_case, gdn_inputs, record_err
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ops():
+    import dflash_trt.plugins.torch_ops  # noqa: F401  (registers dflash::*)
+
+
+def _inputs(B, T, Hk, Hv, dk, dv, dtype, seed, slots=None):
+    return gdn_inputs(B, T, Hk, Hv, dk, dv, dtype, seed, slots, device=DEV)
+
+
+def _d(*ts):
+    return [x.double() for x in ts]
+
+
+def _fold(pool, slot, kh, vn, gam, n):
+    """dflash::gdn_fold on one layer's pool [slots, ...] (the op commits [L, ...])."""
+    torch.ops.dflash.gdn_fold(pool[None], slot, kh[None], vn[None], gam[None], n)
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+@pytest.mark.parametrize("K", range(1, 17))
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_gdn_verify_and_fold(B, K, ratio):
+    dtype = torch.float32 if K in (1, 16) and B == 8 else torch.bfloat16
+    Hk, dk, dv = 2, 128, 128
+    Hv = Hk * ratio
+    S = B + 3
+    q, k, v, g, beta, pool = _inputs(B, K, Hk, Hv, dk, dv, dtype, seed=B * 100 + K * 3 + ratio, slots=S)
+    slot = torch.randperm(S, device=DEV)[:B].int()
+    o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, None, False)
+    assert fs.numel() == 0 and o.dtype == dtype
+    ref = ref_gdn.gdn_chunk_wy16(*_d(q, k, v, g, beta), pool[slot.long()].double())
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    tag = "bf16" if dtype == torch.bfloat16 else "fp32"
+    record_err(f"gdn_wy16 o ({tag})", o, ref.o, tol)
+    record_err("gdn_wy16 k_hat", kh, ref.k_hat, 1e-5)
+    record_err("gdn_wy16 v_new", vn, ref.v_new, 1e-4)
+    record_err("gdn_wy16 gamma", gam, ref.gamma, 1e-5)
+    # commit: fold the first n rows (n = 0 allowed) into the pool slots in place
+    n = torch.randint(0, K + 1, (B,), device=DEV, dtype=torch.int32)
+    n[0] = 0 if B > 1 else n[0]
+    pool2 = pool.clone()
+    _fold(pool2, slot, kh, vn, gam, n)
+    want = ref_gdn.gdn_fold(pool[slot.long()].double(), ref.k_hat, ref.v_new, ref.gamma, n)
+    record_err("gdn_fold state", pool2[slot.long()], want, 1e-4)
+    mask = torch.ones(S, dtype=torch.bool, device=DEV)
+    mask[slot.long()] = False
+    assert torch.equal(pool2[mask], pool[mask])
+    if B > 1:
+        assert torch.equal(pool2[slot[0].long()], pool[slot[0].long()])  # n = 0: untouched
+    # the folded state equals running the recurrence over the accepted rows
+    b = int(torch.argmax(n))
+    nb = int(n[b])
+    if nb:
+        _, st = ref_gdn.gdn_recurrent(*_d(q[b:b + 1, :nb], k[b:b + 1, :nb], v[b:b + 1, :nb], g[b:b + 1, :nb],
+                                          beta[b:b + 1, :nb]), pool[slot[b].long()][None].double())
+        record_err("gdn verify+fold vs recurrence", pool2[slot[b].long()], st[0], 1e-4)
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+@pytest.mark.parametrize("T", [17, 64, 128, 200])
+@pytest.mark.parametrize("B", [1, 8])
+def test_gdn_prefill_final_state(B, T, ratio):
+    Hk, dk, dv = 2, 128, 128
+    q, k, v, g, beta, st = _inputs(B, T, Hk, Hk * ratio, dk, dv, torch.bfloat16, seed=T + B + ratio)
+    o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, st, None, None, True)
+    ro, rs = ref_gdn.gdn_recurrent(*_d(q, k, v, g, beta, st))
+    record_err("gdn prefill o (bf16)", o, ro, 1e-2)
+    record_err("gdn prefill final state", fs, rs, 2e-4)
+    # fold data stays valid past the first chunk: folding all T rows == final state
+    st2 = st.clone()
+    _fold(st2, None, kh, vn, gam, torch.full((B,), T, device=DEV, dtype=torch.int32))
+    record_err("gdn fold over T>16 rows", st2, rs, 2e-4)
+
+
+@pytest.mark.parametrize("cg", ["1", "2", "4"])
+def test_gdn_column_groups_and_zero_slot(monkeypatch, cg):
+    monkeypatch.setenv("DFLASH_GDN_CG", cg)
+    dk = 64 if cg == "2" else 128
+    q, k, v, g, beta, pool = _inputs(3, 9, 1, 2, dk, 128, torch.float32, seed=7, slots=4)
+    slot = torch.tensor([2, -1, 0], device=DEV, dtype=torch.int32)
+    o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, 0.2, True)
+    st0 = pool[slot.long().clamp(min=0)].double()
+    st0[1] = 0
+    ref = ref_gdn.gdn_chunk_wy16(*_d(q, k, v, g, beta), st0, scale=0.2)
+    record_err(f"gdn_wy16 o (fp32, dk{dk} cg{cg})", o, ref.o, 1e-4)
+    record_err(f"gdn_wy16 final state (dk{dk} cg{cg})", fs, ref.state, 1e-4)
+    pool2 = pool.clone()
+    n = torch.tensor([9, 5, 0], device=DEV, dtype=torch.int32)
+    _fold(pool2, slot, kh, vn, gam, n)
+    want = ref_gdn.gdn_fold(st0, ref.k_hat, ref.v_new, ref.gamma, n)
+    record_err(f"gdn_fold (dk{dk} cg{cg})", pool2[2], want[0], 1e-4)
+    assert torch.equal(pool2[[1, 3]], pool[[1, 3]])
+
+
+def _fla():
+    try:
+        import fla.ops.gated_delta_rule as m
+        return m
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"fla not importable: {e}")
+
+
+@pytest.mark.parametrize("K", [1, 16])
+def test_gdn_vs_fla_qwen3_next(K):
+    fla = _fla()
+    B, Hk, Hv, dk, dv = 8, 16, 32, 128, 128
+    q, k, v, g, beta, st = _inputs(B, K, Hk, Hv, dk, dv, torch.bfloat16, seed=K)
+    o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, st, None, None, True)
+    fn = fla.fused_recurrent_gated_delta_rule if K == 1 else fla.chunk_gated_delta_rule
+    fo, fst = fn(q, k, v, g=g, beta=beta, scale=dk ** -0.5, initial_state=st.clone(), output_final_state=True,
+                 use_qk_l2norm_in_kernel=True)
+    ro, rs = ref_gdn.gdn_recurrent(*_d(q, k, v, g, beta, st))
+    record_err(f"fla K={K} o vs ref", fo, ro, 1e-1)
+    record_err(f"fla K={K} state vs ref", fst, rs, 1e-1)
+    record_err(f"ours K={K} o vs ref (Qwen3-Next)", o, ro, 1e-2)
+    record_err(f"ours K={K} state vs ref (Qwen3-Next)", fs, rs, 1e-4)
+    record_err(f"ours K={K} o vs fla", o, fo, 1e-1)
+    record_err(f"ours K={K} state vs fla", fs, fst, 1e-1)
+
+
+def test_bad_inputs_raise_before_launch():
+    q, k, v, g, beta, st = _inputs(1, 2, 1, 1, 96, 128, torch.bfloat16, seed=0)
+    with pytest.raises(KernelError, match="dk=96"):
+        torch.ops.dflash.gdn_wy16(q, k, v, g, beta, st, None, None, False)
+    q, k, v, g, beta, st = _inputs(1, 2, 1, 1, 128, 128, torch.bfloat16, seed=0)
+    with pytest.raises(KernelError, match="state"):
+        torch.ops.dflash.gdn_wy16(q, k, v, g, beta, st.bfloat16(), None, None, False)
+
+
+@pytest.mark.parametrize("dk,dv", [(128, 128), (64, 32)])
+@pytest.mark.parametrize("L,B,T", [(1, 1, 1), (4, 8, 16), (3, 64, 5)])
+def test_gdn_fold_all_layers_kernel_equals_host_device(L, B, T, dk, dv):
+    """One gdn_fold launch over all L layers == HostDevice.gdn_fold (float64 numpy), other slots untouched."""
+    pool, k_hat, v_new, gamma, slot, n = fold_case(L, B, T, 2, 4, dk, dv, slots=B + 3, seed=L + B + T + dk)
+    want = pool.copy()
+    HostDevice().gdn_fold(want, slot, k_hat, v_new, gamma, n)
+    got = torch.from_numpy(pool).to(DEV)
+    t = lambda a: torch.from_numpy(a).to(DEV)  # noqa: E731
+    torch.ops.dflash.gdn_fold(got, t(slot), t(k_hat), t(v_new), t(gamma), t(n))
+    record_err(f"gdn_fold all layers vs HostDevice (dk{dk})", got.cpu(), torch.from_numpy(want), 1e-5)
+    untouched = np.setdiff1d(np.arange(B + 3), slot[n > 0])
+    assert np.array_equal(got.cpu().numpy()[:, untouched], pool[:, untouched])
+
+
+def test_cuda_graph_capture_matches_eager():
+    B, K, Hk, Hv = 8, 16, 16, 32
+    q, k, v, g, beta, pool = _inputs(B, K, Hk, Hv, 128, 128, torch.bfloat16, seed=3)
+    n = torch.randint(0, K + 1, (B,), device=DEV, dtype=torch.int32)
+    slot = torch.arange(B, device=DEV, dtype=torch.int32)
+    eager = pool.clone()
+    r = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, eager, slot, None, False)
+    _fold(eager, slot, r[1], r[2], r[3], n)
+    work = pool.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (module load) outside capture
+        torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool.clone(), slot, None, False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        r2 = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, work, slot, None, False)
+        _fold(work, slot, r2[1], r2[2], r2[3], n)
+    work.copy_(pool)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(work, eager)
+    assert torch.equal(r2[0], r[0])
+
+
+def test_cuda_graph_replays_layer_batched_fold_with_new_n():
+    """n and slot are read on the device: one captured all-layer fold replays for new values."""
+    L, B, T = 3, 4, 8
+    pool, k_hat, v_new, gamma, slot, n = fold_case(L, B, T, 2, 4, 128, 128, slots=B + 1, seed=11)
+    t = lambda a: torch.from_numpy(a).to(DEV)  # noqa: E731
+    work, dslot, dn, kd, vd, gd = t(pool), t(slot).int(), t(n).int(), t(k_hat), t(v_new), t(gamma)
+    torch.ops.dflash.gdn_fold(work.clone(), dslot, kd, vd, gd, dn)  # warm-up: module load outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.dflash.gdn_fold(work, dslot, kd, vd, gd, dn)
+    for new_n in (n, np.array([T, 1, 0, 3]), np.zeros(B, np.int64)):
+        want = pool.copy()
+        HostDevice().gdn_fold(want, slot, k_hat, v_new, gamma, new_n)
+        work.copy_(t(pool))
+        dn.copy_(t(new_n).int())
+        graph.replay()
+        torch.cuda.synchronize()
+        record_err("gdn_fold graph replay vs HostDevice", work.cpu(), torch.from_numpy(want), 1e-5)

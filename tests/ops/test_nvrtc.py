@@ -1,0 +1,81 @@
+"""CI (no GPU): every op's kernel.cu compiles through NVRTC with its spec's -D macros (PTX for compute_90 /
+compute_120, cubin for sm_120), the kernels instantiated are those the specs list, compile errors surface
+the NVRTC log, and the arch check of the shared launch helper."""
+import re
+
+import pytest
+
+from dflash_trt.plugins import nvrtc
+from dflash_trt.plugins.gdn import spec as gdn_spec
+from dflash_trt.plugins.opspec import KernelError, check_arch
+from dflash_trt.plugins.paged_attention import spec as attention_spec
+
+ENTRIES = {
+    "gdn": [f"gdn_wy16_dk{dk}_cg{cg}_r{r}" for dk in (64, 128) for cg in (1, 2, 4)[: 3 if dk == 128 else 2]
+            for r in (4, 8, 16)]
+    + ["gdn_fold_dk128_cg1", "gdn_fold_dk128_cg2", "gdn_fold_dk64_cg1", "gdn_fold_dk64_cg2"],
+    "conv": ["conv_verify", "conv_roll"],
+    "paged_attention": ["paged_attention_hd64", "paged_attention_hd128", "paged_attention_hd256", "kv_write"],
+}
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
+
+
+@pytest.mark.parametrize("arch", ["compute_90", "compute_120"])
+@pytest.mark.parametrize("family", nvrtc.SOURCES)
+def test_compiles_to_ptx(family, arch, tmp_path):
+    ptx = nvrtc.compile_source(family, arch).decode()
+    assert f".target sm_{arch.split('_')[1]}" in ptx
+    for name in ENTRIES[family]:
+        assert re.search(rf"\.entry {name}\(", ptx), name
+    cached = list((tmp_path / "nvrtc").glob(f"{family}-{arch}-*.ptx"))
+    assert len(cached) == 1
+    assert nvrtc.compile_source(family, arch).decode() == ptx  # second call served from the cache
+
+
+@pytest.mark.parametrize("family", nvrtc.SOURCES)
+def test_compiles_cubin_sm120(family):
+    cubin = nvrtc.compile_source(family, "sm_120")
+    assert cubin[:4] == b"\x7fELF"
+
+
+def test_specs_list_the_instantiated_kernels():
+    """The launchers pick kernels by the specs' variant lists: every one must exist in the PTX, and no other."""
+    ptx = nvrtc.compile_source("gdn", "compute_90").decode()
+    want = {f"gdn_wy16_dk{dk}_cg{cg}_r{r}" for dk, cgs in gdn_spec.WY16_CG.items() for cg in cgs
+            for r in gdn_spec.CHUNK_ROWS}
+    want |= {f"gdn_fold_dk{dk}_cg{cg}" for dk, cgs in gdn_spec.FOLD_CG.items() for cg in cgs}
+    assert set(re.findall(r"\.entry (\w+)\(", ptx)) == want
+    assert set(gdn_spec.WY16_CG) == set(gdn_spec.KERNEL_DK) == set(gdn_spec.FOLD_CG)
+    ptx = nvrtc.compile_source("paged_attention", "compute_90").decode()
+    assert set(re.findall(r"\.entry (\w+)\(", ptx)) == {f"paged_attention_hd{h}" for h in attention_spec.KERNEL_HD} | {
+        "kv_write"}
+
+
+def test_kernel_limits_come_from_the_spec_only():
+    """A kernel compiled without its spec's -D macros does not build (the limit is stated once, in spec.py)."""
+    for family in nvrtc.SOURCES:
+        assert nvrtc.define_options(family)
+        with pytest.raises(nvrtc.NvrtcError, match="spec.py"):
+            nvrtc.compile_text(nvrtc.read_source(family), family, "compute_90", use_cache=False)
+
+
+def test_compile_error_carries_log():
+    bad = '#include "common.cuh"\nextern "C" __global__ void broken(float* x) { x[0] = undefined_thing; }\n'
+    with pytest.raises(nvrtc.NvrtcError) as ei:
+        nvrtc.compile_text(bad, "broken", "compute_90")
+    assert "undefined_thing" in ei.value.log and "undefined_thing" in str(ei.value)
+
+
+def test_bad_arch_string():
+    with pytest.raises(ValueError):
+        nvrtc.compile_source("gdn", "ampere")
+
+
+def test_arch_check():
+    with pytest.raises(KernelError):
+        check_arch((7, 5))
+    check_arch((8, 0))

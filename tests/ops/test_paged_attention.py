@@ -1,0 +1,227 @@
+"""PagedAttention + kv_write (plugins/paged_attention/): the reference against dense SDPA; the ONNX body in ORT
+== the reference; the CPU torch ops == the reference; launcher checks; on a GPU the kernels vs the float64
+reference; the layer-batched kv_write (CPU op and GPU kernel) == HostDevice, also replayed from a CUDA graph."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_trt.plugins.opspec import KernelError, ShapeError
+from dflash_trt.plugins.paged_attention import launch
+from dflash_trt.plugins.paged_attention.reference import gather_pages, paged_attention_ref
+from dflash_trt.runtime.devices.host import HostDevice
+
+from op_helpers import close, kv_case, record_err, run_op
+
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ops():
+    import dflash_trt.plugins.torch_ops  # noqa: F401  (registers dflash::*)
+
+
+def _dense_attention(q, K, V, kn, vn, kv_start, kv_len, causal, scale):
+    """Dense reference: contiguous cache K/V [B, maxlen, Hkv, hd], SDPA with an explicit mask."""
+    B, T, Hq, hd = q.shape
+    r = Hq // K.shape[2]
+    outs = []
+    for b in range(B):
+        L = int(kv_len[b])
+        keys = torch.cat([K[b, :L], kn[b]], 0).repeat_interleave(r, 1).transpose(0, 1)
+        vals = torch.cat([V[b, :L], vn[b]], 0).repeat_interleave(r, 1).transpose(0, 1)
+        pos = torch.arange(L + T)
+        mask = (pos[None, :] >= int(kv_start[b])).expand(T, L + T).clone()
+        if causal:
+            mask &= pos[None, :] <= L + torch.arange(T)[:, None]
+        o = F.scaled_dot_product_attention(q[b].transpose(0, 1), keys, vals, attn_mask=mask, scale=scale)
+        outs.append(o.transpose(0, 1))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("r", [1, 2])
+@pytest.mark.parametrize("T", [1, 16])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_attention_vs_dense(block_size, T, r, causal):
+    gen = torch.Generator().manual_seed(block_size * 100 + T * 10 + r + int(causal))
+    B, Hkv, hd, L, max_blocks = 3, 2, 8, 2, 6
+    Hq, maxlen = Hkv * r, block_size * max_blocks
+    nblocks = B * max_blocks + 3
+    kv_len = torch.tensor([0, 5, maxlen - 1])[:B] if block_size == 4 else torch.tensor([17, 1, 60])
+    kv_start = torch.tensor([0, 2, 9]) if not causal else torch.zeros(B, dtype=torch.long)
+    kv_start = torch.minimum(kv_start, kv_len)
+    Kc = torch.randn(B, maxlen, Hkv, hd, generator=gen, dtype=torch.float64)
+    Vc = torch.randn(B, maxlen, Hkv, hd, generator=gen, dtype=torch.float64)
+    q = torch.randn(B, T, Hq, hd, generator=gen, dtype=torch.float64)
+    kn = torch.randn(B, T, Hkv, hd, generator=gen, dtype=torch.float64)
+    vn = torch.randn(B, T, Hkv, hd, generator=gen, dtype=torch.float64)
+    # Scatter each sequence's contiguous cache into randomly permuted pages of a shared pool;
+    # garbage everywhere else (must never be read).
+    pool = torch.randn(L, 2, nblocks, block_size, Hkv, hd, generator=gen, dtype=torch.float64) * 100
+    perm = torch.randperm(nblocks, generator=gen)
+    block_table = perm[: B * max_blocks].view(B, max_blocks).to(torch.int32)
+    layer = 1
+    for b in range(B):
+        for j in range(max_blocks):
+            p = int(block_table[b, j])
+            pool[layer, 0, p] = Kc[b, j * block_size:(j + 1) * block_size]
+            pool[layer, 1, p] = Vc[b, j * block_size:(j + 1) * block_size]
+    pool0 = pool.clone()
+    scale = hd ** -0.5
+    o = paged_attention_ref(q, kn, vn, pool, layer, block_table, kv_start, kv_len, causal, scale)
+    ref = _dense_attention(q, Kc, Vc, kn, vn, kv_start, kv_len, causal, scale)
+    assert o.shape == (B, T, Hq, hd) and o.dtype == q.dtype
+    assert torch.allclose(o, ref, rtol=1e-10, atol=1e-12)
+    assert torch.equal(pool, pool0)
+    # float32 inputs -> float32 output, close to the float64 one.
+    o32 = paged_attention_ref(q.float(), kn.float(), vn.float(), pool.float(), layer, block_table,
+                              kv_start, kv_len, causal, scale)
+    assert o32.dtype == torch.float32 and torch.allclose(o32.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+# (kv_start, kv_len) per sequence: empty cache, partial first page, page-aligned, offset start (slid window)
+LAYOUTS = [([0, 0], [0, 0]), ([0, 0], [3, 16]), ([0, 5], [32, 37]), ([7, 13], [20, 60])]
+
+
+@pytest.mark.parametrize("T", [1, 16])
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)))
+@pytest.mark.parametrize("causal", [1, 0])
+def test_onnx_body_paged_attention(T, Hq, Hkv, layout, causal):
+    pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(T + 7 * Hq + 11 * Hkv + 13 * layout + causal)
+    B, hd, L, NB, bs, MB = 2, 16, 3, 20, 8, 8
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    ks, kl = (np.array(x, dtype=np.int64) for x in LAYOUTS[layout])
+    bt = np.stack([rng.permutation(NB)[:MB] for _ in range(B)]).astype(np.int64)  # scattered pages
+    feeds = dict(q=f(B, T, Hq, hd), k_new=f(B, T, Hkv, hd), v_new=f(B, T, Hkv, hd), kv_pool=f(L, 2, NB, bs, Hkv, hd),
+                 block_table=bt, kv_start=ks, kv_len=kl)
+    got = run_op("PagedAttention", feeds, {"layer": 2, "causal": causal, "scale": 0.3})["o"]
+    t = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    ref = paged_attention_ref(t["q"], t["k_new"], t["v_new"], t["kv_pool"], 2, t["block_table"],
+                              t["kv_start"], t["kv_len"], bool(causal), 0.3)
+    close(got, ref)
+
+
+def test_launcher_validates_before_launch():
+    with pytest.raises(KernelError, match="head dim 96"):
+        launch.paged_attention(0, 0, 0, 0, 0, 0, 0, 0, B=1, T=1, Hq=2, Hkv=1, hd=96, layer=0, num_blocks=1,
+                               block_size=16, max_blocks=1, causal=True, scale=1.0)
+    with pytest.raises(KernelError, match="L=0"):
+        launch.kv_write(0, 0, 0, 0, 0, B=1, T=1, Hkv=1, hd=64, L=0, num_blocks=1, block_size=16, max_blocks=1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cpu_attention_ops_equal_reference(causal):
+    B, T, Hq, Hkv, hd, L, NB, BS = 2, 3, 4, 2, 16, 2, 12, 4
+    pool = torch.randn(L, 2, NB, BS, Hkv, hd)
+    bt = torch.randperm(NB)[: B * 5].view(B, 5).int()
+    ks, kl = torch.tensor([0, 3]), torch.tensor([7, 11])
+    q, kn, vn = torch.randn(B, T, Hq, hd), torch.randn(B, T, Hkv, hd), torch.randn(B, T, Hkv, hd)
+    o = torch.ops.dflash.paged_attention(q, kn, vn, pool, 1, bt, ks, kl, causal, 0.25)
+    want = paged_attention_ref(q, kn, vn, pool, 1, bt, ks, kl, causal, 0.25)
+    torch.testing.assert_close(o, want, rtol=0, atol=0)
+    # kv_write then attention over the written rows == attention with those rows as new rows
+    p2 = pool.clone()
+    rows = torch.stack([torch.stack([kn + layer, vn + layer]) for layer in range(L)])  # [L,2,B,T,Hkv,hd]
+    torch.ops.dflash.kv_write(p2, rows, bt, kl, torch.tensor([T, T]))
+    o2 = paged_attention_ref(q[:, :0], kn[:, :0], vn[:, :0], p2, 1, bt, ks, kl + T, False, 0.25)
+    assert o2.shape[1] == 0
+    Kc, Vc = gather_pages(p2, 1, bt[1], kl[1], kl[1] + T)
+    assert torch.equal(Kc, kn[1] + 1) and torch.equal(Vc, vn[1] + 1)
+    Kc, Vc = gather_pages(p2, 0, bt[0], kl[0], kl[0] + T)  # every layer in the one call
+    assert torch.equal(Kc, kn[0]) and torch.equal(Vc, vn[0])
+
+
+@pytest.mark.parametrize("L,B,T", [(1, 1, 1), (3, 4, 16), (2, 5, 3)])
+def test_cpu_kv_write_all_layers_equals_host_device(L, B, T):
+    pool, rows, bt, start, n = kv_case(L, B, T, 2, 8, 4, 6, seed=L * 7 + B + T)
+    want = pool.copy()
+    HostDevice().kv_write(want, rows, bt, start, n)
+    got = torch.from_numpy(pool.copy())
+    torch.ops.dflash.kv_write(got, *(torch.from_numpy(a) for a in (rows, bt, start, n)))
+    assert np.array_equal(got.numpy(), want)
+
+
+def test_cpu_kv_write_checks_shapes():
+    pool, rows, bt, start, n = (torch.from_numpy(a) for a in kv_case(2, 3, 4, 2, 8, 4, 6, seed=0))
+    with pytest.raises(ShapeError, match="rows"):
+        torch.ops.dflash.kv_write(pool, rows[:1], bt, start, n)
+
+
+# ------------------------------------------------------------------------------------------- GPU
+def _pages(B, T, Hkv, hd, L, BS, max_ctx, seed, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    kv_len = torch.randint(0, max_ctx + 1, (B,), generator=gen)
+    kv_start = (torch.rand(B, generator=gen) * kv_len * 0.3).long()
+    max_blocks = (max_ctx + T + BS - 1) // BS
+    NB = B * max_blocks + 5
+    bt = torch.randperm(NB, generator=gen)[: B * max_blocks].view(B, max_blocks).int()
+    pool = torch.randn(L, 2, NB, BS, Hkv, hd, generator=gen).to(dtype)
+    return pool.to(DEV), bt.to(DEV), kv_start.to(DEV), kv_len.to(DEV)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,G", [(64, 1), (128, 2), (256, 4)])
+@pytest.mark.parametrize("T", [1, 5, 16, 128])
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_paged_attention_kernel(B, T, hd, G):
+    if B == 64 and T == 128 and hd == 256:
+        pytest.skip("size")
+    Hkv, L, BS = 2, 2, 16
+    pool, bt, ks, kl = _pages(B, T, Hkv, hd, L, BS, max_ctx=300 if T < 128 else 200, seed=B + T + hd)
+    gen = torch.Generator().manual_seed(hd * T + B)
+    q = torch.randn(B, T, Hkv * G, hd, generator=gen).bfloat16().to(DEV)
+    kn = torch.randn(B, T, Hkv, hd, generator=gen).bfloat16().to(DEV)
+    vn = torch.randn(B, T, Hkv, hd, generator=gen).bfloat16().to(DEV)
+    d = lambda *ts: [t.double() for t in ts]  # noqa: E731
+    for causal in (True, False):
+        o = torch.ops.dflash.paged_attention(q, kn, vn, pool, 1, bt, ks, kl, causal, hd ** -0.5)
+        want = paged_attention_ref(*d(q, kn, vn, pool), 1, bt, ks, kl, causal, hd ** -0.5)
+        record_err(f"paged_attention hd{hd} {'causal' if causal else 'block'}", o, want, 1.5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T", [(1, 1), (8, 16), (64, 5)])
+def test_kv_write_kernel(B, T):
+    Hkv, hd, L, BS = 2, 128, 3, 16
+    pool, bt, ks, kl = _pages(B, T, Hkv, hd, L, BS, max_ctx=100, seed=B * T)
+    rows = torch.randn(L, 2, B, T, Hkv, hd).bfloat16().to(DEV)
+    n = torch.randint(0, T + 1, (B,), dtype=torch.int32, device=DEV)
+    got, want = pool.clone(), pool.clone().cpu()
+    torch.ops.dflash.kv_write(got, rows, bt, kl, n)
+    torch.ops.dflash.kv_write(want, rows.cpu(), bt.cpu(), kl.cpu(), n.cpu())
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L,B,T,hd", [(1, 1, 1, 64), (4, 8, 16, 128), (3, 64, 5, 256)])
+def test_kv_write_all_layers_kernel_equals_host_device(L, B, T, hd):
+    pool, rows, bt, start, n = kv_case(L, B, T, 2, hd, 16, 4, seed=L + B + T)
+    want = pool.copy()
+    HostDevice().kv_write(want, rows, bt, start, n)
+    got = torch.from_numpy(pool).to(DEV)
+    torch.ops.dflash.kv_write(got, *(torch.from_numpy(a).to(DEV) for a in (rows, bt, start, n)))
+    assert np.array_equal(got.cpu().numpy(), want)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_layer_batched_kv_write_with_new_n():
+    L, B, T = 3, 4, 8
+    pool, rows, bt, start, n = kv_case(L, B, T, 2, 64, 16, 4, seed=9)
+    t = lambda a: torch.from_numpy(a).to(DEV)  # noqa: E731
+    work, dr, dbt, dpos, dn = t(pool), t(rows), t(bt).int(), t(start).int(), t(n).int()
+    torch.ops.dflash.kv_write(work.clone(), dr, dbt, dpos, dn)  # warm-up: module load outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.dflash.kv_write(work, dr, dbt, dpos, dn)
+    for new_n in (n, np.array([T, 1, 0, 3]), np.zeros(B, np.int64)):
+        want = pool.copy()
+        HostDevice().kv_write(want, rows, bt, start, new_n)
+        work.copy_(t(pool))
+        dn.copy_(t(new_n).int())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert np.array_equal(work.cpu().numpy(), want)
