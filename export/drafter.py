@@ -103,32 +103,38 @@ class Drafter(nn.Module):
             out["logits"] = logits
         return out
 
-    def train_forward(self, ctx_hidden, ctx_positions, block_ids, block_positions, ctx_mask=None):
-        """Dense (page-free) forward for training: ctx [B,R,...] and one block [B,Bs] per row of the batch;
-        ctx_mask [B,Bs,R] bool (True = may attend) restricts which ctx rows each block sees.
-        Returns logits [B,Bs,V]. Same math as ctx()+block(), differentiable."""
+    def train_forward(self, ctx_hidden, ctx_positions, block_ids, block_positions, ctx_mask=None, n_blocks=1):
+        """Dense (page-free) forward for training, differentiable; same math as ctx() + block()
+        (tests/test_train.py checks it against them). ctx_hidden [B,R,n_taps*H_target] at ctx_positions
+        [B,R]; block_ids / block_positions [B, n_blocks*Bs]: n_blocks blocks side by side per row of the
+        batch (training puts many anchors of one sequence in one row, so the ctx projections run once),
+        each attending bidirectionally to its own block only; ctx_mask [B, n_blocks*Bs, R] bool
+        (True = may attend) says which ctx rows each block row sees (None: all).
+        Returns logits [B, n_blocks*Bs, V] fp32."""
         embed, lm_head = self._target
         cfg = self.cfg
-        B, Bs = block_ids.shape
-        c = self.hidden_norm(self.fc(ctx_hidden))
+        B, N = block_ids.shape
+        c = self.hidden_norm(self.fc(ctx_hidden.to(self.fc.weight.dtype)))
         ccos, csin = self._rope(ctx_positions, c.dtype)
         h = embed(block_ids).to(c.dtype)
         cos, sin = self._rope(block_positions, h.dtype)
+        mask = None
+        if ctx_mask is not None or n_blocks > 1:
+            blk = torch.arange(N, device=h.device) // (N // n_blocks)
+            own = (blk[:, None] == blk[None, :]).expand(B, N, N)
+            cm = ctx_mask if ctx_mask is not None else own.new_ones(B, N, c.shape[1])
+            mask = torch.cat([cm, own], -1)[:, None]  # [B,1,N,R+N]
         for layer in self.layers:
             att = layer.self_attn
             x = layer.input_layernorm(h)
-            q = apply_rope(att.q_norm(att.q_proj(x).view(B, Bs, cfg.num_heads, cfg.head_dim)), cos, sin)
+            q = apply_rope(att.q_norm(att.q_proj(x).view(B, N, cfg.num_heads, cfg.head_dim)), cos, sin)
             kc, vc = att.kv(c, ccos, csin)
             kb, vb = att.kv(x, cos, sin)
             k = torch.cat([kc, kb], 1).transpose(1, 2)
             v = torch.cat([vc, vb], 1).transpose(1, 2)
-            mask = None
-            if ctx_mask is not None:
-                own = torch.ones(B, Bs, Bs, dtype=torch.bool, device=h.device)
-                mask = torch.cat([ctx_mask, own], -1)[:, None]
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
             )
-            h = h + att.o_proj(o.transpose(1, 2).reshape(B, Bs, -1))
+            h = h + att.o_proj(o.transpose(1, 2).reshape(B, N, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return lm_head(self.norm(h))
+        return lm_head(self.norm(h)).float()

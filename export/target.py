@@ -17,6 +17,7 @@ from torch import nn
 from dflash_trt.config import TargetConfig
 from dflash_trt.export.gdn_gates import gdn_gates
 from dflash_trt.plugins import ops
+from dflash_trt.plugins.gdn.reference import l2norm
 
 
 class RMSNorm(nn.Module):
@@ -75,6 +76,58 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def gdn_chunk_dense(q, k, v, g, beta, state=None, chunk: int = 64):
+    """The gated delta rule (DESIGN §2 steps 4-5) for the training forward: chunked WY form with every
+    chunk's intra-chunk work batched (triangular solve, chunk up to 64) and only the state hand-off
+    looped, differentiable. Same math as the GdnChunkWY16 reference (gdn_chunk_wy16 / gdn_recurrent),
+    which tests/test_train.py checks it against; the reference's 16-row chunks and per-chunk loop are
+    what the plugin computes, this form is what makes training on whole 512-token windows fast.
+    q, k [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; state [B,Hv,dk,dv] or None (zeros).
+    Returns (o [B,T,Hv,dv], final state), fp32 (fp64 when q is). Autocast is off inside: the state math
+    stays fp32 under bf16 training. Padding rows (beta = 0, g = 0) change nothing."""
+    with torch.autocast(q.device.type, enabled=False):
+        B, T, Hk, dk = q.shape
+        Hv, dv = v.shape[2], v.shape[3]
+        f = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qh, kh = l2norm(q.to(f)) * dk**-0.5, l2norm(k.to(f))
+        if Hv != Hk:  # v-head j reads k-head j // (Hv/Hk)
+            qh, kh = qh.repeat_interleave(Hv // Hk, 2), kh.repeat_interleave(Hv // Hk, 2)
+        v, g, beta = v.to(f), g.to(f), beta.to(f)
+        C = min(chunk, T)
+        pad = (-T) % C
+        if pad:
+            qh, kh, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (qh, kh, v))
+            g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+        N = (T + pad) // C
+
+        def heads(x):  # [B,Tp,Hv,(d)] -> [B,Hv,N,C,(d)]
+            x = x.transpose(1, 2)
+            return x.reshape(B, Hv, N, C, *x.shape[3:])
+
+        Q, K, V, G, Bt = heads(qh), heads(kh), heads(v), heads(g), heads(beta)
+        gam = G.cumsum(-1)  # chunk-local cumulative log-decay
+        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        # mask the exponent before exp so the unused upper triangle cannot overflow
+        decay = torch.exp((gam[..., :, None] - gam[..., None, :]).masked_fill(~lower, float("-inf")))
+        A = Bt[..., :, None] * (K @ K.transpose(-1, -2)) * decay.tril(-1)
+        eye = torch.eye(C, dtype=f, device=q.device)
+        Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+        eg = torch.exp(gam)
+        W = Tinv @ ((Bt * eg)[..., None] * K)
+        U = Tinv @ (Bt[..., None] * V)
+        QK = (Q @ K.transpose(-1, -2)) * decay
+        gC = gam[..., -1]
+        tail = torch.exp(gC[..., None] - gam)[..., None]
+        S = torch.zeros(B, Hv, dk, dv, dtype=f, device=q.device) if state is None else state.to(f)
+        outs = []
+        for n in range(N):
+            Vn = U[:, :, n] - W[:, :, n] @ S  # V' rows of chunk n
+            outs.append(eg[:, :, n, :, None] * (Q[:, :, n] @ S) + QK[:, :, n] @ Vn)
+            S = torch.exp(gC[:, :, n])[..., None, None] * S + K[:, :, n].transpose(-1, -2) @ (tail[:, :, n] * Vn)
+        o = torch.stack(outs, 2).reshape(B, Hv, N * C, dv)[:, :, :T].transpose(1, 2)
+    return o, S
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
@@ -129,6 +182,23 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(out.o.to(x.dtype), z)
         return self.out_proj(o.reshape(B, T, Hv * dv)), cols, out
 
+    def forward_dense(self, x):
+        """Training path: whole sequences x [B,T,H] from zero conv and GDN state -> y [B,T,H].
+        Same math as forward(x, zeros, zeros)[0], batched and differentiable everywhere (F.conv1d for the
+        causal conv, gdn_chunk_dense for the recurrence); the custom ops have no backward on CUDA."""
+        c = self.cfg
+        Hk, Hv, dk, dv = c.lin_num_k_heads, c.lin_num_v_heads, c.lin_k_dim, c.lin_v_dim
+        B, T, _ = x.shape
+        cols, z, b, a = self.project(x)
+        w = self.conv1d.weight
+        xt = F.pad(cols.transpose(1, 2), (c.conv_kernel - 1, 0))  # zero conv state: W-1 zero columns
+        mixed = F.silu(F.conv1d(xt, w.to(xt.dtype), groups=w.shape[0])).transpose(1, 2)
+        q, k, v = torch.split(mixed, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        o, _ = gdn_chunk_dense(q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Hv, dv), g, beta)
+        o = self.norm(o.to(x.dtype), z)
+        return self.out_proj(o.reshape(B, T, Hv * dv))
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: TargetConfig):
@@ -163,6 +233,20 @@ class Attention(nn.Module):
         )
         y = self.o_proj((o * torch.sigmoid(gate)).reshape(B, T, c.num_heads * c.head_dim))
         return y, k, v
+
+    def forward_dense(self, x, cos, sin):
+        """Training path: causal attention over whole sequences x [B,T,H] (no cache) -> y [B,T,H].
+        Same math as forward() with an empty cache, through SDPA (batched, differentiable)."""
+        c = self.cfg
+        B, T, _ = x.shape
+        q, gate, k, v = self.qkv(x, cos, sin)
+        r = c.num_heads // c.num_kv_heads
+        k, v = k.repeat_interleave(r, 2), v.repeat_interleave(r, 2)  # GQA: q-head h reads kv-head h // r
+        # under autocast q/k come out of RoPE in fp32 and v in bf16: one dtype for SDPA
+        dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2).to(dt), k.transpose(1, 2).to(dt),
+                                           v.transpose(1, 2).to(dt), is_causal=True, scale=c.head_dim**-0.5)
+        return self.o_proj((o.transpose(1, 2) * torch.sigmoid(gate)).reshape(B, T, c.num_heads * c.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -207,6 +291,28 @@ class TargetModel(nn.Module):
             zeros(len(c.gdn_layers), B, c.lin_num_v_heads, c.lin_k_dim, c.lin_v_dim, dtype=torch.float32),
             zeros(len(c.gdn_layers), B, c.conv_dim, c.conv_kernel - 1), want_logits=want_logits,
         )
+
+    def forward_train(self, input_ids, want_logits=True):
+        """Training path: whole sequences [B,T] (positions 0..T-1) from empty state, dense and differentiable:
+        causal SDPA for attention, gdn_chunk_dense for the GDN layers. Same math as forward_full / step
+        (tests/test_train.py checks logits, ctx_hidden and gradients against forward_full), without the
+        pools, paged attention and per-sequence loops of the graph path.
+        Returns {'logits': [B,T,V] fp32 or None, 'ctx_hidden': [B,T,n_taps*H] (taps in tap_ids order) or None}."""
+        cfg = self.cfg
+        B, T = input_ids.shape
+        h = self.embed_tokens(input_ids)
+        pos = torch.arange(T, device=input_ids.device).expand(B, T)
+        cos, sin = rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, h.dtype)
+        taps = {}
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            h = h + (layer.self_attn.forward_dense(x, cos, sin) if layer.is_attention
+                     else layer.linear_attn.forward_dense(x))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in self.tap_ids:
+                taps[i] = h
+        return {"logits": self.logits(h) if want_logits else None,
+                "ctx_hidden": torch.cat([taps[t] for t in self.tap_ids], -1) if self.tap_ids else None}
 
     def step(self, input_ids, positions, slot, seq_len, block_table, kv_pool, gdn_pool, conv_pool,
              valid_len=None, want_logits=False):
