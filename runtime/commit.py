@@ -1,76 +1,131 @@
-"""The one commit path (DESIGN §5): every step — prefill chunk, decode, verify, gated-off decode —
-ends here with n committed rows per sequence. Graphs never mutate pools; this does, in order:
-  1. reserve target KV pages and drafter ctx pages for the new rows (all-or-nothing across the batch)
-  2. write the n K/V rows into pages
-  3. GDN: fold the first n rows of fold data into the slot (verify) or set the final state (prefill)
-  4. conv: roll the state by the n pre-conv columns
-  5. append the n drafter ctx K/V rows with their absolute positions (slides the window when full)
-  6. seq_len += n
-A failed reservation raises before anything is written, so every pool stays consistent.
+"""The one commit path (DESIGN §5): every step — prefill chunk, decode, verify, gated-off decode — ends
+here with n committed rows per sequence. Graphs never mutate pools; a commit does, in three parts:
+
+  reserve (host, before launch)  pages for the step's WORST case (T rows; prefill: the chunk's valid rows)
+                                 in the target KV pool and the drafter ctx pool; all-or-nothing per
+                                 sequence, so a failure changes nothing.
+  write   (device)               KV rows into pages, GDN fold of n rows (verify) or the final state
+                                 (prefill), conv roll by n columns, drafter ctx rows at the logical rows of
+                                 their absolute positions. n is a device array: on the GPU this runs inside
+                                 the step's CUDA graph, before the host knows n.
+  finish  (host, once n is known) seq_len += n, ctx.finish_append(n rows at positions seq_len..), the
+                                 reservation's unused tail pages given back.
+
+The CPU path runs the three in sequence (`commit`); the GPU path reserves before the launch and finishes
+when the step's n comes back. numpy + a Device only; no torch here.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from dflash_trt.runtime.pools import BlockAllocator, PoolExhausted
+from dflash_trt.runtime.pools import PoolExhausted
 
 
-def _reserve(seqs, n, kv_alloc: BlockAllocator, page_size: int, with_ctx: bool):
-    """Allocate the pages every sequence needs for its n new rows; on failure give all back."""
-    got: list[tuple[object, list[int]]] = []
-    planned = []
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class WriteTables:
+    """Where a step's rows go, one entry per batch row (arrays of the device's kind: numpy or tensors).
+    start: logical KV row of the step's first row (= seq_len); ctx_start: its logical ctx row."""
+    slot: object
+    start: object
+    block_table: object
+    ctx_table: object = None
+    ctx_start: object = None
+
+
+def reserve(seq, rows: int, kv_alloc, page_size: int, ahead: int = 0) -> None:
+    """Pages for rows [seq_len, seq_len + ahead + rows) of one sequence, KV and drafter ctx together.
+    `ahead` counts rows of this sequence's steps still in flight (their worst case). All-or-nothing:
+    PoolExhausted / ValueError leave the sequence's pages exactly as they were."""
+    upto = seq.seq_len + int(ahead) + int(rows)
+    need = _cdiv(upto, page_size) - len(seq.pages)
+    if need > 0 and len(seq.pages) + need > seq.max_blocks:
+        raise PoolExhausted(f"sequence {seq.seq_id} block table", need, seq.max_blocks - len(seq.pages))
+    got = kv_alloc.alloc(need) if need > 0 else []
+    if seq.ctx is not None:
+        try:
+            seq.ctx.reserve(upto - seq.seq_len)
+        except Exception:
+            if got:
+                kv_alloc.free(got)
+            raise
+    seq.pages.extend(got)
+
+
+def reserve_batch(seqs, rows, kv_alloc, page_size: int) -> None:
+    """reserve() for every sequence of a batch, all-or-nothing across the batch (host-path steps)."""
+    done = []
     try:
-        for s, k in zip(seqs, n):
-            need = -(-(s.seq_len + int(k)) // page_size) - len(s.pages)
-            if len(s.pages) + max(need, 0) > s.max_blocks:
-                raise PoolExhausted(f"sequence {s.seq_id} block table", need, s.max_blocks - len(s.pages))
-            if need > 0:
-                got.append((s, kv_alloc.alloc(need)))
-        if with_ctx:
-            for s, k in zip(seqs, n):
-                before = list(s.ctx.pages)
-                planned.append((s, before, s.ctx.plan_append(int(k))))
+        for s, k in zip(seqs, rows):
+            before = (len(s.pages), s.ctx.num_pages if s.ctx is not None else 0)
+            reserve(s, int(k), kv_alloc, page_size)
+            done.append((s, before))
     except Exception:
-        for _, pages in got:
-            kv_alloc.free(pages)
-        for s, before, _ in planned:  # give back ctx pages added by plan_append
-            extra = s.ctx.pages[len(before):]
-            if extra:
-                s.ctx.allocator.free(extra)
-            s.ctx.pages = before
+        for s, (kv, ctx) in done:
+            kv_alloc.free(s.pages[kv:])
+            del s.pages[kv:]
+            if s.ctx is not None:
+                s.ctx.unreserve(s.ctx.num_pages - ctx)
         raise
-    for s, pages in got:
-        s.pages.extend(pages)
-    return [p[2] for p in planned]
+
+
+def write(dev, pools: dict, out: dict, n, t: WriteTables, dkv_rows=None) -> None:
+    """The device part: commit n[b] rows of target-graph outputs `out` (and drafter ctx rows) into the pools.
+    Rows i >= n[b] are never written, so n = 0 (padding rows of a batch bucket) touches nothing."""
+    if out.get("kv_rows") is not None:
+        dev.kv_write(pools["kv_pool"], out["kv_rows"], t.block_table, t.start, n)
+    if out.get("conv_cols") is not None:
+        if out.get("gdn_state") is not None:
+            dev.gdn_set(pools["gdn_pool"], t.slot, out["gdn_state"], n)
+        else:
+            dev.gdn_fold(pools["gdn_pool"], t.slot, out["gdn_k"], out["gdn_v"], out["gdn_gamma"], n)
+        dev.conv_roll(pools["conv_pool"], t.slot, out["conv_cols"], n)
+    if dkv_rows is not None:
+        dev.kv_write(pools["dkv_pool"], dkv_rows, t.ctx_table, t.ctx_start, n)
+
+
+def finish(seq, n: int, kv_alloc, page_size: int, ahead: int = 0) -> None:
+    """The host part once n is known: advance the sequence, append n ctx positions, give back the
+    reservation's unused tail (keeping `ahead` rows for steps still in flight)."""
+    n = int(n)
+    if seq.ctx is not None:
+        seq.ctx.finish_append(n, np.arange(seq.seq_len, seq.seq_len + n))
+        seq.ctx.trim(ahead)
+    seq.seq_len += n
+    keep = _cdiv(seq.seq_len + int(ahead), page_size)
+    if len(seq.pages) > keep:
+        kv_alloc.free(seq.pages[keep:])
+        del seq.pages[keep:]
+
+
+def host_tables(seqs) -> WriteTables:
+    """WriteTables of a batch from host state (the synchronous path: seq_len is current)."""
+    ctx = [s.ctx for s in seqs]
+    with_ctx = all(c is not None for c in ctx)
+    return WriteTables(
+        slot=np.array([s.slot for s in seqs], dtype=np.int64),
+        start=np.array([s.seq_len for s in seqs], dtype=np.int64),
+        block_table=np.stack([s.block_table() for s in seqs]),
+        ctx_table=np.stack([c.block_table() for c in ctx]).astype(np.int64) if with_ctx else None,
+        ctx_start=np.array([c.end for c in ctx], dtype=np.int64) if with_ctx else None,
+    )
 
 
 def commit(rt, seqs, out: dict, n, dkv_rows=None) -> None:
-    """Commit n[b] rows of graph output `out` (target graph outputs, numpy) for each sequence.
+    """The CPU path: reserve exactly n rows, write, finish — for a batch of sequences with numpy outputs.
     dkv_rows [Ld,2,B,R,H,hd] are the drafter ctx rows of the same tokens (None: no drafter)."""
     n = np.asarray(n, dtype=np.int64).reshape(-1)
     B = len(seqs)
     T = out["argmax"].shape[1]
     if n.shape[0] != B or np.any(n < 0) or np.any(n > T):
         raise ValueError(f"commit: n={n.tolist()} must have {B} entries in [0, {T}]")
-    dev = rt.device
-    with_ctx = dkv_rows is not None
-    plans = _reserve(seqs, n, rt.kv_alloc, rt.sizes.page_size, with_ctx)
-    slots = np.array([s.slot for s in seqs], dtype=np.int64)
-    start = np.array([s.seq_len for s in seqs], dtype=np.int64)
-    bt = np.stack([s.block_table() for s in seqs])
-    if out.get("kv_rows") is not None:
-        dev.kv_write(rt.pools["kv_pool"], out["kv_rows"], bt, start, n)
-    if out.get("conv_cols") is not None:
-        if "gdn_state" in out:
-            dev.gdn_set(rt.pools["gdn_pool"], slots, out["gdn_state"], n)
-        else:
-            dev.gdn_fold(rt.pools["gdn_pool"], slots, out["gdn_k"], out["gdn_v"], out["gdn_gamma"], n)
-        dev.conv_roll(rt.pools["conv_pool"], slots, out["conv_cols"], n)
-    if with_ctx:
-        cbt = np.stack([p[0] for p in plans]).astype(np.int64)
-        cstart = np.array([p[1] for p in plans], dtype=np.int64)
-        dev.kv_write(rt.pools["dkv_pool"], dkv_rows, cbt, cstart, n)
-        for s, k in zip(seqs, n):
-            s.ctx.finish_append(int(k), np.arange(s.seq_len, s.seq_len + int(k)))
+    ps = rt.sizes.page_size
+    reserve_batch(seqs, n, rt.kv_alloc, ps)
+    write(rt.device, rt.pools, out, n, host_tables(seqs), dkv_rows)
     for s, k in zip(seqs, n):
-        s.seq_len += int(k)
+        finish(s, int(k), rt.kv_alloc, ps)

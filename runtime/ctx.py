@@ -17,6 +17,14 @@ and the remaining offset into the first kept page simply stays in `start` (kv_st
 Block tables are padded with 0 to `max_blocks` (static width for the graphs,
 dflash_trt.abi.ctx_block_table_width), which bounds the pages ever held; `max_append`
 (default: window) caps n per append.
+
+Two ways to drive it:
+  * synchronous (host path): plan_append(n) -> write -> finish_append(n) (slides itself when over capacity);
+  * ahead (GPU path, steps in flight): reserve(rows) for the worst case of every step not yet finished,
+    slide() only before a launch (so a slide never moves rows under a step in flight), finish_append(n)
+    with auto_slide=False, trim(rows) gives back pages past the rows still reserved.
+`base` (= total - end, the rows dropped by slides) maps an absolute position p to its logical row p - base,
+which is all a device needs to address the window without any per-sequence device state.
 numpy only.
 """
 
@@ -34,7 +42,7 @@ def _cdiv(a: int, b: int) -> int:
 
 class CtxWindow:
     def __init__(self, window: int, block_size: int, allocator: BlockAllocator,
-                 max_append: int | None = None):
+                 max_append: int | None = None, auto_slide: bool = True):
         if window <= 0 or block_size <= 0:
             raise ValueError(f"window and block_size must be > 0 (got {window}, {block_size})")
         self.window = int(window)
@@ -42,6 +50,7 @@ class CtxWindow:
         self.allocator = allocator
         self.max_append = int(max_append) if max_append is not None else self.window
         self.capacity = 2 * self.window
+        self.auto_slide = bool(auto_slide)
         self.max_blocks = ctx_block_table_width(self.window, self.block_size, self.max_append)
         self.pages: list[int] = []
         self.start = 0
@@ -53,6 +62,11 @@ class CtxWindow:
     @property
     def ctx_len(self) -> int:
         return min(self.total, self.window)
+
+    @property
+    def base(self) -> int:
+        """Rows dropped by slides so far: absolute position p lives at logical row p - base."""
+        return self.total - self.end
 
     @property
     def num_pages(self) -> int:
@@ -80,11 +94,30 @@ class CtxWindow:
         n = int(n)
         if n < 0 or n > self.max_append:
             raise ValueError(f"append of {n} rows outside [0, max_append={self.max_append}]")
-        need = _cdiv(self.end + n, self.block_size) - len(self.pages)
-        if need > 0:
-            self.pages.extend(self.allocator.alloc(need))  # raises before any change
-        assert len(self.pages) <= self.max_blocks
+        self.reserve(n)
         return self.block_table(), self.end
+
+    def reserve(self, rows: int) -> int:
+        """Ensure pages for logical rows [end, end+rows); returns the pages added (all-or-nothing)."""
+        need = _cdiv(self.end + int(rows), self.block_size) - len(self.pages)
+        if need <= 0:
+            return 0
+        if len(self.pages) + need > self.max_blocks:
+            raise ValueError(f"ctx window of {self.max_blocks} pages cannot hold {rows} more rows after row {self.end}")
+        self.pages.extend(self.allocator.alloc(need))  # raises before any change
+        return need
+
+    def unreserve(self, count: int) -> None:
+        """Give back the last `count` pages added by reserve() (undo of a failed multi-pool reservation)."""
+        if count > 0:
+            self.allocator.free(self.pages[-count:])
+            del self.pages[-count:]
+
+    def trim(self, rows_ahead: int = 0) -> None:
+        """Give back pages past logical row end + rows_ahead (a reservation's unused tail)."""
+        keep = max(_cdiv(self.end + int(rows_ahead), self.block_size), 0)
+        if len(self.pages) > keep:
+            self.unreserve(len(self.pages) - keep)
 
     def finish_append(self, n: int, positions) -> None:
         """Record n written rows (absolute positions), advance end, slide if over capacity."""
@@ -104,8 +137,16 @@ class CtxWindow:
         self._pos = np.concatenate([self._pos, pos])
         self.end += n
         self.total += n
-        if self.end > self.capacity:
+        if self.auto_slide and self.end > self.capacity:
             self._slide()
+
+    def slide(self) -> int:
+        """Free every page that holds only rows older than the newest `window`; returns rows dropped.
+        Safe while a step is in flight: that step reads at most the newest `window` rows before `end`."""
+        before = self.base
+        if self.end - self.start > self.window:
+            self._slide()
+        return self.base - before
 
     def _slide(self) -> None:
         keep = min(self.end - self.start, self.window)

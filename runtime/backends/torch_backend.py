@@ -37,6 +37,12 @@ class TorchBackend:
             return v.detach().cpu().numpy()
         return v
 
+    def fused_steps(self, rt):
+        """The device-side steps over this backend's modules (runtime/backends/graph_executor.py runs them)."""
+        from dflash_trt.runtime.backends.torch_fused_step import FusedSteps
+
+        return FusedSteps(self.target, self.drafter, rt)
+
     @torch.no_grad()
     def run(self, graph: str, inputs: dict) -> dict:
         out = run_graph(graph, self.target, self.drafter, {k: self._in(v) for k, v in inputs.items()},

@@ -1,0 +1,184 @@
+"""The GPU step executor: per (step kind, K, batch bucket) static step buffers and ONE CUDA graph.
+
+A step (DESIGN §5): the host fills one pinned staging buffer (rows, pages, ctx window base: int64), issues
+one async H2D copy into the step's static input buffer, replays the step's graph (torch_fused_step:
+drafter_block -> target verify -> accept on the device -> commit kernels -> drafter ctx rows -> per-slot
+state advanced), and one async D2H copy brings back only the tokens and n into pinned memory, followed by
+one event. The host does not wait for it: it plans and launches step t+1 first (the device advanced
+seq_len / bonus itself), then collects step t.
+
+Graphs are captured on first use after one eager warm-up with all-padding inputs (inert: n = 0). A capture
+that fails is ended by the device (the brick guard), the stream stays usable, and that key runs its step
+eagerly from then on; `eager_keys` lists them. On CPU (TorchCpuDevice) every step runs eagerly.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dflash_trt.runtime.batching import DECODE, PREFILL_STEP, SPEC, StepPlan, StepResult, step_tables
+from dflash_trt.runtime.backends.torch_fused_step import RESULT_EXTRA
+
+STAGING_COPIES = 2  # a step's staging/readback pair is reused only after the step before last has landed
+
+
+class StepBuffers:
+    """One key's static buffers: an int64 device input buffer cut into named views (filled by ONE copy),
+    a device result buffer, and STAGING_COPIES pinned (staging, readback, event) sets."""
+
+    def __init__(self, dev, fields: dict, result_shape: tuple):
+        self.dev, self.names, self.shapes, offs = dev, list(fields), dict(fields), {}
+        total = 0
+        for name, shape in fields.items():
+            offs[name] = total
+            total += int(np.prod(shape))
+        self.offs, self.numel = offs, total
+        self.inp = dev.device_buffer(total)
+        self.result = dev.device_buffer(int(np.prod(result_shape))).view(result_shape)
+        self.views = {k: self._cut(self.inp, k) for k in self.names}
+        self.views["result"] = self.result
+        # per set: staging, readback, its event, whether that event was recorded
+        self.sets = [[dev.staging(total), dev.staging(int(np.prod(result_shape))), dev.new_event(), False]
+                     for _ in range(STAGING_COPIES)]
+        self.turn = 0
+
+    def _cut(self, flat, name):
+        o, shape = self.offs[name], self.shapes[name]
+        return flat[o:o + int(np.prod(shape))].view(shape)
+
+    def fill(self, values: dict) -> int:
+        """Write `values` into the next staging copy (waiting for its previous step), copy it to the device;
+        returns the staging set used."""
+        i = self.turn
+        self.turn = (i + 1) % STAGING_COPIES
+        stage, back, ev, recorded = self.sets[i]
+        if recorded:
+            self.dev.wait(ev)
+        for k in self.names:
+            o, shape = self.offs[k], self.shapes[k]
+            stage[o:o + int(np.prod(shape))] = np.asarray(values[k], dtype=np.int64).reshape(-1)
+        self.dev.h2d(self.inp, stage)
+        return i
+
+    def read_back(self, i: int):
+        """Queue the D2H copy of the result into staging set i and record its event."""
+        s = self.sets[i]
+        self.dev.d2h(s[1], self.result)
+        self.dev.record(s[2])
+        s[3] = True
+        return s[2]
+
+
+class GraphStepExecutor:
+    ahead = True  # ctx windows slide only between launches (a step in flight keeps its rows)
+
+    def __init__(self, rt, use_graphs: bool | None = None, inflight: int = 1):
+        """inflight: steps left running while the host plans the next (1: overlap; 0: synchronous)."""
+        self.rt, self.dev = rt, rt.device
+        self.max_inflight = int(inflight)
+        self.steps = rt.backend.fused_steps(rt)
+        self.use_graphs = getattr(self.dev, "graph_steps", False) if use_graphs is None else use_graphs
+        self.buffers: dict = {}  # key (kind, K, B) -> StepBuffers
+        self.graphs: dict = {}  # key -> replay callable (captured) or None (eager)
+        self.eager_keys: set = set()  # keys whose capture failed: they run eagerly (brick guard)
+        self.capture_hook = None  # called inside every capture (tests force a failure with it)
+        self.on_capture = None  # progress callback(key) while graphs are captured
+
+    # ---- buffers and graphs per key ----------------------------------------------------------
+    def _fields(self, kind, K, B):
+        s = self.rt.sizes
+        f = {"slot": (B,), "srow": (B,), "block_table": (B, s.max_blocks)}
+        if self.rt.dcfg is not None:
+            f.update(ctx_table=(B, self.rt.ctx_blocks), ctx_base=(B,))
+        if kind == PREFILL_STEP:
+            f.update(ids=(B, K), start=(B,), valid=(B,))
+            return f, (B, 2)
+        f["live"] = (B,)
+        return f, (B, K + RESULT_EXTRA)
+
+    def _fn(self, kind, K):
+        st = self.steps
+        if kind == PREFILL_STEP:
+            return st.prefill
+        if kind == DECODE:
+            return st.decode
+        return lambda b: st.spec(b, K - 1)
+
+    def entry(self, kind: str, K: int, B: int):
+        """(buffers, run) of one key; builds the buffers and captures its graph on first use."""
+        key = (kind, K, B)
+        buf = self.buffers.get(key)
+        if buf is None:
+            fields, rshape = self._fields(kind, K, B)
+            buf = self.buffers[key] = StepBuffers(self.dev, fields, rshape)
+            self._fill_padding(buf, kind, B)
+            fn = self._fn(kind, K)
+            self.graphs[key] = None
+            if self.use_graphs:
+                if self.on_capture is not None:
+                    self.on_capture(key)
+                self.graphs[key] = self.dev.capture(lambda: fn(buf.views), hook=self.capture_hook)
+                if self.graphs[key] is None:
+                    self.eager_keys.add(key)
+        fn = self._fn(kind, K)
+        graph = self.graphs[key]
+        return buf, (graph if graph is not None else (lambda: fn(buf.views)))
+
+    def _fill_padding(self, buf, kind, B):
+        """All-padding inputs (live 0 -> n 0, dummy state row): what warm-up and capture run on."""
+        vals = step_tables([None] * B, self.rt.sizes.max_blocks,
+                           self.rt.ctx_blocks if self.rt.dcfg is not None else None, self.rt.sizes.max_seqs)
+        if kind == PREFILL_STEP:
+            vals.update(ids=np.zeros(buf.shapes["ids"]), start=np.zeros(B), valid=np.zeros(B))  # valid 0: n 0
+        with buf.dev.on_stream():
+            buf.fill(vals)
+        buf.dev.synchronize()
+
+    def run_key(self, kind, K, B, values: dict, eager: bool = False) -> np.ndarray:
+        """Run one key on explicit inputs and wait (tests: replay vs eager, bit for bit)."""
+        buf, run = self.entry(kind, K, B)
+        with self.dev.on_stream():
+            i = buf.fill(values)
+            if eager:
+                self._fn(kind, K)(buf.views)
+            else:
+                run()
+            self.dev.wait(buf.read_back(i))
+        return buf.sets[i][1].reshape(buf.result.shape).copy()
+
+    # ---- the executor interface ----------------------------------------------------------------
+    def _tables(self, rows):
+        s = self.rt.sizes
+        return step_tables(rows, s.max_blocks, self.rt.ctx_blocks if self.rt.dcfg is not None else None, s.max_seqs)
+
+    def launch_prefill(self, seq, chunk: list[int]):
+        C = self.rt.sizes.prefill_chunk
+        vals = self._tables([seq])
+        ids = np.zeros((1, C), dtype=np.int64)
+        ids[0, : len(chunk)] = chunk
+        vals.update(ids=ids, start=[seq.seq_len], valid=[len(chunk)])
+        buf, run = self.entry(PREFILL_STEP, C, 1)
+        with self.dev.on_stream():
+            i = buf.fill(vals)
+            run()
+            ev = buf.read_back(i)
+        return (PREFILL_STEP, buf, i, ev)
+
+    def launch(self, plan: StepPlan):
+        if plan.kind not in (SPEC, DECODE):
+            raise ValueError(f"unknown step kind {plan.kind!r}")
+        buf, run = self.entry(plan.kind, plan.K, plan.bucket)
+        with self.dev.on_stream():
+            i = buf.fill(self._tables(plan.rows))
+            run()
+            ev = buf.read_back(i)
+        return (plan.kind, buf, i, ev)
+
+    def collect(self, pending):
+        kind, buf, i, ev = pending
+        self.dev.wait(ev)
+        r = buf.sets[i][1].reshape(buf.result.shape)
+        if kind == PREFILL_STEP:
+            return int(r[0, 0])
+        K = r.shape[1] - RESULT_EXTRA
+        return StepResult(r[:, :K].copy(), r[:, K].copy(), r[:, K + 2].copy(), r[:, K + 3].copy())

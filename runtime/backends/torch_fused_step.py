@@ -1,0 +1,120 @@
+"""The device side of one runtime step, in torch, with no host round trip inside (DESIGN §5 "GPU step"):
+what a step's CUDA graph captures. Each function reads a step's static input buffer (the host's rows,
+pages and ctx window base), runs the graphs (torch reference modules; on CUDA our kernels as custom ops),
+accepts greedily ON THE DEVICE, commits through the device's commit kernels (runtime/commit.write, n a device
+tensor) and advances the per-slot device state (seq_len, bonus) so the next step needs nothing from the host
+but its rows. No .item(), no data-dependent shapes, no host syncs: everything is capturable. On CPU the same
+code runs eagerly (that is how its logic is tested without a GPU).
+
+Result row per sequence (int64): tokens[0:K] (target argmax; the emitted tokens are its first n),
+n, seq_len before the step, kv_start, kv_len (the drafter window attended).
+"""
+from __future__ import annotations
+
+import torch
+
+from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, target_graph
+from dflash_trt.export.graphs import run_graph
+from dflash_trt.runtime.commit import WriteTables, write
+
+RESULT_EXTRA = 4  # n, seq_len, kv_start, kv_len after the K token columns
+
+
+class SlotState:
+    """seq_len and bonus per state slot, on the device; row max_seqs is the dummy row of padding rows."""
+
+    def __init__(self, max_seqs: int, device):
+        self.seq_len = torch.zeros(max_seqs + 1, dtype=torch.int64, device=device)
+        self.bonus = torch.zeros(max_seqs + 1, dtype=torch.int64, device=device)
+
+
+class FusedSteps:
+    def __init__(self, target, drafter, rt):
+        self.target, self.drafter, self.rt = target, drafter, rt
+        self.dev, self.pools = rt.device, rt.pools
+        self.window = rt.sizes.ctx_window
+        self.state = SlotState(rt.sizes.max_seqs, next(target.parameters()).device)
+
+    # ---- pieces ---------------------------------------------------------------------------
+    def _target(self, graph, ids, pos, b, seq_len, valid=None):
+        x = {"input_ids": ids, "positions": pos, "slot": b["slot"], "seq_len": seq_len,
+             "block_table": b["block_table"], "kv_pool": self.pools["kv_pool"], "gdn_pool": self.pools["gdn_pool"],
+             "conv_pool": self.pools["conv_pool"]}
+        if valid is not None:
+            x["valid_len"] = valid
+        return run_graph(graph, self.target, self.drafter, x)
+
+    def _commit(self, out, n, b, seq_len, pos):
+        """The device part of the one commit path, drafter ctx rows at logical rows position - ctx_base."""
+        t = WriteTables(b["slot"], seq_len, b["block_table"])
+        dkv = None
+        if self.drafter is not None:
+            t.ctx_table, t.ctx_start = b["ctx_table"], seq_len - b["ctx_base"]
+            dkv = run_graph(DRAFTER_CTX, self.target, self.drafter,
+                            {"ctx_hidden": out["ctx_hidden"], "positions": pos})["dkv_rows"]
+        write(self.dev, self.pools, out, n, t, dkv)
+
+    def _window(self, b, seq_len):
+        """The drafter ctx rows a sequence attends: the newest min(seq_len, window), ending at its last row."""
+        if self.drafter is None:
+            return torch.zeros_like(seq_len), torch.zeros_like(seq_len)
+        kv_len = seq_len - b["ctx_base"]
+        return kv_len - torch.clamp(seq_len, max=self.window), kv_len
+
+    def _advance(self, b, am, n, seq_len, bonus, kv):
+        """Per-slot state after the step (padding rows: n = 0, so their dummy row keeps its zeros)."""
+        live = b["live"] > 0
+        new_bonus = am.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
+        self.state.seq_len.index_copy_(0, b["srow"], seq_len + n)
+        self.state.bonus.index_copy_(0, b["srow"], torch.where(live, new_bonus, bonus))
+        r = b["result"]
+        K = am.shape[1]
+        r[:, :K] = am
+        r[:, K] = n
+        r[:, K + 1] = seq_len
+        r[:, K + 2], r[:, K + 3] = kv
+
+    # ---- steps ----------------------------------------------------------------------------------
+    def prefill(self, b) -> None:
+        """One chunk: ids [1,C] at positions start.., valid rows; result [1, 2] = (first token, valid)."""
+        ids, start, valid = b["ids"], b["start"], b["valid"]
+        pos = start[:, None] + torch.arange(ids.shape[1], device=ids.device)[None]
+        out = self._target(PREFILL, ids, pos, b, start, valid)
+        self._commit(out, valid, b, start, pos)
+        first = out["argmax"].gather(1, (valid - 1).clamp(min=0)[:, None])[:, 0]
+        first = torch.where(valid > 0, first, self.state.bonus[b["srow"]])  # valid 0 (warm-up): inert
+        self.state.seq_len.index_copy_(0, b["srow"], start + valid)
+        self.state.bonus.index_copy_(0, b["srow"], first)
+        b["result"][:, 0] = first
+        b["result"][:, 1] = valid
+
+    def decode(self, b) -> None:
+        """Plain K=1 step on the bonus token (also the gated-off path: ctx rows still appended)."""
+        seq_len, bonus = self.state.seq_len[b["srow"]], self.state.bonus[b["srow"]]
+        pos = seq_len[:, None]
+        out = self._target(target_graph(1), bonus[:, None], pos, b, seq_len)
+        n = b["live"].clone()
+        self._commit(out, n, b, seq_len, pos)
+        self._advance(b, out["argmax"], n, seq_len, bonus, self._window(b, seq_len))
+
+    def spec(self, b, gamma: int) -> None:
+        """drafter_block -> target_k{γ+1} -> greedy accept on the device -> commit n = accepted + 1."""
+        d = self.drafter.cfg
+        seq_len, bonus = self.state.seq_len[b["srow"]], self.state.bonus[b["srow"]]
+        B = seq_len.shape[0]
+        kv_start, kv_len = self._window(b, seq_len)
+        block = torch.full((B, d.block_size), d.mask_token_id, dtype=torch.int64, device=seq_len.device)
+        block[:, 0] = bonus
+        bpos = seq_len[:, None] + torch.arange(d.block_size, device=seq_len.device)[None]
+        drafts = run_graph(DRAFTER_BLOCK, self.target, self.drafter, {
+            "block_ids": block, "positions": bpos, "block_table": b["ctx_table"], "kv_start": kv_start,
+            "kv_len": kv_len, "dkv_pool": self.pools["dkv_pool"]})["drafts"][:, :gamma]
+        K = gamma + 1
+        pos = bpos[:, :K]
+        out = self._target(target_graph(K), torch.cat([bonus[:, None], drafts], 1), pos, b, seq_len)
+        am = out["argmax"]
+        # accepted = longest prefix with draft_i == argmax_i (a running product of matches)
+        acc = torch.cumprod((drafts == am[:, :gamma]).to(torch.int64), 1).sum(1)
+        n = (acc + 1) * b["live"]
+        self._commit(out, n, b, seq_len, pos)
+        self._advance(b, am, n, seq_len, bonus, (kv_start, kv_len))

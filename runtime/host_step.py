@@ -1,0 +1,108 @@
+"""The host step executor: each graph through `backend.run` (numpy in and out), greedy accept on the host,
+then the device part of the commit (commit.write) with n as a host array. The CPU path for every backend
+(ONNX Runtime, the torch reference on CPU, scripted drafters in tests). Synchronous: nothing stays in
+flight, so host state is always current and the scheduler reserves exactly one step ahead.
+numpy + a Device; no torch here.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, target_graph
+from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, StepResult
+from dflash_trt.runtime.commit import WriteTables, write
+
+
+class HostStepExecutor:
+    max_inflight = 0  # steps left running after launch() returns
+    ahead = False  # ctx windows slide themselves on finish (no step in flight to protect)
+
+    def __init__(self, rt):
+        self.rt = rt
+
+    # ---- inputs of one batch (padding rows: empty sequence at slot 0) ------------------------
+    def _rows(self, rows):
+        rt = self.rt
+        B, MB = len(rows), rt.sizes.max_blocks
+        x = {
+            "slot": np.array([s.slot if s else 0 for s in rows], dtype=np.int64),
+            "seq_len": np.array([s.seq_len if s else 0 for s in rows], dtype=np.int64),
+            "block_table": np.stack([s.block_table() if s else np.zeros(MB, np.int64) for s in rows]),
+        }
+        if rt.dcfg is not None:
+            empty = np.zeros(rt.ctx_blocks, dtype=np.int64)
+            vis = [s.ctx.visible() if s else (empty, 0, 0) for s in rows]
+            x["ctx_table"] = np.stack([v[0] for v in vis]).astype(np.int64)
+            x["kv_start"] = np.array([v[1] for v in vis], dtype=np.int64)
+            x["kv_len"] = np.array([v[2] for v in vis], dtype=np.int64)
+        return x
+
+    def _target(self, graph, x, ids, extra=None):
+        rt = self.rt
+        B, T = ids.shape
+        inputs = {"input_ids": ids, "positions": x["seq_len"][:, None] + np.arange(T, dtype=np.int64)[None],
+                  "slot": x["slot"], "seq_len": x["seq_len"], "block_table": x["block_table"],
+                  "kv_pool": rt.pools["kv_pool"], "gdn_pool": rt.pools["gdn_pool"], "conv_pool": rt.pools["conv_pool"]}
+        inputs.update(extra or {})
+        return rt.backend.run(graph, inputs)
+
+    def _ctx_rows(self, x, out):
+        """drafter_ctx on the target step's ctx_hidden rows (padded to the graph's static R)."""
+        rt = self.rt
+        if rt.dcfg is None:
+            return None
+        R = rt.sizes.max_append
+        ctx_in = rt.device.pad_rows(out["ctx_hidden"], R)
+        pos = x["seq_len"][:, None] + np.arange(R, dtype=np.int64)[None]
+        return rt.backend.run(DRAFTER_CTX, {"ctx_hidden": ctx_in, "positions": pos})["dkv_rows"]
+
+    def _commit(self, x, out, n):
+        rt = self.rt
+        t = WriteTables(x["slot"], x["seq_len"], x["block_table"])
+        if rt.dcfg is not None:
+            t.ctx_table = x["ctx_table"]
+            t.ctx_start = x["kv_len"]  # the window's end row: the next row appended
+        write(rt.device, rt.pools, out, n, t, self._ctx_rows(x, out))
+
+    # ---- the executor interface ----------------------------------------------------------
+    def launch_prefill(self, seq, chunk: list[int]):
+        """One prefill chunk of `seq` (pages reserved by the caller); returns the pending first token."""
+        C = self.rt.sizes.prefill_chunk
+        x = self._rows([seq])
+        ids = np.zeros((1, C), dtype=np.int64)
+        ids[0, : len(chunk)] = chunk
+        valid = np.array([len(chunk)], dtype=np.int64)
+        out = self._target(PREFILL, x, ids, {"valid_len": valid})
+        self._commit(x, out, valid)
+        return int(out["argmax"][0, len(chunk) - 1])
+
+    def launch(self, plan: StepPlan) -> StepResult:
+        rt = self.rt
+        x = self._rows(plan.rows)
+        live = plan.live
+        bonus = np.array([[s.bonus if s else 0] for s in plan.rows], dtype=np.int64)
+        if plan.kind == DECODE:
+            out = self._target(target_graph(1), x, bonus)
+            n = live.copy()
+        elif plan.kind == SPEC:
+            d, g = rt.dcfg, plan.gamma
+            Bs = d.block_size
+            block = np.full((plan.bucket, Bs), d.mask_token_id, dtype=np.int64)
+            block[:, :1] = bonus
+            drafts = rt.backend.run(DRAFTER_BLOCK, {
+                "block_ids": block, "positions": x["seq_len"][:, None] + np.arange(Bs, dtype=np.int64)[None],
+                "block_table": x["ctx_table"], "kv_start": x["kv_start"], "kv_len": x["kv_len"],
+                "dkv_pool": rt.pools["dkv_pool"],
+            })["drafts"][:, :g]
+            out = self._target(target_graph(plan.K), x, np.concatenate([bonus, drafts], axis=1))
+            # greedy accept: longest prefix with draft_i == target argmax_i; bonus = argmax at the first miss
+            match = drafts == out["argmax"][:, :g]
+            acc = np.where(match.all(1), g, match.argmin(1))
+            n = (acc + 1) * live
+        else:
+            raise ValueError(f"unknown step kind {plan.kind!r}")
+        self._commit(x, out, n)
+        return StepResult(np.asarray(out["argmax"], dtype=np.int64), n, x.get("kv_start"), x.get("kv_len"))
+
+    def collect(self, pending):
+        return pending  # already done: launches are synchronous

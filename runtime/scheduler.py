@@ -1,0 +1,183 @@
+"""Continuous batching at one verify width K (the shape of nano-vllm's LLMEngine.step, small pieces):
+
+  step():  admit   waiting requests join once their prefill ran (chunked, on the executor's device)
+           plan    the running requests that still need tokens, in the smallest batch bucket; pages for each
+                   one's worst case reserved (a request that cannot get them fails alone and is freed)
+           launch  one step for the whole bucket (executor: host numpy path, or the device's CUDA graphs)
+           collect the oldest step in flight once more than the executor keeps running: n and the new
+                   tokens per row -> commit.finish -> tokens appended; EOS / max tokens -> the request leaves
+
+With an executor that keeps one step in flight (the GPU), step t+1 is planned and launched while step t
+runs: its rows' seq_len, positions and bonus are advanced on the device by step t itself, so the host only
+needs what it decides (rows, pages, the ctx window's base). Pages are therefore reserved for every step not
+yet finished (`Request.ahead` rows), and a request's state on the host lags the device by its steps in flight.
+Host bookkeeping only — numpy; no torch here.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dflash_trt.runtime import commit
+from dflash_trt.runtime.batching import BUCKETS, DECODE, SPEC, StepPlan, pad_rows
+from dflash_trt.runtime.pools import PoolExhausted
+
+WAITING, RUNNING, FINISHED, FAILED = "waiting", "running", "finished", "failed"
+
+
+@dataclass(eq=False)  # identity: a request is one object, compared and hashed as such
+class Request:
+    req_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    tokens: list[int] = field(default_factory=list)  # generated so far (first one from the prefill)
+    seq: object = None  # runtime.sequence.Sequence while admitted
+    status: str = WAITING
+    finish_reason: str | None = None  # "eos" | "length" | "released" | "error"
+    error: Exception | None = None
+    ahead: int = 0  # rows reserved for this request's steps still in flight
+    inflight: int = 0  # its steps in flight
+    steps: int = 0  # target launches after the prefill
+    accepted: list = field(default_factory=list)  # accepted drafts per spec step
+
+    @property
+    def done(self) -> bool:
+        return self.status in (FINISHED, FAILED)
+
+    @property
+    def wants_step(self) -> bool:
+        """Running and not certain to be complete once its steps in flight land (each yields >= 1 token)."""
+        return self.status == RUNNING and len(self.tokens) + self.inflight < self.max_new_tokens
+
+
+class Scheduler:
+    def __init__(self, rt, gamma: int, spec: bool, max_batch: int = BUCKETS[-1]):
+        if not 1 <= max_batch <= BUCKETS[-1]:
+            raise ValueError(f"max_batch {max_batch} outside [1, {BUCKETS[-1]}]")
+        self.rt, self.ex = rt, rt.executor
+        self.spec = bool(spec and rt.dcfg is not None)
+        self.gamma = int(gamma) if self.spec else 0
+        self.K = self.gamma + 1
+        self.max_batch = max_batch
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.inflight: deque = deque()  # (plan, pending handle)
+        self._next_id = 0
+        self.on_step = None  # hook(rt, request) after each of its steps is finished (tests, tracing)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add(self, prompt, max_new_tokens: int) -> Request:
+        """Queue a request; bad input (empty prompt, token ids outside the vocabulary, over capacity) raises."""
+        self.rt.check_request(prompt, max_new_tokens, self.K)
+        req = Request(self._next_id, [int(t) for t in prompt], int(max_new_tokens))
+        self._next_id += 1
+        self.waiting.append(req)
+        return req
+
+    def release(self, req: Request, reason: str = "released") -> None:
+        """Leave now: pages and slot back (a step of it still in flight finishes first on the device's stream,
+        before anything reuses them; its results are dropped)."""
+        if req.seq is not None:
+            self.rt.release(req.seq)
+            req.seq = None
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if not req.done:
+            req.status, req.finish_reason = FINISHED, reason
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.inflight)
+
+    # ---- one scheduler step -----------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Admit, plan + launch one batch step, collect what is due; returns the requests that changed."""
+        touched: list[Request] = []
+        self._admit(touched)
+        plan = self._plan(touched)
+        if plan is not None:
+            self.inflight.append((plan, self.ex.launch(plan)))
+        while self.inflight and (len(self.inflight) > self.ex.max_inflight or plan is None):
+            self._collect(*self.inflight.popleft(), touched)
+        return list(dict.fromkeys(touched))
+
+    def _fail(self, req: Request, err: Exception, touched) -> None:
+        self.release(req, "error")
+        req.status, req.error = FAILED, err
+        touched.append(req)
+
+    def _admit(self, touched) -> None:
+        rt = self.rt
+        while self.waiting and len(self.running) < self.max_batch and rt.slots.num_free > 0:
+            req = self.waiting.popleft()
+            try:
+                req.seq = rt.add_sequence(req.prompt)
+                first = rt.prefill(req.seq)
+            except (PoolExhausted, ValueError) as e:  # a request that cannot be admitted fails alone
+                self._fail(req, e, touched)
+                continue
+            req.status = RUNNING
+            self.running.append(req)
+            self._emit(req, [first], touched)
+
+    def _plan(self, touched) -> StepPlan | None:
+        rt, K = self.rt, self.K
+        kind = SPEC if self.spec and rt.gate.spec_on() else DECODE
+        K = K if kind == SPEC else 1
+        live = []
+        for req in [r for r in self.running if r.wants_step][: self.max_batch]:
+            seq = req.seq
+            try:
+                if self.ex.ahead and seq.ctx is not None:
+                    seq.ctx.slide()  # only between launches: no step in flight reads a dropped row
+                commit.reserve(seq, K, rt.kv_alloc, rt.sizes.page_size, ahead=req.ahead)
+            except (PoolExhausted, ValueError) as e:  # out of pages: this request fails, the others run
+                self._fail(req, e, touched)
+                continue
+            req.ahead += K
+            req.inflight += 1
+            live.append(req)
+        if not live:
+            return None
+        return StepPlan(kind, K, pad_rows([r.seq for r in live]), reqs=live)
+
+    def _collect(self, plan: StepPlan, pending, touched) -> None:
+        rt = self.rt
+        res = self.ex.collect(pending)
+        accepted = []
+        for b, req in enumerate(plan.reqs):
+            req.inflight -= 1
+            req.ahead -= plan.K
+            if req.status != RUNNING:
+                continue  # left while this step was in flight: its rows are dropped
+            n = int(res.n[b])
+            commit.finish(req.seq, n, rt.kv_alloc, rt.sizes.page_size, ahead=req.ahead)
+            new = [int(t) for t in res.tokens[b, :n]]
+            req.seq.bonus = new[-1]
+            req.steps += 1
+            if plan.kind == SPEC:
+                req.accepted.append(n - 1)
+                accepted.append(n - 1)
+            if self.on_step is not None:
+                self.on_step(rt, req, plan, res, b)
+            self._emit(req, new, touched)
+        if plan.kind == SPEC and accepted:
+            rt.gate.record(sum(accepted) / len(accepted), plan.gamma)
+        elif plan.kind == DECODE:
+            rt.gate.tick()
+
+    def _emit(self, req: Request, new: list[int], touched) -> None:
+        """Append tokens, cut at max tokens / the first EOS; a request that is complete leaves."""
+        eos = self.rt.eos
+        for t in new:
+            if len(req.tokens) >= req.max_new_tokens:
+                break
+            req.tokens.append(t)
+            if t in eos:
+                req.finish_reason = "eos"
+                break
+        touched.append(req)
+        if req.finish_reason == "eos" or len(req.tokens) >= req.max_new_tokens:
+            self.release(req, req.finish_reason or "length")

@@ -1,0 +1,194 @@
+"""Batched continuous decoding on CPU: the scheduler (joins, leaves, buckets with inert padding rows), the
+three-part commit (reserve the worst case -> device writes -> finish), and the GPU step executor's logic run
+eagerly on torch CPU tensors (device-side accept, per-slot state, one step kept in flight) — all token-
+identical to sequences generated alone, with the ctx invariant checked after every step."""
+import numpy as np
+import pytest
+import torch
+from batch_helpers import dense_ctx_rows, make_invariant_check, run_batch
+from spec_helpers import TableDrafter
+
+from dflash_trt.abi import PoolSizes
+from dflash_trt.export.checkpoint import load_drafter, load_target
+from dflash_trt.runtime import commit
+from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
+from dflash_trt.runtime.backends.torch_backend import TorchBackend
+from dflash_trt.runtime.batching import bucket_for, pad_rows, step_tables
+from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
+from dflash_trt.runtime.gating import Gate
+from dflash_trt.runtime.pools import BlockAllocator, PoolExhausted
+from dflash_trt.runtime.runtime import CapacityError, Runtime
+from dflash_trt.tools.tiny import make_tiny_pair
+
+SIZES = PoolSizes(kv_blocks=160, page_size=4, max_seq_len=128, max_seqs=6, dkv_blocks=160, ctx_window=12,
+                  prefill_chunk=16)
+N_NEW = [20, 9, 24, 14, 6]
+JOINS = [0, 0, 2, 5, 6]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    torch.set_num_threads(1)
+    tdir, ddir = make_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=3)
+    target = load_target(tdir)
+    drafter = load_drafter(ddir, target)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, 250, n)) for n in (23, 5, 17, 40, 11)]
+    return target, drafter, prompts
+
+
+@pytest.fixture(scope="module")
+def alone(pair):
+    """Each prompt generated alone on the host path: the reference tokens, and the dense ctx rows."""
+    target, drafter, prompts = pair
+    rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES)
+    toks = [rt.generate(p, max(N_NEW), spec=False)[0] for p in prompts]
+    rows = {tuple(p): dense_ctx_rows(target, drafter, list(p) + t) for p, t in zip(prompts, toks)}
+    return toks, rows
+
+
+def graph_runtime(target, drafter, prompts, greedy, inflight=1, sizes=SIZES):
+    d = TableDrafter(drafter, [list(p) + g for p, g in zip(prompts, greedy)], target.cfg.vocab_size,
+                     sizes.max_seq_len)
+    return Runtime(TorchBackend(target, d), target.cfg, drafter.cfg, sizes, device=TorchCpuDevice(),
+                   gate=Gate(min_rate=0.0), executor=lambda rt: GraphStepExecutor(rt, inflight=inflight))
+
+
+def full(rt):
+    return (rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.dkv_alloc.num_free == rt.dkv_alloc.num_total
+            and rt.slots.num_free == rt.slots.num_total)
+
+
+# ------------------------------------------------------------------ buckets and tables
+def test_buckets_and_padding_rows():
+    assert [bucket_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+    with pytest.raises(ValueError, match="at most 16"):
+        bucket_for(17)
+    rows = pad_rows(["a", "b", "c"])
+    assert rows == ["a", "b", "c", None]
+    t = step_tables([None, None], max_blocks=3, ctx_blocks=2, max_seqs=5)
+    assert t["live"].tolist() == [0, 0] and t["srow"].tolist() == [5, 5] and t["slot"].tolist() == [0, 0]
+    assert not t["block_table"].any() and not t["ctx_table"].any() and not t["ctx_base"].any()
+
+
+# ------------------------------------------------------------------ reserve / finish
+def test_reserve_worst_case_then_finish_gives_back_the_tail(pair):
+    target, drafter, prompts = pair
+    rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES)
+    seq = rt.add_sequence(prompts[0])
+    rt.prefill(seq)
+    kv0, ctx0 = list(seq.pages), seq.ctx.num_pages
+    commit.reserve(seq, 16, rt.kv_alloc, SIZES.page_size)  # verify width 16: 4 more pages of 4 rows
+    assert len(seq.pages) == -(-(seq.seq_len + 16) // 4) and seq.ctx.num_pages >= ctx0
+    commit.finish(seq, 3, rt.kv_alloc, SIZES.page_size)  # only 3 rows were accepted
+    assert len(seq.pages) == -(-seq.seq_len // 4) and seq.ctx.num_pages == -(-seq.ctx.end // 4)
+    assert seq.pages[: len(kv0)] == kv0
+    rt.release(seq)
+    assert full(rt)
+
+
+def test_reserve_is_all_or_nothing_across_pools(pair):
+    target, drafter, prompts = pair
+    rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES)
+    seq = rt.add_sequence(prompts[0])
+    rt.prefill(seq)
+    kv, ctx, free_kv = list(seq.pages), list(seq.ctx.pages), rt.kv_alloc.num_free
+    rt.dkv_alloc._free.clear()  # the drafter pool is empty: the KV pages taken first must come back
+    with pytest.raises(PoolExhausted, match="drafter ctx pages"):
+        commit.reserve(seq, 16, rt.kv_alloc, SIZES.page_size)
+    assert seq.pages == kv and seq.ctx.pages == ctx and rt.kv_alloc.num_free == free_kv
+
+
+def test_ctx_window_ahead_mode_slides_only_when_asked():
+    alloc = BlockAllocator(32, "drafter ctx pages")
+    from dflash_trt.runtime.ctx import CtxWindow
+
+    cw = CtxWindow(8, 4, alloc, max_append=32, auto_slide=False)
+    pos = 0
+    for n in (5, 7, 9, 3, 11):
+        cw.reserve(2 * 16)  # two steps' worst case
+        cw.finish_append(n, np.arange(pos, pos + n))
+        pos += n
+        assert cw.base == 0 or cw.base % 4 == 0
+        dropped = cw.slide()
+        assert dropped % 4 == 0 and cw.end - cw.start <= 8 + 3 and cw.base + cw.end == pos
+        cw.trim(0)
+        assert cw.num_pages == -(-cw.end // 4)
+        assert np.array_equal(cw.positions_visible(), np.arange(max(pos - 8, 0), pos))
+    cw.release()
+    assert alloc.num_free == 32
+
+
+# ------------------------------------------------------------------ scheduler on the host path
+@pytest.mark.parametrize("spec", [False, True])
+def test_host_path_batch_joins_and_leaves(pair, alone, spec):
+    target, drafter, prompts = pair
+    toks, rows = alone
+    rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES, gate=Gate(min_rate=0.0))
+    log = []
+    got, reqs = run_batch(rt, prompts, N_NEW, JOINS, gamma=3, spec=spec,
+                          check=make_invariant_check(rt, rows, log))
+    for i, p in enumerate(prompts):
+        assert got[i] == toks[i][: N_NEW[i]], i
+    assert {b for _, _, b, _ in log} >= {2, 4}  # ran in several buckets, with padding rows
+    assert full(rt)
+
+
+# ------------------------------------------------------------------ the GPU executor's logic, eagerly on CPU
+@pytest.mark.parametrize("inflight", [0, 1])
+def test_device_step_path_batch_matches_alone(pair, alone, inflight):
+    target, drafter, prompts = pair
+    toks, rows = alone
+    rt = graph_runtime(target, drafter, prompts, toks, inflight)
+    log = []
+    got, reqs = run_batch(rt, prompts, N_NEW, JOINS, gamma=3, release_at=(3, 0),
+                          check=make_invariant_check(rt, rows, log))
+    for i in range(len(prompts)):
+        want = toks[i][: N_NEW[i]]
+        assert got[i] == want[: len(got[i])] and (i == 0 or len(got[i]) == N_NEW[i]), i
+    assert reqs[0].finish_reason == "released" and len(got[0]) < N_NEW[0]
+    assert {n for _, k, _, n in log if k == "spec"} == {1, 2, 3, 4}  # every accept count, per row
+    assert full(rt)
+
+
+def test_device_step_path_gamma_15_single(pair, alone):
+    target, drafter, prompts = pair
+    toks, _ = alone
+    rt = graph_runtime(target, drafter, prompts, toks)
+    out, st = rt.generate(prompts[2], 24, gamma=15)
+    assert out == toks[2][:24] and st.tau > 1
+    assert full(rt)
+
+
+# ------------------------------------------------------------------ faults
+def test_one_request_out_of_pages_fails_alone(pair, alone):
+    target, drafter, prompts = pair
+    toks, _ = alone
+    small = PoolSizes(kv_blocks=20, page_size=4, max_seq_len=128, max_seqs=4, dkv_blocks=160, ctx_window=12,
+                      prefill_chunk=16)
+    rt = graph_runtime(target, drafter, prompts, toks, sizes=small)
+    got, reqs = run_batch(rt, prompts[:3], [24, 9, 24], [0, 0, 0], gamma=3)
+    failed = [i for i, r in reqs.items() if r.status == "failed"]
+    assert failed and all(isinstance(reqs[i].error, PoolExhausted) for i in failed)
+    assert "target kv pages pool exhausted" in str(reqs[failed[0]].error)
+    done = [i for i in reqs if i not in failed]
+    assert done, "every request failed"
+    for i, r in reqs.items():
+        assert got[i] == toks[i][: len(got[i])]
+    for i in done:
+        assert len(got[i]) == [24, 9, 24][i]
+    assert full(rt)
+
+
+@pytest.mark.parametrize("prompt,max_new,err,msg", [
+    ([], 4, CapacityError, "empty prompt"),
+    ([1, 999], 4, ValueError, "token id 999 outside the vocabulary"),
+    (list(range(110)), 20, CapacityError, r"needs \d+ positions; this runtime holds max_seq_len=128"),
+    ([1, 2], 0, ValueError, "max_new_tokens must be >= 1"),
+])
+def test_bad_requests_are_refused_before_any_pool_is_touched(pair, prompt, max_new, err, msg):
+    target, drafter, prompts = pair
+    rt = graph_runtime(target, drafter, prompts, [[0]] * len(prompts))
+    with pytest.raises(err, match=msg):
+        rt.add_request(prompt, max_new, gamma=3)
+    assert full(rt) and (rt.scheduler is None or not rt.scheduler.has_work)
