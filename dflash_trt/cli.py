@@ -12,7 +12,7 @@ COMMANDS = {
 }
 # subcommands that parse their own argv: module with main(argv) -> int
 PASSTHROUGH = {
-    "bench": ("dflash_trt.tools.bench", "benchmarks (kernels, ...)"),
+    "bench": ("dflash_trt.tools.bench", "benchmarks (kernels, generate, e2e)"),
     "export": ("dflash_trt.export.onnx_export", "export ONNX graphs per K + manifest"),
     "compare": ("dflash_trt.tools.compare", "compare backends (polygraphy, top-k KL)"),
     "build": ("dflash_trt.engines.build", "build TensorRT engines per K"),
@@ -22,10 +22,13 @@ PASSTHROUGH = {
 def _user_errors():
     from dflash_trt.config import ConfigError
     from dflash_trt.export.checkpoint import CheckpointError
+    from dflash_trt.runtime.devices.cuda import CudaUnavailable
+    from dflash_trt.runtime.load import UsageError
     from dflash_trt.runtime.pools import PoolExhausted
     from dflash_trt.runtime.runtime import CapacityError
 
-    return (ConfigError, CheckpointError, CapacityError, PoolExhausted, NotImplementedError)
+    return (ConfigError, CheckpointError, CapacityError, PoolExhausted, NotImplementedError, CudaUnavailable,
+            UsageError)
 
 
 def main(argv=None) -> int:

@@ -37,13 +37,37 @@ def load_codec(model_dir: str):
     return TokenizerCodec(tok) if tok is not None else ByteCodec()
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UsageError(ValueError):
+    """A device / dtype / backend combination the runtime does not offer (the CLI prints it as one line)."""
+
+
 def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = "torch",
-                 sizes: PoolSizes | None = None, gate=None, ks=DEFAULT_KS) -> tuple[Runtime, object]:
+                 sizes: PoolSizes | None = None, gate=None, ks=DEFAULT_KS, device: str = "cpu",
+                 dtype: str | None = None) -> tuple[Runtime, object]:
     """Build a Runtime over the chosen backend; returns (runtime, codec).
-    torch: the reference modules (fp32, CPU); ort: the ONNX graphs for verify widths `ks`, exported once
-    into the cache (keyed by both checkpoint hashes, sizes and exporter version) and reused after."""
+    torch: the reference modules; on device="cpu" in float32 with numpy pools, on device="cuda" (dtype
+    float32 / bfloat16 / float16) with pools owned by a CudaDevice and one CUDA graph per step.
+    ort: the ONNX graphs for verify widths `ks` (CPU), exported once into the cache (keyed by both checkpoint
+    hashes, sizes and exporter version) and reused after. A missing GPU fails with one clear line."""
     from dflash_trt.runtime.backends import make_backend
 
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise UsageError(f"device '{device}' not supported (cpu, cuda, cuda:N)")
+    on_gpu = device != "cpu"
+    dtype = dtype or "float32"
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype '{dtype}' not supported ({', '.join(DTYPES)})")
+    if on_gpu:
+        from dflash_trt.runtime.devices.cuda import require_cuda
+
+        require_cuda()
+        if backend != "torch":
+            raise UsageError(f"device '{device}' runs the torch backend (got backend '{backend}')")
+    elif dtype != "float32":
+        raise UsageError(f"on CPU the runtime computes in float32 (got dtype '{dtype}'); use --device cuda")
     codec = load_codec(model_dir)
     if backend == "ort":
         from dflash_trt.export.onnx_export import ensure_export
@@ -54,7 +78,17 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
 
     from dflash_trt.export.checkpoint import load_drafter, load_target
 
-    target = load_target(model_dir, torch.float32)
-    drafter = load_drafter(drafter_dir, target, torch.float32) if drafter_dir else None
+    dt = getattr(torch, dtype)
+    target = load_target(model_dir, dt)
+    drafter = load_drafter(drafter_dir, target, dt) if drafter_dir else None
+    dev = None
+    if on_gpu:
+        from dflash_trt.runtime.devices.cuda import CudaDevice
+
+        dev = CudaDevice(int(device.split(":")[1]) if ":" in device else 0)
+        target.to(dev.device)
+        if drafter is not None:
+            drafter.to(dev.device)
     be = make_backend(backend, target=target, drafter=drafter)
-    return Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(), gate=gate), codec
+    return Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(), device=dev,
+                   gate=gate), codec

@@ -16,6 +16,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=int, default=None, help="drafts per step (default block_size-1)")
     p.add_argument("--no-spec", action="store_true", help="plain greedy decoding")
     p.add_argument("--backend", default="torch", choices=["torch", "ort"])
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (pools on the GPU, one CUDA graph per step)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="model / KV dtype on cuda (default float32; CPU runs float32)")
 
 
 def verify_widths(gamma: int | None, block_size: int | None, spec: bool) -> tuple:
@@ -31,11 +34,11 @@ def run(args) -> int:
         p = os.path.join(args.drafter, "config.json")
         block = DrafterConfig.from_dict(read_json(p), p).block_size
     ks = verify_widths(args.gamma, block, not args.no_spec)
-    rt, codec = load_runtime(args.model, args.drafter, args.backend, ks=ks)
+    rt, codec = load_runtime(args.model, args.drafter, args.backend, ks=ks, device=args.device, dtype=args.dtype)
     ids = codec.encode(args.prompt)
     out, st = rt.generate(ids, args.max_new_tokens, gamma=args.gamma, spec=not args.no_spec)
     print(codec.decode(out))
     mode = "plain" if (args.no_spec or rt.dcfg is None) else "dflash"
-    print(f"[{mode}] backend={args.backend} prompt={st.prompt_tokens} new={st.new_tokens} "
+    print(f"[{mode}] backend={args.backend} device={args.device} prompt={st.prompt_tokens} new={st.new_tokens} "
           f"target_steps={st.target_steps} tau={st.tau:.2f} tok/s={st.tokens_per_s:.1f}")
     return 0
