@@ -14,7 +14,7 @@ from dflash_trt.plugins.conv import reference as conv_ref
 from dflash_trt.plugins.conv.spec import SPEC as CONV
 from dflash_trt.plugins.gdn import reference as gdn_ref
 from dflash_trt.plugins.gdn.spec import SPEC as GDN
-from dflash_trt.plugins.opspec import PLUGIN_ATTRS
+from dflash_trt.plugins.opspec import OP_VERSION, PLUGIN_ATTRS
 from dflash_trt.plugins.paged_attention import reference as attention_ref
 from dflash_trt.plugins.paged_attention.spec import SPEC as ATTENTION
 from dflash_trt.plugins.torch_util import dname, torch_dtype
@@ -43,7 +43,7 @@ def _node(spec, inputs, attrs: dict):
     dtypes = [torch_dtype(d) for d in spec.output_dtypes([dname(t) for t in inputs])]
     shapes = spec.output_shapes([list(t.shape) for t in inputs])
     return torch.onnx.ops.symbolic_multi_out(f"dflash::{spec.name}", list(inputs), {**attrs, **PLUGIN_ATTRS},
-                                             dtypes=dtypes, shapes=shapes, version=1)
+                                             dtypes=dtypes, shapes=shapes, version=OP_VERSION)
 
 
 def gdn_chunk(q, k, v, g, beta, state, scale=None):
