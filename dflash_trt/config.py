@@ -42,6 +42,14 @@ def _get(cfg: dict, key: str, path: str, default=...):
     return default
 
 
+def _int(cfg: dict, key: str, path: str, default=..., minimum: int = 1) -> int:
+    """An integer field >= minimum (sizes and counts: >= 1), one clear line otherwise."""
+    v = _get(cfg, key, path, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or int(v) < minimum:
+        raise ConfigError(f"{path}: field '{key}' must be an integer >= {minimum}, got {v!r}")
+    return int(v)
+
+
 def _rope(cfg: dict, path: str) -> tuple[float, float]:
     """rope_theta / partial_rotary_factor at top level (transformers 4) or in rope_parameters (5)."""
     rp = cfg.get("rope_parameters") or {}
@@ -113,10 +121,10 @@ class TargetConfig:
             raise ConfigError(
                 f"{path}: model_type '{mt}' is not supported (expected qwen3_next, qwen3_5_text or qwen3_5)"
             )
-        n_layers = int(_get(cfg, "num_hidden_layers", path))
+        n_layers = _int(cfg, "num_hidden_layers", path)
         layer_types = cfg.get("layer_types")
         if layer_types is None:
-            interval = int(cfg.get("full_attention_interval", 4))
+            interval = _int(cfg, "full_attention_interval", path, 4)
             layer_types = [
                 "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
             ]
@@ -133,28 +141,28 @@ class TargetConfig:
                     "MoE MLPs are not supported yet (dense SwiGLU only)"
                 )
         theta, partial = _rope(cfg, path)
-        n_heads = int(_get(cfg, "num_attention_heads", path))
-        hidden = int(_get(cfg, "hidden_size", path))
+        n_heads = _int(cfg, "num_attention_heads", path)
+        hidden = _int(cfg, "hidden_size", path)
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         c = cls(
             model_type=mt or "qwen3_5",
-            vocab_size=int(_get(cfg, "vocab_size", path)),
+            vocab_size=_int(cfg, "vocab_size", path),
             hidden_size=hidden,
-            intermediate_size=int(_get(cfg, "intermediate_size", path)),
+            intermediate_size=_int(cfg, "intermediate_size", path),
             num_layers=n_layers,
             layer_types=list(layer_types),
             num_heads=n_heads,
-            num_kv_heads=int(_get(cfg, "num_key_value_heads", path, n_heads)),
-            head_dim=int(_get(cfg, "head_dim", path, hidden // n_heads)),
+            num_kv_heads=_int(cfg, "num_key_value_heads", path, n_heads),
+            head_dim=_int(cfg, "head_dim", path, hidden // n_heads),
             rope_theta=theta,
             partial_rotary_factor=partial,
             rms_norm_eps=float(_get(cfg, "rms_norm_eps", path, 1e-6)),
-            lin_num_k_heads=int(_get(cfg, "linear_num_key_heads", path)),
-            lin_num_v_heads=int(_get(cfg, "linear_num_value_heads", path)),
-            lin_k_dim=int(_get(cfg, "linear_key_head_dim", path)),
-            lin_v_dim=int(_get(cfg, "linear_value_head_dim", path)),
-            conv_kernel=int(_get(cfg, "linear_conv_kernel_dim", path, 4)),
+            lin_num_k_heads=_int(cfg, "linear_num_key_heads", path),
+            lin_num_v_heads=_int(cfg, "linear_num_value_heads", path),
+            lin_k_dim=_int(cfg, "linear_key_head_dim", path),
+            lin_v_dim=_int(cfg, "linear_value_head_dim", path),
+            conv_kernel=_int(cfg, "linear_conv_kernel_dim", path, 4),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             gdn_layout=layout,
             eos_token_ids=eos_ids,
@@ -202,20 +210,20 @@ class DrafterConfig:
         if mask is None:
             raise ConfigError(f"{path}: missing 'dflash_config.mask_token_id' (or top-level mask_token_id)")
         theta, _ = _rope(raw, path)
-        n_heads = int(_get(raw, "num_attention_heads", path))
-        hidden = int(_get(raw, "hidden_size", path))
+        n_heads = _int(raw, "num_attention_heads", path)
+        hidden = _int(raw, "hidden_size", path)
         c = cls(
             hidden_size=hidden,
-            intermediate_size=int(_get(raw, "intermediate_size", path)),
-            num_layers=int(_get(raw, "num_hidden_layers", path)),
+            intermediate_size=_int(raw, "intermediate_size", path),
+            num_layers=_int(raw, "num_hidden_layers", path),
             num_heads=n_heads,
-            num_kv_heads=int(_get(raw, "num_key_value_heads", path, n_heads)),
-            head_dim=int(_get(raw, "head_dim", path, hidden // n_heads)),
+            num_kv_heads=_int(raw, "num_key_value_heads", path, n_heads),
+            head_dim=_int(raw, "head_dim", path, hidden // n_heads),
             rms_norm_eps=float(_get(raw, "rms_norm_eps", path, 1e-6)),
             rope_theta=theta,
-            block_size=int(_get(raw, "block_size", path, 16)),
-            target_layer_ids=[int(t) for t in taps],
-            mask_token_id=int(mask),
+            block_size=_int(raw, "block_size", path, 16),
+            target_layer_ids=[_int({"target_layer_ids": t}, "target_layer_ids", path, minimum=0) for t in taps],
+            mask_token_id=_int({"mask_token_id": mask}, "mask_token_id", path, minimum=0),
             num_target_layers=raw.get("num_target_layers"),
         )
         if c.num_heads % c.num_kv_heads:

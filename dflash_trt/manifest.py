@@ -21,9 +21,10 @@ import numpy as np
 from dflash_trt.abi import (DRAFTER_BLOCK, DRAFTER_CTX, MAX_K, PREFILL, PoolSizes, graph_io, parse_target_graph, pool_specs,
                             target_graph)
 from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, read_json
+from dflash_trt.hashing import sha256_files
 
 FORMAT = "dflash-trt-manifest"
-VERSION = 1
+VERSION = 2  # 2: every graph record carries the sha256 of its files
 FILENAME = "manifest.json"
 
 
@@ -67,14 +68,17 @@ class Manifest:
         }
         return cls(data)
 
-    def add_graph(self, name: str, file: str, **extra) -> None:
+    def add_graph(self, name: str, file: str, external_data: str | None = None, **extra) -> None:
+        """Record a written graph file (+ its external-data file) with the sha256 of their bytes."""
         ins, outs = self.abi_io(name)
-        self.data["graphs"][name] = {"file": file, "inputs": _io_json(ins), "outputs": _io_json(outs), **extra}
+        self.data["graphs"][name] = {"file": file, "external_data": external_data, "inputs": _io_json(ins),
+                                     "outputs": _io_json(outs), **extra}
+        self.data["graphs"][name]["sha256"] = sha256_files(self._files(name, self.root))
 
     def save(self, root: str) -> str:
         os.makedirs(root, exist_ok=True)
         path = os.path.join(root, FILENAME)
-        tmp = path + ".tmp"
+        tmp = f"{path}.tmp{os.getpid()}.{os.urandom(4).hex()}"  # unique: concurrent writers never share it
         with open(tmp, "w") as f:
             json.dump(self.data, f, indent=1)
         os.replace(tmp, path)
@@ -121,8 +125,11 @@ class Manifest:
             ins, outs = self.abi_io(g)
             for kind, got, exp in (("input", rec.get("inputs"), ins), ("output", rec.get("outputs"), outs)):
                 diff_io(f"{path}: graph {g}", kind, got or [], _io_json(exp), "manifest", "this dflash-trt's ABI")
-            if check_files and not os.path.isfile(self.graph_path(g)):
-                raise ManifestError(f"{path}: graph {g}: file {self.graph_path(g)} does not exist")
+            if not isinstance(rec.get("sha256"), str):
+                raise ManifestError(f"{path}: graph {g}: no sha256 recorded")
+            missing = [f for f in self.graph_files(g) if not os.path.isfile(f)] if check_files else []
+            if missing:
+                raise ManifestError(f"{path}: graph {g}: file {missing[0]} does not exist")
 
     # ---- accessors --------------------------------------------------------------------
     @property
@@ -179,6 +186,29 @@ class Manifest:
 
     def graph_path(self, name: str) -> str:
         return os.path.join(self.root or ".", self.require_graph(name)["file"])
+
+    def _files(self, name: str, root: str | None) -> list[str]:
+        rec = self.data["graphs"][name]
+        return [os.path.join(root or ".", f) for f in (rec["file"], rec.get("external_data")) if f]
+
+    def graph_files(self, name: str) -> list[str]:
+        """The files whose bytes are graph `name`: the .onnx and its external-data file, if any."""
+        self.require_graph(name)
+        return self._files(name, self.root)
+
+    def verify_graph(self, name: str) -> str:
+        """Check graph `name`'s files against the sha256 the exporter recorded; returns it. A graph rewritten,
+        truncated or left by another (interrupted) export is refused with one line naming what to re-run."""
+        want = self.require_graph(name)["sha256"]
+        try:
+            got = sha256_files(self.graph_files(name))
+        except OSError as e:
+            raise ManifestError(f"graph {name}: cannot read {e.filename}: {e.strerror}; "
+                                f"re-run `dflash-trt export ... --out {self.root}`") from None
+        if got != want:
+            raise ManifestError(f"graph {name}: {self.graph_path(name)} is not the file this manifest's export wrote "
+                                f"(sha256 {got[:12]}…, recorded {want[:12]}…); re-run `dflash-trt export ... --out {self.root}`")
+        return got
 
     def io(self, name: str) -> tuple[list[dict], list[dict]]:
         rec = self.require_graph(name)

@@ -18,9 +18,10 @@ import time
 import warnings
 
 from dflash_trt.abi import parse_ks, parse_target_graph
+from dflash_trt.hashing import sha256_files
 from dflash_trt.manifest import Manifest, ManifestError, diff_io
 from dflash_trt.plugins import trt_compat as C
-from dflash_trt.engines.network import (BuildError, builder_config, cc_str, file_sha256, graph_files, local_gpu_cc, network_io,
+from dflash_trt.engines.network import (BuildError, builder_config, cc_str, local_gpu_cc, network_io,
                       parse_cc, parse_graph, resolve_ccs)
 
 ENGINE_DIR = "engines"
@@ -58,6 +59,7 @@ def build_one(man: Manifest, name: str, *, builder, ccs, plugins=True, batch=Non
 
     rec_g = man.require_graph(name)
     onnx_path = man.graph_path(name)
+    onnx_sha256 = man.verify_graph(name)  # never build (and vouch for) a graph the export did not write
     t0 = time.perf_counter()
     trt_plugins.KERNEL_WARNINGS.clear()
     trt_plugins.SHAPE_ERRORS.clear()
@@ -88,8 +90,8 @@ def build_one(man: Manifest, name: str, *, builder, ccs, plugins=True, batch=Non
     return {
         "record_version": RECORD_VERSION,
         "file": os.path.relpath(path, man.root), "graph": name, "k": parse_target_graph(name),
-        "onnx": rec_g["file"], "onnx_sha256": file_sha256(graph_files(onnx_path, rec_g.get("external_data"))),
-        "engine_sha256": file_sha256([path]), "bytes": os.path.getsize(path),
+        "onnx": rec_g["file"], "onnx_sha256": onnx_sha256,
+        "engine_sha256": sha256_files([path]), "bytes": os.path.getsize(path),
         "trt": C.describe(), "compute_capabilities": [cc_str(c) for c in ccs],
         "plugins": {op: {"namespace": trt_plugins.NAMESPACE, "version": trt_plugins.PLUGIN_VERSIONS[op], "layers": n}
                     for op, n in sorted(info["plugin_layers"].items())},

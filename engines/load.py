@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from dflash_trt.manifest import Manifest, ManifestError, diff_io
 from dflash_trt.plugins import trt_compat as C
-from dflash_trt.engines.network import cc_str, file_sha256, graph_files, local_gpu_cc
+from dflash_trt.engines.network import cc_str, local_gpu_cc
+from dflash_trt.hashing import sha256_files
 
 
 class EngineError(RuntimeError):
@@ -46,11 +47,11 @@ def check_engine(man, graph: str, *, allow_unsupported_shapes=False, verify_engi
     if not os.path.isfile(path):
         raise EngineError(f"engine {graph}: file {path} is missing; {rebuild}")
     g = man.require_graph(graph)
-    now = file_sha256(graph_files(man.graph_path(graph), g.get("external_data")))
+    now = sha256_files(man.graph_files(graph))
     if now != rec.get("onnx_sha256"):
         raise EngineError(f"engine {graph} is stale: built from ONNX sha256 {str(rec.get('onnx_sha256'))[:12]}…, but "
                           f"{g['file']} is now {now[:12]}… (re-exported since); {rebuild}")
-    if verify_engine_hash and file_sha256([path]) != rec.get("engine_sha256"):
+    if verify_engine_hash and sha256_files([path]) != rec.get("engine_sha256"):
         raise EngineError(f"engine {graph}: {path} differs from the engine that was built (sha256 mismatch); {rebuild}")
     built = rec.get("trt") or {}
     C.require()

@@ -8,7 +8,6 @@ profile and the timing cache. Only TensorRT-flavour specifics live in plugins/tr
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections import Counter
@@ -20,23 +19,6 @@ DOMAIN = "dflash"
 
 class BuildError(RuntimeError):
     """An engine cannot be built as asked (message says what and why)."""
-
-
-def file_sha256(paths) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
-
-
-def graph_files(onnx_path: str, external_data: str | None = None) -> list:
-    """The files whose bytes define a graph: the .onnx and its external-data file, if any."""
-    files = [onnx_path]
-    if external_data:
-        files.append(os.path.join(os.path.dirname(onnx_path), external_data))
-    return files
 
 
 def dflash_nodes(onnx_path: str) -> Counter:

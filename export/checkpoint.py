@@ -5,7 +5,6 @@ on disk, cast to the requested dtype. Every error names the file and, where it a
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -13,8 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, cache_root, read_json
+from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, read_json
 from dflash_trt.export.drafter import Drafter
+from dflash_trt.hashing import sha256_files
 from dflash_trt.export.target import TargetModel
 
 
@@ -138,50 +138,10 @@ def load_tokenizer(d: str):
         raise CheckpointError(f"{p}: not a readable tokenizer ({e})") from None
 
 
-_HASHES: dict = {}  # in-process memo: (path, size, mtime_ns) of every file -> hash
-
-
 def checkpoint_hash(d: str) -> str:
-    """sha256 over config.json and the weight files' bytes (identifies the source of built artifacts).
-
-    Hashing a large checkpoint takes seconds to minutes, so the result is remembered per file list, sizes and
-    mtimes: in this process, and across processes in <cache>/checkpoint_hashes.json. Any rewrite of a file
-    changes its mtime (or size) and so the key."""
-    files = [os.path.join(d, "config.json")] + _weight_files(d)
-    stats = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
-    key = hashlib.sha256(json.dumps(stats).encode()).hexdigest()
-    if key in _HASHES:
-        return _HASHES[key]
-    disk_path = os.path.join(cache_root(), "checkpoint_hashes.json")
-    try:
-        with open(disk_path) as f:
-            disk = json.load(f)
-    except (OSError, ValueError):
-        disk = {}
-    if not isinstance(disk, dict) or not isinstance(disk.get(key), str):
-        h = hashlib.sha256()
-        for f in files:
-            h.update(os.path.basename(f).encode())
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-        disk = disk if isinstance(disk, dict) else {}
-        disk[key] = h.hexdigest()[:16]
-        _write_json_atomic(disk_path, disk)
-    _HASHES[key] = disk[key]
-    return disk[key]
-
-
-def _write_json_atomic(path: str, data) -> None:
-    """Best effort (a cache): a read-only cache dir only costs a re-hash next time."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    """sha256 over config.json and the weight files' bytes (identifies the source of built artifacts);
+    remembered per file state (dflash_trt.hashing), so a large checkpoint is hashed once."""
+    return sha256_files([os.path.join(d, "config.json")] + _weight_files(d), with_names=True)[:16]
 
 
 def save_checkpoint(module: torch.nn.Module, config: dict, d: str, prefix: str = "", dtype=None) -> None:

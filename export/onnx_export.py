@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import importlib
 import io
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -32,10 +34,11 @@ from dflash_trt.manifest import Manifest, ManifestError, diff_io, expected_graph
 
 TWO_GB = 2 * 1024**3
 MAX_IR = 10  # onnx >= 1.16 writes newer IR versions than onnxruntime 1.30 / TensorRT parsers accept
-# The modules whose source decides what an export contains (the cache key hashes them).
-_SOURCES = ("dflash_trt.export.onnx_export", "dflash_trt.export.onnx_functions", "dflash_trt.export.ops",
-            "dflash_trt.export.target", "dflash_trt.export.drafter", "dflash_trt.export.gdn_ref",
-            "dflash_trt.export.attention_ref", "dflash_trt.export.graphs", "dflash_trt.abi", "dflash_trt.manifest")
+# Whose source decides what an export contains (the cache key hashes it): the model and its graphs (export/),
+# the ops' specs, references and ONNX bodies (plugins/), the ABI and the manifest. Whole packages, so a new or
+# moved module can never leave the key stale (a change that does not matter only costs one re-export).
+_SOURCE_PACKAGES = ("dflash_trt.export", "dflash_trt.plugins")
+_SOURCE_MODULES = ("dflash_trt.abi", "dflash_trt.manifest")
 
 
 def _graph_module(name, target, drafter, in_names, out_names, want_logits):
@@ -127,15 +130,33 @@ def export_graph(name, target, drafter, sizes, path, *, batch="B", want_logits=T
     return {"bytes": size, "external_data": os.path.basename(data) if os.path.isfile(data) else None}
 
 
+class ExportError(ValueError):
+    """An export cannot be written where asked (directory holds other files, cache not writable, ...)."""
+
+
+_EXPORT_FILES = re.compile(r"^(manifest\.json|.*\.onnx|.*\.onnx\.data|engines|timing\.cache)$")
+
+
 def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, batch="B",
                   want_logits=True, dtype="float32", check=True, progress=print) -> Manifest:
-    """Export every graph of the ABI into out_dir and write out_dir/manifest.json."""
+    """Export every graph of the ABI and write manifest.json, atomically: everything goes into a fresh
+    temporary directory beside out_dir, renamed into place only when complete. An older export in out_dir
+    is replaced as a whole (its engines too: they were built from its graphs), never mixed with new files;
+    a directory holding anything else is refused."""
     import torch
 
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
 
     sizes = sizes or PoolSizes()
     progress = progress or (lambda *_: None)
+    out_dir = os.path.abspath(out_dir)
+    if os.path.isdir(out_dir):
+        other = sorted(f for f in os.listdir(out_dir) if not _EXPORT_FILES.match(f))
+        if other:
+            raise ExportError(f"--out {out_dir} holds files that are not an export ({', '.join(other[:3])}); "
+                              "choose an empty or new directory")
+    elif os.path.exists(out_dir):
+        raise ExportError(f"--out {out_dir} exists and is not a directory")
     t_all = time.perf_counter()
     tdt = getattr(torch, dtype)
     target = load_target(model_dir, tdt)
@@ -144,22 +165,42 @@ def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSiz
                        kv_dtype=dtype, target={"dir": os.path.abspath(model_dir), "hash": checkpoint_hash(model_dir)},
                        drafter={"dir": os.path.abspath(drafter_dir), "hash": checkpoint_hash(drafter_dir)}
                        if drafter_dir else None)
-    os.makedirs(out_dir, exist_ok=True)
-    names = expected_graphs(man.ks, drafter is not None)
-    for i, name in enumerate(names, 1):
-        t0 = time.perf_counter()
-        info = export_graph(name, target, drafter, sizes, os.path.join(out_dir, name + ".onnx"), batch=batch,
-                            want_logits=want_logits, kv_dtype=dtype, check=check)
-        dt = time.perf_counter() - t0
-        man.add_graph(name, name + ".onnx", seconds=round(dt, 2), **info)
-        progress(f"[{i}/{len(names)}] {name:<16} {dt:6.1f} s  {_mb(info['bytes'])}"
-                 + (" (external data)" if info["external_data"] else ""))
-    man.data["export_seconds"] = round(time.perf_counter() - t_all, 2)
-    man.data["exporter"] = _source_hash()
-    man.save(out_dir)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = f"{out_dir}.tmp{os.getpid()}.{os.urandom(4).hex()}"
+    os.makedirs(tmp)
+    man.root = tmp
+    try:
+        names = expected_graphs(man.ks, drafter is not None)
+        for i, name in enumerate(names, 1):
+            t0 = time.perf_counter()
+            info = export_graph(name, target, drafter, sizes, os.path.join(tmp, name + ".onnx"), batch=batch,
+                                want_logits=want_logits, kv_dtype=dtype, check=check)
+            dt = time.perf_counter() - t0
+            man.add_graph(name, name + ".onnx", seconds=round(dt, 2), **info)
+            progress(f"[{i}/{len(names)}] {name:<16} {dt:6.1f} s  {_mb(info['bytes'])}"
+                     + (" (external data)" if info["external_data"] else ""))
+        man.data["export_seconds"] = round(time.perf_counter() - t_all, 2)
+        man.data["exporter"] = _source_hash()
+        man.save(tmp)
+        _replace_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    man.root = out_dir
     total = sum(g["bytes"] for g in man.data["graphs"].values())
     progress(f"exported {len(names)} graphs to {out_dir} in {man.data['export_seconds']:.1f} s, {_mb(total)} total")
     return man
+
+
+def _replace_dir(new: str, dst: str) -> None:
+    """Put directory `new` at `dst`; an existing `dst` is renamed aside first and deleted after, so a reader
+    sees the old complete export, no directory, or the new complete one — never a mix."""
+    old = None
+    if os.path.exists(dst):
+        old = f"{dst}.old{os.getpid()}.{os.urandom(4).hex()}"
+        os.replace(dst, old)
+    os.replace(new, dst)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _mb(n: int) -> str:
@@ -167,46 +208,88 @@ def _mb(n: int) -> str:
 
 
 def _source_hash() -> str:
+    files = [importlib.import_module(m).__file__ for m in _SOURCE_MODULES]
+    for pkg in _SOURCE_PACKAGES:
+        top = os.path.dirname(importlib.import_module(pkg).__file__)
+        files += sorted(os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs if f.endswith((".py", ".cu", ".cuh")))
     h = hashlib.sha256()
-    for name in _SOURCES:
-        with open(importlib.import_module(name).__file__, "rb") as f:
-            h.update(f.read())
+    for f in files:
+        with open(f, "rb") as fh:
+            h.update(fh.read())
     return h.hexdigest()[:16]
 
 
 def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, cache_dir=None,
                   batch="B", want_logits=True, dtype="float32", progress=print) -> str:
-    """Export once, reuse after: the directory is keyed by both checkpoint hashes, the settings and a hash of
-    the exporter's source. Returns the manifest directory."""
+    """Export once, reuse after: the cache entry is keyed by both checkpoint hashes, the settings and a hash
+    of the exporter's source. Returns the manifest directory.
+
+    Process-safe: a hit is verified (every graph's sha256) and used read-only; a miss or a damaged entry is
+    (re)built under an advisory lock, so concurrent cold starts export once and the others wait; exports are
+    atomic (export_graphs) and leftovers of dead exports are removed."""
     from dflash_trt.export.checkpoint import checkpoint_hash
 
     sizes = sizes or PoolSizes()
+    root = cache_dir or cache_root()
     key = json.dumps([checkpoint_hash(model_dir), checkpoint_hash(drafter_dir) if drafter_dir else None,
                       sorted(set(ks)), asdict(sizes), batch, want_logits, dtype, _source_hash()])
-    out = os.path.join(cache_dir or cache_root(), "onnx-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    out = os.path.join(root, "onnx-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    if _valid_entry(out, progress):
+        return out
+    where = f"the export cache {root} (set DFLASH_TRT_CACHE to use another directory)"
+    try:
+        os.makedirs(root, exist_ok=True)
+        lock = open(out + ".lock", "a")
+    except OSError as e:
+        raise ExportError(f"cannot write {where}: {e.strerror}") from None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"waiting for another process exporting into {out} ...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if _valid_entry(out, progress):  # the other process finished it
+            return out
+        _remove_dead_leftovers(out)
+        try:
+            export_graphs(model_dir, drafter_dir, out, ks, sizes, batch=batch, want_logits=want_logits,
+                          dtype=dtype, progress=progress)
+        except OSError as e:
+            raise ExportError(f"cannot write {where}: {e.strerror}") from None
+    return out
+
+
+def _valid_entry(out: str, progress) -> bool:
+    """A complete cache entry whose every graph matches its recorded sha256 (read only)."""
+    if not os.path.isfile(os.path.join(out, "manifest.json")):
+        return False
     try:
         m = Manifest.load(out)
-    except ManifestError:
-        m = None
-    if m is not None:  # same bytes, maybe another path: record where the checkpoints are now
-        srcs = {"target": model_dir, "drafter": drafter_dir}
-        if any(m.data.get(w) and m.data[w].get("dir") != os.path.abspath(d) for w, d in srcs.items() if d):
-            for w, d in srcs.items():
-                if d and m.data.get(w):
-                    m.data[w]["dir"] = os.path.abspath(d)
-            m.save(out)
-        return out
-    tmp = f"{out}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    export_graphs(model_dir, drafter_dir, tmp, ks, sizes, batch=batch, want_logits=want_logits, dtype=dtype,
-                  progress=progress)
+        for g in m.graphs:
+            m.verify_graph(g)
+    except ManifestError as e:
+        progress(f"cached export {out} is damaged ({e}); exporting again")
+        return False
+    return True
+
+
+def _remove_dead_leftovers(out: str) -> None:
+    """Temporary dirs (<entry>.tmp<pid>.* / .old<pid>.*) of exports whose process is gone."""
+    d, base = os.path.split(out)
+    for f in os.listdir(d):
+        m = re.match(re.escape(base) + r"\.(?:tmp|old)(\d+)\.", f)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(d, f), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
     try:
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    except OSError:  # another process finished the same export first: keep theirs if it is valid
-        shutil.rmtree(tmp, ignore_errors=True)
-        Manifest.load(out)
-    return out
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def add_size_args(p: argparse.ArgumentParser) -> None:

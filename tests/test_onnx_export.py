@@ -9,6 +9,7 @@ import onnx
 import pytest
 
 from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, PoolSizes, target_graph
+from dflash_trt.hashing import sha256_files
 from dflash_trt.manifest import Manifest, ManifestError
 from test_onnx_common import KS, PROMPT, SIZES, OracleDrafter, exported, tiny_pair, torch_backend  # noqa: F401
 
@@ -271,8 +272,14 @@ def test_graph_file_does_not_match_manifest(exported, tmp_path):
     d = _copy(exported, tmp_path)
     shutil.copy(os.path.join(d, "target_k2.onnx"), os.path.join(d, "target_k1.onnx"))
     be = make_backend("ort", manifest=d)
-    with pytest.raises(ManifestError, match=r"input input_ids dims \['B', 2\] in onnx graph, \['B', 1\] in manifest"):
+    with pytest.raises(ManifestError, match=r"graph target_k1: .*target_k1.onnx is not the file this manifest's export "
+                                            r"wrote .*re-run `dflash-trt export"):
         be.session("target_k1")
+    man = json.load(open(os.path.join(d, "manifest.json")))  # even when re-recorded, its I/O gives it away
+    man["graphs"]["target_k1"]["sha256"] = sha256_files([os.path.join(d, "target_k1.onnx")])
+    json.dump(man, open(os.path.join(d, "manifest.json"), "w"))
+    with pytest.raises(ManifestError, match=r"input input_ids dims \['B', 2\] in onnx graph, \['B', 1\] in manifest"):
+        make_backend("ort", manifest=d).session("target_k1")
 
 
 def test_half_precision_graphs(tiny_pair, exported, torch_be, tmp_path):

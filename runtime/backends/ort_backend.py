@@ -60,6 +60,7 @@ class OrtBackend:
             import onnxruntime as ort
 
             path = self.manifest.graph_path(graph)  # raises ManifestError naming a missing K/graph
+            self.manifest.verify_graph(graph)  # a graph the export did not write is refused, not run
             so = ort.SessionOptions()
             so.log_severity_level = 3
             if not self.optimize:

@@ -1,0 +1,171 @@
+"""Exports are atomic and self-describing (issue 13): an interrupted export never leaves a directory any
+consumer accepts, a graph the export did not write is refused by name, and the export cache is process-safe
+(one export for concurrent cold starts, damaged entries rebuilt, dead leftovers removed)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("onnxruntime")
+from dflash_trt.abi import PoolSizes  # noqa: E402
+from dflash_trt.export import onnx_export  # noqa: E402
+from dflash_trt.manifest import Manifest, ManifestError  # noqa: E402
+from dflash_trt.tools.tiny import make_tiny_pair  # noqa: E402
+
+SIZES = PoolSizes(kv_blocks=16, max_seq_len=128, max_seqs=2, dkv_blocks=16, ctx_window=32, prefill_chunk=16)
+KS = (1,)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """Two different targets, no drafter: two graphs an export (target_k1, target_prefill) keeps this fast."""
+    d = tmp_path_factory.mktemp("pairs")
+    return (make_tiny_pair(str(d / "a"), seed=0)[0], None), (make_tiny_pair(str(d / "b"), seed=1)[0], None)
+
+
+@pytest.fixture(scope="module")
+def old_export(pairs, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("old") / "exp")
+    onnx_export.export_graphs(*pairs[0], out, KS, SIZES, check=False, progress=None)
+    return out
+
+
+def _all_graphs_verify(out):
+    m = Manifest.load(out)
+    for g in m.graphs:
+        m.verify_graph(g)
+    return m
+
+
+def _fail_after(monkeypatch, n):
+    real, calls = onnx_export.export_graph, []
+
+    def flaky(*a, **k):
+        if len(calls) == n:
+            raise KeyboardInterrupt("killed")  # what an interrupted export leaves behind is what is tested
+        calls.append(a[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(onnx_export, "export_graph", flaky)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2])  # 2 graphs: killed before each, and after the last (before the manifest)
+def test_interrupted_export_into_fresh_dir_leaves_nothing(pairs, tmp_path, monkeypatch, n):
+    out = str(tmp_path / "exp")
+    _fail_after(monkeypatch, n)
+    if n == 2:  # all graphs written: interrupt the manifest write instead
+        monkeypatch.setattr(Manifest, "save", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+    with pytest.raises(KeyboardInterrupt):
+        onnx_export.export_graphs(*pairs[1], out, KS, SIZES, check=False, progress=None)
+    assert not os.path.exists(out) and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("n", [1])
+def test_interrupted_export_over_an_older_one_keeps_the_older(pairs, old_export, tmp_path, monkeypatch, n):
+    import shutil
+
+    out = str(tmp_path / "exp")
+    shutil.copytree(old_export, out)
+    before = Manifest.load(out).data["target"]["hash"]
+    _fail_after(monkeypatch, n)
+    with pytest.raises(KeyboardInterrupt):
+        onnx_export.export_graphs(*pairs[1], out, KS, SIZES, check=False, progress=None)
+    m = _all_graphs_verify(out)  # the older export, complete and consistent
+    assert m.data["target"]["hash"] == before
+    monkeypatch.undo()
+    onnx_export.export_graphs(*pairs[1], out, KS, SIZES, check=False, progress=None)  # the next run recovers
+    assert _all_graphs_verify(out).data["target"]["hash"] != before
+
+
+def test_foreign_graph_refused_by_every_consumer(pairs, old_export, tmp_path):
+    import shutil
+
+    from dflash_trt.runtime.backends.ort_backend import OrtBackend
+
+    out = str(tmp_path / "exp")
+    shutil.copytree(old_export, out)
+    other = str(tmp_path / "other")
+    onnx_export.export_graphs(*pairs[1], other, KS, SIZES, check=False, progress=None)
+    shutil.copy(os.path.join(other, "target_k1.onnx"), os.path.join(out, "target_k1.onnx"))  # the mix of issue 13
+    with pytest.raises(ManifestError, match=r"graph target_k1: .*target_k1.onnx is not the file this manifest's "
+                                            r"export wrote .*re-run `dflash-trt export"):
+        OrtBackend(out).session("target_k1")
+    OrtBackend(out).session("target_prefill")  # an untouched graph still loads
+    with open(os.path.join(out, "target_prefill.onnx"), "r+b") as f:  # truncated
+        f.truncate(100)
+    with pytest.raises(ManifestError, match="graph target_prefill"):
+        Manifest.load(out).verify_graph("target_prefill")
+
+
+def test_export_refuses_a_directory_of_other_files(pairs, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(onnx_export.ExportError, match=r"holds files that are not an export \(notes.txt\)"):
+        onnx_export.export_graphs(*pairs[0], str(tmp_path), KS, SIZES, check=False, progress=None)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_cache_damaged_entry_rebuilt_and_dead_leftovers_removed(pairs, tmp_path):
+    msgs = []
+    out = onnx_export.ensure_export(*pairs[0], KS, SIZES, cache_dir=str(tmp_path), progress=msgs.append)
+    assert any("exported 2 graphs" in m for m in msgs)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftover = f"{out}.tmp{dead.pid}.abcd"
+    os.makedirs(leftover)
+    with open(os.path.join(out, "target_prefill.onnx"), "r+b") as f:
+        f.truncate(1000)
+    msgs.clear()
+    assert onnx_export.ensure_export(*pairs[0], KS, SIZES, cache_dir=str(tmp_path), progress=msgs.append) == out
+    assert any("is damaged" in m and "target_prefill" in m for m in msgs), msgs
+    assert any("exported 2 graphs" in m for m in msgs)
+    assert not os.path.exists(leftover)
+    _all_graphs_verify(out)
+    msgs.clear()  # a hit: nothing written, nothing said
+    onnx_export.ensure_export(*pairs[0], KS, SIZES, cache_dir=str(tmp_path), progress=msgs.append)
+    assert msgs == []
+
+
+RACE = """
+import sys
+from dflash_trt.abi import PoolSizes
+from dflash_trt.export.onnx_export import ensure_export
+s = PoolSizes(kv_blocks=16, max_seq_len=128, max_seqs=2, dkv_blocks=16, ctx_window=32, prefill_chunk=16)
+print("OUT", ensure_export(sys.argv[1], None, (1,), s, cache_dir=sys.argv[2]), flush=True)
+"""
+
+
+def test_concurrent_cold_starts_export_once(pairs, tmp_path):
+    cache = str(tmp_path / "cache")
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, pairs[0][0], cache], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum(o.count("exported 2 graphs") for o in outs) == 1, outs
+    assert sum("waiting for another process" in o for o in outs) >= 1, outs
+    dirs = {line.split()[1] for o in outs for line in o.splitlines() if line.startswith("OUT ")}
+    assert len(dirs) == 1
+    out = dirs.pop()
+    _all_graphs_verify(out)
+    assert [f for f in os.listdir(cache) if not f.endswith(".lock")] == [os.path.basename(out)]  # no leftovers
+
+
+def test_killed_export_process_leaves_old_export_usable(pairs, old_export, tmp_path):
+    import shutil
+
+    out = str(tmp_path / "exp")
+    shutil.copytree(old_export, out)
+    sizes = ["--kv-blocks", "16", "--max-seq-len", "128", "--max-seqs", "2", "--dkv-blocks", "16", "--ctx-window", "32",
+             "--prefill-chunk", "16"]
+    p = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "export", "--model", pairs[1][0], "--k", "1", "--out", out,
+                          "--no-check", *sizes],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in p.stdout:  # SIGKILL right after the first graph is written
+        if line.startswith("[1/"):
+            break
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    time.sleep(0.1)
+    assert _all_graphs_verify(out).data["target"]["hash"] == Manifest.load(old_export).data["target"]["hash"]
