@@ -16,6 +16,7 @@ import os
 import re
 import tempfile
 
+from dflash_trt.config import cache_root
 from dflash_trt.plugins.conv import spec as conv_spec
 from dflash_trt.plugins.gdn import spec as gdn_spec
 from dflash_trt.plugins.paged_attention import spec as attention_spec
@@ -71,8 +72,7 @@ def include_dirs() -> list:
 
 
 def cache_dir() -> str:
-    root = os.environ.get("DFLASH_TRT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash_trt")
-    return os.path.join(root, "nvrtc")
+    return os.path.join(cache_root(), "nvrtc")
 
 
 def source_path(name: str) -> str:

@@ -18,6 +18,7 @@ import importlib.util
 import os
 from types import SimpleNamespace
 
+from dflash_trt.config import cache_root
 from dflash_trt.plugins.opspec import MIN_ARCH
 
 # TensorRT-RTX runs on these compute capabilities (not on 9.0 Hopper: full TensorRT is needed there).
@@ -191,7 +192,7 @@ def ensure_parser_lib() -> str | None:
     except FileExistsError:
         return link
     except OSError as e:
-        alt = os.path.join(os.environ.get("DFLASH_TRT_CACHE") or os.path.expanduser("~/.cache/dflash_trt"), "lib")
+        alt = os.path.join(cache_root(), "lib")
         try:
             os.makedirs(alt, exist_ok=True)
             if not os.path.lexists(os.path.join(alt, name)):

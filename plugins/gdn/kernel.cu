@@ -16,7 +16,7 @@ __device__ __forceinline__ void gdn_wy16_body(
     const void* __restrict__ g, const void* __restrict__ beta, int gb_dt,
     const float* __restrict__ state, const int* __restrict__ slot,
     void* __restrict__ o, int o_dt, float* __restrict__ k_hat, float* __restrict__ v_new,
-    float* __restrict__ gamma, float* __restrict__ state_out, int out_by_slot,
+    float* __restrict__ gamma, float* __restrict__ state_out,
     int T, int Hk, int Hv, int DV, float scale) {
   constexpr int DVT = 32 * CG, KG = DK / 32, NT = DK * CG, NW = NT / 32, KP = DK + 4;
   static_assert(R * KP <= DK * WS, "Qsh alias");
@@ -257,13 +257,10 @@ __device__ __forceinline__ void gdn_wy16_body(
     }
     __syncthreads();
   }
-  if (need_state) {
-    const i64 ob = out_by_slot ? sb : (i64)b;
-    if (ob >= 0) {
-      float* sp = state_out + ((ob * Hv + hv) * (i64)DK + kg * 32) * DV + d0 + c;
+  if (need_state) {  // the final state (prefill) is indexed by sequence b; the runtime commits it to the slot
+    float* sp = state_out + (((i64)b * Hv + hv) * (i64)DK + kg * 32) * DV + d0 + c;
 #pragma unroll
-      for (int m = 0; m < 32; ++m) sp[(i64)m * DV] = s[m];
-    }
+    for (int m = 0; m < 32; ++m) sp[(i64)m * DV] = s[m];
   }
 }
 
@@ -350,10 +347,10 @@ __device__ __forceinline__ void gdn_fold_body(
   extern "C" __global__ void __launch_bounds__(DK * CG, MINB) gdn_wy16_dk##DK##_cg##CG##_r##R( \
       const void* q, const void* k, const void* v, int in_dt, const void* g, const void* beta,    \
       int gb_dt, const float* state, const int* slot, void* o, int o_dt, float* k_hat,            \
-      float* v_new, float* gamma, float* state_out, int out_by_slot, int T, int Hk, int Hv,       \
+      float* v_new, float* gamma, float* state_out, int T, int Hk, int Hv,                        \
       int DV, float scale) {                                                                      \
     gdn_wy16_body<DK, CG, R>(q, k, v, in_dt, g, beta, gb_dt, state, slot, o, o_dt, k_hat, v_new,  \
-                             gamma, state_out, out_by_slot, T, Hk, Hv, DV, scale);                \
+                             gamma, state_out, T, Hk, Hv, DV, scale);                             \
   }
 #define GDN_FOLD(DK, CG)                                                                          \
   extern "C" __global__ void __launch_bounds__(DK * CG) gdn_fold_dk##DK##_cg##CG(                 \
