@@ -6,6 +6,8 @@ numpy + a Device; no torch here.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, target_graph
@@ -19,6 +21,8 @@ class HostStepExecutor:
 
     def __init__(self, rt):
         self.rt = rt
+        # a device with its own stream (CudaDevice) gets every launch and commit on it
+        self._stream = getattr(rt.device, "on_stream", None) or contextlib.nullcontext
 
     # ---- inputs of one batch (padding rows: empty sequence at slot 0) ------------------------
     def _rows(self, rows):
@@ -67,6 +71,10 @@ class HostStepExecutor:
     # ---- the executor interface ----------------------------------------------------------
     def launch_prefill(self, seq, chunk: list[int]):
         """One prefill chunk of `seq` (pages reserved by the caller); returns the pending first token."""
+        with self._stream():
+            return self._prefill(seq, chunk)
+
+    def _prefill(self, seq, chunk):
         C = self.rt.sizes.prefill_chunk
         x = self._rows([seq])
         ids = np.zeros((1, C), dtype=np.int64)
@@ -77,6 +85,10 @@ class HostStepExecutor:
         return int(out["argmax"][0, len(chunk) - 1])
 
     def launch(self, plan: StepPlan) -> StepResult:
+        with self._stream():
+            return self._step(plan)
+
+    def _step(self, plan: StepPlan) -> StepResult:
         rt = self.rt
         x = self._rows(plan.rows)
         live = plan.live
@@ -106,3 +118,6 @@ class HostStepExecutor:
 
     def collect(self, pending):
         return pending  # already done: launches are synchronous
+
+    def adopt(self, seq) -> None:
+        """A sequence whose state was put into the pools from outside (restore): nothing to do here."""

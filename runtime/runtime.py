@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from dflash_trt.abi import PoolSizes, ctx_block_table_width, pool_specs
 from dflash_trt.runtime import commit, snapshot
-from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan
+from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, pad_rows
 from dflash_trt.runtime.ctx import CtxWindow
 from dflash_trt.runtime.devices.host import HostDevice
 from dflash_trt.runtime.gating import Gate
@@ -150,7 +150,9 @@ class Runtime:
     def restore_sequence(self, path: str) -> Sequence:
         """A live sequence in the state saved at `path`, on fresh pages and slot; continues token-identically.
         Refuses a snapshot of another model/config (SnapshotMismatch names the fields)."""
-        return snapshot.restore_sequence(self, path)
+        seq = snapshot.restore_sequence(self, path)
+        self.executor.adopt(seq)  # the GPU executor keeps seq_len / bonus on the device too
+        return seq
 
     # ---- steps (each: reserve -> executor -> finish) ---------------------------------------
     def prefill(self, seq: Sequence) -> int:
@@ -171,7 +173,7 @@ class Runtime:
     def _run_step(self, kind: str, seqs, K: int):
         ps = self.sizes.page_size
         commit.reserve_batch(seqs, [K] * len(seqs), self.kv_alloc, ps)
-        res = self.executor.collect(self.executor.launch(StepPlan(kind, K, list(seqs))))
+        res = self.executor.collect(self.executor.launch(StepPlan(kind, K, pad_rows(seqs))))
         new = []
         for b, s in enumerate(seqs):
             n = int(res.n[b])

@@ -96,6 +96,15 @@ class Scheduler:
         """Admit, plan + launch one batch step, collect what is due; returns the requests that changed."""
         touched: list[Request] = []
         self._admit(touched)
+        return self._decode_step(touched)
+
+    def admit(self) -> list[Request]:
+        """Only the admission part of a step (prefill waiting requests); benchmarks time it on its own."""
+        touched: list[Request] = []
+        self._admit(touched)
+        return touched
+
+    def _decode_step(self, touched) -> list[Request]:
         plan = self._plan(touched)
         if plan is not None:
             self.inflight.append((plan, self.ex.launch(plan)))

@@ -33,8 +33,9 @@ def make_invariant_check(rt, full_rows: dict, log: list, atol=2e-4):
                 assert int(res.kv_len[b] - res.kv_start[b]) == min(before, W)
             bt, start, end = ctx.visible()
             rows = rt.device.gather_rows(rt.pools["dkv_pool"], bt, start, end - start)
-            ref = full_rows[tuple(req.prompt)][:, :, pos]
-            np.testing.assert_allclose(rows, ref, atol=atol, rtol=1e-3)
+            dense = full_rows[tuple(req.prompt)]
+            known = pos < dense.shape[2]  # a last step may commit rows past the reference's tokens
+            np.testing.assert_allclose(rows[:, :, known], dense[:, :, pos[known]], atol=atol, rtol=1e-3)
         state = getattr(rt.executor, "steps", None)
         if state is not None and not rt.scheduler.inflight:  # nothing else in flight: device == host
             st = state.state

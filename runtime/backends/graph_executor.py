@@ -76,12 +76,16 @@ class GraphStepExecutor:
         """inflight: steps left running while the host plans the next (1: overlap; 0: synchronous)."""
         self.rt, self.dev = rt, rt.device
         self.max_inflight = int(inflight)
-        self.steps = rt.backend.fused_steps(rt)
+        self.dev.sync_all()  # weights / tables written on other streams have landed before our stream reads them
+        with self.dev.on_stream():
+            self.steps = rt.backend.fused_steps(rt)
+        self.dev.synchronize()
         self.use_graphs = getattr(self.dev, "graph_steps", False) if use_graphs is None else use_graphs
         self.buffers: dict = {}  # key (kind, K, B) -> StepBuffers
         self.graphs: dict = {}  # key -> replay callable (captured) or None (eager)
         self.eager_keys: set = set()  # keys whose capture failed: they run eagerly (brick guard)
-        self.capture_hook = None  # called inside every capture (tests force a failure with it)
+        self.capture_hook = None  # hook(key) inside every capture (tests force a failure with it)
+        self.trace = None  # a list -> (start, end) timing events of every launch are appended (bench)
         self.on_capture = None  # progress callback(key) while graphs are captured
 
     # ---- buffers and graphs per key ----------------------------------------------------------
@@ -117,7 +121,8 @@ class GraphStepExecutor:
             if self.use_graphs:
                 if self.on_capture is not None:
                     self.on_capture(key)
-                self.graphs[key] = self.dev.capture(lambda: fn(buf.views), hook=self.capture_hook)
+                hook = None if self.capture_hook is None else (lambda: self.capture_hook(key))
+                self.graphs[key] = self.dev.capture(lambda: fn(buf.views), hook=hook)
                 if self.graphs[key] is None:
                     self.eager_keys.add(key)
         fn = self._fn(kind, K)
@@ -147,6 +152,15 @@ class GraphStepExecutor:
         return buf.sets[i][1].reshape(buf.result.shape).copy()
 
     # ---- the executor interface ----------------------------------------------------------------
+    def adopt(self, seq) -> None:
+        """A sequence whose state was put into the pools from outside (restore): its device-side seq_len and
+        bonus, which steps otherwise advance themselves."""
+        st = self.steps.state
+        with self.dev.on_stream():
+            st.seq_len[seq.slot] = int(seq.seq_len)
+            st.bonus[seq.slot] = int(seq.bonus if seq.bonus is not None else 0)
+        self.dev.synchronize()
+
     def _tables(self, rows):
         s = self.rt.sizes
         return step_tables(rows, s.max_blocks, self.rt.ctx_blocks if self.rt.dcfg is not None else None, s.max_seqs)
@@ -168,11 +182,23 @@ class GraphStepExecutor:
         if plan.kind not in (SPEC, DECODE):
             raise ValueError(f"unknown step kind {plan.kind!r}")
         buf, run = self.entry(plan.kind, plan.K, plan.bucket)
+        tables = self._tables(plan.rows)
         with self.dev.on_stream():
-            i = buf.fill(self._tables(plan.rows))
+            t0 = self._mark()
+            i = buf.fill(tables)
             run()
             ev = buf.read_back(i)
+            if t0 is not None:
+                self.trace.append((t0, self._mark()))
         return (plan.kind, buf, i, ev)
+
+    def _mark(self):
+        """A timing event recorded on the stream now (only while tracing)."""
+        if self.trace is None:
+            return None
+        ev = self.dev.new_event(timing=True)
+        self.dev.record(ev)
+        return ev
 
     def collect(self, pending):
         kind, buf, i, ev = pending

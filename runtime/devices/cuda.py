@@ -14,6 +14,7 @@ The commit kernels are TorchDevice's (our dflash:: torch ops, one launch per kin
 from __future__ import annotations
 
 import ctypes
+import gc
 
 import numpy as np
 import torch
@@ -71,7 +72,7 @@ class CudaDevice(TorchStepIO, TorchDevice):
         if int(_ck(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) == 0:  # torch's primary context, made current here
             dev = _ck(cu.cuDeviceGet(index), "cuDeviceGet")
             _ck(cu.cuCtxSetCurrent(_ck(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")), "cuCtxSetCurrent")
-        self._stream = _ck(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self._stream = _ck(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
         self.stream_handle = int(self._stream)
         self.torch_stream = torch.cuda.ExternalStream(self.stream_handle, device=self.device)
         self._device_allocs: list = []
@@ -132,7 +133,7 @@ class CudaDevice(TorchStepIO, TorchDevice):
 
     def new_event(self, timing: bool = False):
         cu = _driver()
-        flags = 0 if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        flags = 0 if timing else int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         return _ck(cu.cuEventCreate(flags), "cuEventCreate")
 
     def record(self, event) -> None:
@@ -147,6 +148,11 @@ class CudaDevice(TorchStepIO, TorchDevice):
 
     def synchronize(self) -> None:
         _ck(_driver().cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+
+    @staticmethod
+    def sync_all() -> None:
+        """The whole device drained (work torch queued on its own streams included: weight uploads)."""
+        torch.cuda.synchronize()
 
     def on_stream(self):
         """torch work inside runs on the runtime stream (and is captured there)."""
@@ -167,10 +173,17 @@ class CudaDevice(TorchStepIO, TorchDevice):
     def capture(self, fn, hook=None):
         """A CUDA graph of fn() (replay callable), or None when its capture failed (then run fn eagerly).
         hook() runs inside the capture before fn (tests force a failure with it)."""
+        self.sync_all()
         with self.on_stream():
             fn()  # warm-up: NVRTC modules, cuBLAS handles and workspaces exist before the capture
         self.synchronize()
         graph = torch.cuda.CUDAGraph()
+        prev = torch.cuda.current_stream(self.device)
+        # garbage collected mid-capture (a dead runtime's graphs, pools) would free CUDA memory inside the
+        # capture, which invalidates it: collect now, and keep the collector off until the capture ended
+        gc.collect()
+        gc_on = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self._graph_pool, stream=self.torch_stream,
                                   capture_error_mode="thread_local"):
@@ -179,8 +192,15 @@ class CudaDevice(TorchStepIO, TorchDevice):
                 fn()
         except Exception as e:  # the brick guard: end the broken capture, keep the stream usable
             self._end_broken_capture()
+            torch.cuda.set_stream(prev)  # torch skips its stream restore when capture_end raises
+            # torch may still count the aborted capture as recording into the shared graph pool; later
+            # captures take a fresh pool so they never collide with it
+            self._graph_pool = torch.cuda.graph_pool_handle()
             self.capture_failures.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             return None
+        finally:
+            if gc_on:
+                gc.enable()
         return graph.replay
 
     def _end_broken_capture(self) -> None:

@@ -58,6 +58,9 @@ class TorchCpuDevice(TorchStepIO, TorchDevice):
     def synchronize(self) -> None:
         pass
 
+    def sync_all(self) -> None:
+        pass
+
     def on_stream(self):
         return contextlib.nullcontext()
 

@@ -1,0 +1,238 @@
+"""`dflash-trt bench e2e`: the GPU runtime end to end, every ratio against a baseline measured in the same run.
+
+  prefill tok/s            one long prompt through the prefill graph (chunked)
+  decode tok/s             plain vs DFlash at each --batch (aggregate new tokens / decode wall time), τ,
+                           and whether DFlash reproduced the plain tokens
+  step latency K=1..16     the target verify step alone, captured and replayed (CUDA events), step(16)/step(1)
+  GPU idle between steps   timing events around every launch: the gaps between one step's end and the next
+                           one's start, over the decode wall time (one step is kept in flight)
+  HF generate()            transformers on the same weights and GPU, batch 1
+  floor                    (weight + state bytes of a batch-1 decode step) / device-copy bandwidth measured here
+Models: --model DIR [--drafter DIR], or --model random-0.9b (a 0.9B Qwen3.5-text config built in code with a
+random 1-layer drafter; never written to disk).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+TARGETS = {  # issue 10's bench e2e targets
+    "idle_pct_max": 5.0, "plain_tok_s_0p9b": 400.0, "hf_ratio_0p9b": 30.0, "dflash_over_plain_trained": 2.5,
+    "batch16_over_batch1": 8.0,
+}
+RANDOM_0P9B = "random-0.9b"
+
+
+def random_0p9b_configs() -> tuple[dict, dict]:
+    """qwen3_5_text, hidden 2048, 12 layers 3 GDN : 1 attention, GDN Hk16 Hv32 128², attention 16 / 2 KV hd 128,
+    vocab 32000; the drafter: one layer of the same width reading taps after layers 1, 6 and 10."""
+    layers = 12
+    target = dict(
+        model_type="qwen3_5_text", vocab_size=32000, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=4096,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [11, 11, 10]}, eos_token_id=None,
+    )
+    drafter = dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=10000000.0, block_size=16, num_target_layers=layers,
+        dflash_config={"target_layer_ids": [1, 6, 10], "mask_token_id": 31999},
+    )
+    return target, drafter
+
+
+def build_random_pair(dtype, device):
+    """(target, drafter, hf_model) sharing the target weights: HF's own init, copied into our modules."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from dflash_trt.config import DrafterConfig, TargetConfig
+    from dflash_trt.export.drafter import Drafter
+    from dflash_trt.export.target import TargetModel
+
+    tcfg, dcfg = random_0p9b_configs()
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**tcfg)).to(dtype).eval()
+        target = TargetModel(TargetConfig.from_dict(tcfg)).to(dtype)
+        drafter = Drafter(DrafterConfig.from_dict(dcfg), tcfg["hidden_size"]).to(dtype)
+    sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in hf.state_dict().items()}
+    missing = target.load_state_dict(sd, strict=False).missing_keys
+    if missing:
+        raise RuntimeError(f"random-0.9b: HF state dict lacks {missing[:3]}")
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    return target.eval(), drafter.eval().bind_target(target), hf
+
+
+def load_pair(model, drafter_dir, dtype, device):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_trt.export.checkpoint import load_drafter, load_target
+
+    target = load_target(model, dtype).to(device)
+    drafter = load_drafter(drafter_dir, target, dtype).to(device) if drafter_dir else None
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+    return target, drafter, hf
+
+
+def copy_bandwidth_gbs(dev, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth, counting bytes read + written (GB/s)."""
+    import torch
+
+    with dev.on_stream():
+        a = torch.empty(nbytes, dtype=torch.uint8, device=dev.device)
+        b = torch.empty_like(a)
+        b.copy_(a)
+        e0, e1 = dev.new_event(timing=True), dev.new_event(timing=True)
+        dev.record(e0)
+        for _ in range(reps):
+            b.copy_(a)
+        dev.record(e1)
+    dev.synchronize()
+    return 2 * nbytes * reps / (dev.elapsed_ms(e0, e1) * 1e-3) / 1e9
+
+
+def step_latency_ms(rt, seq, K: int, reps: int = 20) -> float:
+    """The target verify step alone at batch 1 on `seq`'s context, captured in a CUDA graph, replayed."""
+    import torch
+
+    dev, t = rt.device, rt.backend.target
+    x = {"input_ids": torch.zeros(1, K, dtype=torch.int64, device=dev.device),
+         "positions": seq.seq_len + torch.arange(K, device=dev.device)[None],
+         "slot": torch.tensor([seq.slot], device=dev.device), "seq_len": torch.tensor([seq.seq_len], device=dev.device),
+         "block_table": torch.as_tensor(seq.block_table()[None], device=dev.device)}
+    fn = lambda: t.step(**x, kv_pool=rt.pools["kv_pool"], gdn_pool=rt.pools["gdn_pool"], conv_pool=rt.pools["conv_pool"])
+    replay = dev.capture(fn)
+    if replay is None:
+        raise RuntimeError(f"step K={K}: capture failed: {dev.capture_failures[-1]}")
+    e0, e1 = dev.new_event(timing=True), dev.new_event(timing=True)
+    with dev.on_stream():
+        for _ in range(3):
+            replay()
+        dev.record(e0)
+        for _ in range(reps):
+            replay()
+        dev.record(e1)
+    dev.synchronize()
+    return dev.elapsed_ms(e0, e1) / reps
+
+
+def idle_pct(dev, trace) -> float:
+    """GPU idle between consecutive steps, as a share of the traced wall time on the GPU."""
+    if len(trace) < 2:
+        return 0.0
+    dev.synchronize()
+    gaps = sum(max(0.0, dev.elapsed_ms(trace[i][1], trace[i + 1][0])) for i in range(len(trace) - 1))
+    return 100.0 * gaps / dev.elapsed_ms(trace[0][0], trace[-1][1])
+
+
+def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False) -> dict:
+    """All prompts join at once; prefill (admit) and decode are timed apart. Returns tokens, tok/s, τ, idle."""
+    for p in prompts:
+        rt.add_request(p, max_new, gamma=gamma, spec=spec)
+    sch, dev = rt.scheduler, rt.device
+    reqs = list(sch.waiting)
+    sch.admit()
+    dev.synchronize()
+    rt.executor.trace = [] if trace else None
+    t0 = time.perf_counter()
+    while sch.has_work:
+        sch.step()
+    dev.synchronize()
+    secs = time.perf_counter() - t0
+    tr, rt.executor.trace = rt.executor.trace, None
+    acc = [a for r in reqs for a in r.accepted]
+    new = sum(len(r.tokens) - 1 for r in reqs)
+    return {"tokens": [r.tokens for r in reqs], "tok_s": new / secs, "tau": 1 + float(np.mean(acc)) if acc else 1.0,
+            "steps": max(r.steps for r in reqs), "idle_pct": idle_pct(dev, tr) if tr else None,
+            "failed": [str(r.error) for r in reqs if r.error is not None]}
+
+
+def kernel_profile(rt, prompt, keys=(("decode", 1), ("spec", 16)), top: int = 8) -> dict:
+    """Where a step's GPU time goes: one eager launch per key on a live sequence under torch.profiler;
+    {key: {"kernels": count, "busy_ms": total, "top": [(name, ms, calls)]}}. The sequence is thrown away."""
+    import torch
+
+    from dflash_trt.runtime import commit
+    from dflash_trt.runtime.batching import pad_rows
+
+    ex, out = rt.executor, {}
+    seq = rt.add_sequence(prompt)
+    rt.prefill(seq)
+    for kind, K in keys:
+        if kind == "spec" and rt.dcfg is None:
+            continue
+        commit.reserve(seq, K, rt.kv_alloc, rt.sizes.page_size)
+        vals = ex._tables(pad_rows([seq]))
+        ex.run_key(kind, K, 1, vals, eager=True)  # warm
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            ex.run_key(kind, K, 1, vals, eager=True)
+        rows = []
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            if t > 0 and e.count > 0:
+                rows.append((e.key[:60], t / 1e3, e.count))
+        rows.sort(key=lambda r: -r[1])
+        out[f"{kind}_k{K}"] = {"kernels": sum(r[2] for r in rows), "busy_ms": sum(r[1] for r in rows), "top": rows[:top]}
+        commit.finish(seq, 0, rt.kv_alloc, rt.sizes.page_size)
+    rt.release(seq)
+    return out
+
+
+def hf_tok_s(hf, prompt, n: int) -> float:
+    import torch
+
+    ids = torch.tensor([prompt], device=next(hf.parameters()).device)
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def floor_tok_s(rt, ctx_rows: int, bw_gbs: float) -> tuple[float, float]:
+    """(floor ms, floor tok/s) of a batch-1 plain decode step: every weight and the sequence's state read once."""
+    t = rt.backend.target
+    weights = sum(p.numel() * p.element_size() for p in t.parameters())
+    gdn, conv, kv = rt.pools["gdn_pool"], rt.pools["conv_pool"], rt.pools["kv_pool"]
+    state = gdn[:, 0].numel() * gdn.element_size() + conv[:, 0].numel() * conv.element_size()
+    state += kv.shape[0] * 2 * ctx_rows * kv.shape[4] * kv.shape[5] * kv.element_size()
+    ms = (weights + state) / (bw_gbs * 1e9) * 1e3
+    return ms, 1000.0 / ms
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="dflash-trt bench e2e")
+    p.add_argument("--model", required=True, help=f"target checkpoint dir, or '{RANDOM_0P9B}'")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint dir")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: float32; bfloat16 for random-0.9b)")
+    p.add_argument("--batch", default="1,4,16")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gamma", type=int, default=None)
+    p.add_argument("--hf-tokens", type=int, default=64, help="new tokens of the HF generate() baseline (0: skip)")
+    p.add_argument("--batch1-prompts", type=int, default=8, help="batch 1 runs this many prompts one after another")
+    p.add_argument("--profile", action="store_true", help="also break one decode / spec step down by kernel")
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args(argv)
+    from dflash_trt.tools.bench_e2e_run import run
+
+    return run(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
