@@ -1,0 +1,142 @@
+"""The training package (dflash_trt.tools.train) and the models' training paths.
+
+TargetModel.forward_train / gdn_chunk_dense / Drafter.train_forward are options of the project's own
+modules; here they are checked against the graph path the runtime runs (TargetModel.forward_full =
+step from empty pools; Drafter.ctx + Drafter.block over pages), fp32 on tiny random configs, gradients
+included. Then a CPU smoke run of every stage (prepare on a few stdlib files, train, finalize, tune)
+whose output loads through the checkpoint loaders and generates through load_runtime.
+"""
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dflash_trt.config import DrafterConfig, TargetConfig  # noqa: E402
+from dflash_trt.export.drafter import Drafter  # noqa: E402
+from dflash_trt.export.target import TargetModel, gdn_chunk_dense  # noqa: E402
+from dflash_trt.tools.tiny import tiny_drafter_config, tiny_target_config  # noqa: E402
+from dflash_trt.tools.train.configs import init_weights  # noqa: E402
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _model(model_type="qwen3_5_text", seed=0, taps=(1, 2)):
+    over = {} if model_type == "qwen3_5_text" else dict(model_type="qwen3_next")
+    cfg = TargetConfig.from_dict(tiny_target_config(vocab=300, **over))
+    m = TargetModel(cfg, list(taps))
+    g = torch.Generator().manual_seed(seed)
+    init_weights(m, cfg.num_layers, g, std=0.1)
+    with torch.no_grad():  # non-trivial norms and gates (init leaves norms at their identity)
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return m
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_gdn_chunk_dense_matches_recurrence(chunk):
+    from dflash_trt.plugins.gdn.reference import gdn_recurrent
+
+    g = torch.Generator().manual_seed(1)
+    B, T, Hk, Hv, dk, dv = 2, 77, 2, 4, 8, 6  # T: several chunks and a padded tail; Hv = 2 Hk
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    q, k, v, S0 = r(B, T, Hk, dk), r(B, T, Hk, dk), r(B, T, Hv, dv), r(B, Hv, dk, dv)
+    gg = -torch.rand(B, T, Hv, generator=g, dtype=torch.float64) * 2
+    beta = torch.rand(B, T, Hv, generator=g, dtype=torch.float64)
+    o_ref, S_ref = gdn_recurrent(q, k, v, gg, beta, S0)
+    o, S = gdn_chunk_dense(q, k, v, gg, beta, S0, chunk=chunk)
+    assert o.dtype == torch.float64
+    assert _rel(o, o_ref) < 1e-10 and _rel(S, S_ref) < 1e-10
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+def test_forward_train_matches_forward_full(model_type):
+    """Logits, tap rows and every parameter's gradient: the training path == the graph path (fp32)."""
+    m = _model(model_type)
+    ids = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(2))
+    ref = m.forward_full(ids)
+    fast = m.forward_train(ids)
+    assert _rel(fast["logits"], ref["logits"]) < 1e-4
+    assert _rel(fast["ctx_hidden"], ref["ctx_hidden"]) < 1e-4
+    assert torch.equal(fast["logits"].argmax(-1), ref["logits"].argmax(-1))
+
+    def grads(logits):
+        m.zero_grad()
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 300), ids[:, 1:].reshape(-1)).backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    g_fast, g_ref = grads(m.forward_train(ids)["logits"]), grads(m.forward_full(ids)["logits"])
+    assert set(g_fast) == {n for n, _ in m.named_parameters()}
+    for n in g_fast:  # reaches A_log, dt_bias, conv1d, norms, ...: every parameter learns
+        assert g_fast[n].abs().max() > 0, n
+        assert _rel(g_fast[n], g_ref[n]) < 1e-3, n
+
+
+def test_drafter_train_forward_matches_ctx_block():
+    """Several blocks per row with per-block ctx limits == one Drafter.block() per block over ctx() pages."""
+    from dflash_trt.tools.train.drafter import block_logits, blocks, reference_block_logits
+
+    m = _model(taps=(1, 2))
+    dcfg = DrafterConfig.from_dict(tiny_drafter_config(tiny_target_config(vocab=300), layers=2, taps=[1, 2]))
+    d = Drafter(dcfg, m.cfg.hidden_size).bind_target(m)
+    g = torch.Generator().manual_seed(3)
+    init_weights(d, 2, g, std=0.1)
+    ids = torch.randint(0, 300, (2, 48), generator=g)
+    with torch.no_grad():
+        ctx = m.forward_train(ids, want_logits=False)["ctx_hidden"]
+    anc = torch.tensor([[3, 10, 32], [1, 17, 32]])
+    block, _ = blocks(ids, anc, dcfg.mask_token_id)
+    fast = block_logits(d, ctx, anc, block)
+    for b in range(2):
+        ref = reference_block_logits(d, ctx[b:b + 1], anc[b], block[b])
+        assert _rel(fast[b].detach(), ref) < 1e-4
+    fast.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in d.parameters())
+
+
+def test_cli_help(capsys):
+    from dflash_trt.tools.train.__main__ import main
+
+    for argv in (["--help"], ["prepare", "--help"], ["train", "--help"], ["finalize", "--help"], ["tune", "--help"],
+                 ["all", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+    assert "How models/ was made" in capsys.readouterr().out
+
+
+def test_stages_smoke(tmp_path):
+    """prepare -> train -> finalize -> tune on CPU, tiny; the result loads and generates (spec == plain)."""
+    pytest.importorskip("tokenizers")
+    from dflash_trt import PoolSizes, load_runtime
+    from dflash_trt.export.checkpoint import load_drafter, load_target
+    from dflash_trt.tools.train.__main__ import main
+
+    work, out, models = str(tmp_path / "work"), str(tmp_path / "run"), str(tmp_path / "models")
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    main(["prepare", "--work", work, "--max-files", "6", "--vocab", "320", "--prompts", "4"])
+    meta = json.load(open(os.path.join(work, "meta.json")))
+    assert meta["train_files"] == 6 and meta["heldout_files"] == 1 and meta["vocab"] <= 320
+    main(["train", "--work", work, "--out", out, "--small", "--device", "cpu", "--target-steps", "3",
+          "--drafter-steps", "3", "--n-gen", "8", "--n-held", "4", "--gen-len", "48"])
+    log = json.load(open(os.path.join(out, "train_log.json")))
+    assert log["target"]["steps"] == 3 and log["drafter"]["steps"] == 3
+    assert log["check_target_fast_vs_reference"]["max_abs_diff"] < 1e-3
+    assert log["check_drafter_fast_vs_reference"]["max_abs_diff"] < 1e-3
+    main(["finalize", "--src", out, "--work", work, "--models", models])
+    main(["tune", "--models", models, "--work", work, "--n-train", "8", "--n-held", "4", "--steps", "2",
+          "--batch", "4", "--new-tokens", "24", "--device", "cpu"])
+    assert len(json.load(open(os.path.join(models, "train_log.json")))["drafter_tunes"]) == 1
+
+    tdir, ddir = os.path.join(models, "target"), os.path.join(models, "drafter")
+    t = load_target(tdir, torch.float32)
+    load_drafter(ddir, t, torch.float32)
+    rt, codec = load_runtime(tdir, ddir, "torch", PoolSizes(max_seq_len=128, kv_blocks=16, dkv_blocks=16))
+    ids = codec.encode("def f(x):\n    return")
+    plain, _ = rt.generate(ids, 12, spec=False)
+    spec, st = rt.generate(ids, 12, gamma=4)
+    assert spec == plain and 1 <= len(plain) <= 12

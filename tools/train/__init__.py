@@ -1,0 +1,69 @@
+"""Train the small hybrid target + DFlash drafter pair shipped under models/ (the embedded default).
+
+What is trained is the project's own modules, dflash_trt.export.target.TargetModel and
+dflash_trt.export.drafter.Drafter, through their training paths (TargetModel.forward_train,
+Drafter.train_forward; tests/test_train.py checks both against the graph path the runtime runs), and
+saved under the parameter names dflash_trt.export.checkpoint reads. The drafter's labels are greedy
+continuations produced by the project's Runtime (torch backend).
+
+Everything is seeded and reads only what every machine has: the Python standard library's own `.py`
+sources are the corpus. Stages (`python -m dflash_trt.tools.train STAGE`):
+
+  prepare   corpus -> byte-level BPE tokenizer (`tokenizers`, vocab 4096, `<|endoftext|>` eos,
+            `<|mask|>` for the drafter) -> uint16 token streams (train / held-out, split by a hash of
+            each file's path) + held-out prompts (first lines of functions of held-out files).
+            Runs on CPU; its output dir is what the GPU stage reads, so the GPU machine needs neither
+            the same Python stdlib nor the `tokenizers` package.            (data.py)
+  train     target: Qwen3.5 text layout (qwen3_5_text, 3 GDN : 1 attention), next-token loss, bf16
+            autocast, AdamW, cosine LR, step count fitted to a wall-clock budget (logged, so a rerun can
+            pin it with --target-steps). Then the weights are rounded to bf16 (what is saved is what
+            generates the drafter's data), the target greedily continues prompts cut from training
+            files, and a DFlash drafter (block 16, z-lab tap rule) is trained on the frozen target's
+            hidden states with the block-wise loss of the DFlash paper (arXiv 2602.06036): random
+            anchors, block = [anchor token, MASK x15] at positions anchor..anchor+15, the context is
+            the target's tap rows at positions < anchor, slot j >= 1 predicts the token at anchor+j,
+            cross-entropy weighted w_j = exp(-(j-1)/gamma). Labels are the target's own greedy
+            continuation, so "slot j correct and all before it" is exactly "draft j accepted".
+            Writes HF-format dirs (config.json + safetensors, bf16) and train_log.json.
+            (stages.py, target.py, drafter.py, generate.py)
+  finalize  merge shards (the GPU machine returns files of <= 16 MB), add tokenizer.json and
+            generation_config.json -> models/target, models/drafter.                      (save.py)
+  tune      fine-tune the drafter on the target's greedy continuations of *function starts* of training
+            files (the `def` line + first body line, like the held-out prompts): the regime generate,
+            demo and the tests run in (short context, first ~64 tokens). The GPU stage's generic data
+            (random windows, 320-token continuations that end up in repetitive loops) gives a high
+            offline tau (~9.5) there but only ~2.4 at the start of a function. CPU-friendly; reports the
+            exact offline replay of greedy speculative decoding.                          (tune.py)
+  all       prepare + train + finalize + the SHIPPED_TUNES (tune.py) in one go (one machine).
+
+How models/ was made (models/train_log.json holds every figure; these runs used the predecessor of this
+package, tools/train_tiny.py, with the same stages, arguments, defaults and seeds):
+  prepare (CPU, Python 3.11.7 stdlib)
+  train on one H200: target 1456 steps (190 s budget; the held-out-best snapshot of step 900 kept);
+      that run's drafter stage hit an anchor rounding bug (fixed), so the drafter was trained in a
+      second run `train --init-target <run 1>/target --drafter-seconds 90 --held-prompt-lens 8,32`
+      (4535 steps); finalize --src <run 2> --target-src <run 1>
+  tune x len(SHIPPED_TUNES) on CPU, in place (--models models), with the arguments listed there
+      (held-out function starts, replayed tau at 64 new tokens: 2.58 -> 3.14, then 3.23 -> 3.63).
+  The shipped pair: held-out target loss 1.919 (ppl 6.82); drafter offline tau 9.51 on the GPU
+  stage's data.
+
+The same, as commands (the budgets' step counts pinned: both fits happen at step 40, inside the
+warmup, so a pinned run has the same LR schedule; GPU bf16 training is not bit-reproducible):
+  T="python -m dflash_trt.tools.train"
+  $T prepare --work .train_data --prompts-out tests/prompts_heldout.txt
+  $T train --work .train_data --out RUN1 --target-steps 1456
+  $T train --work .train_data --out RUN2 --init-target RUN1/target --drafter-steps 4535 --held-prompt-lens 8,32
+  $T finalize --src RUN2 --target-src RUN1 --work .train_data --models models
+  $T tune --models models --work .train_data --n-train 6144 --lengths 8 --steps 1800 --lr 1e-3 --decay-gamma 7 --seed 0
+  $T tune --models models --work .train_data --n-train 12288 --lengths 24 --steps 2400 --lr 7e-4 --decay-gamma 5 --seed 1
+  (`all --out RUN` does prepare + train + finalize + both tunes in one go, one run instead of two.)
+
+Speed: training does not go through TargetModel.step (paged attention, fold data, per-sequence
+loops): TargetModel.forward_train is the same math, dense: causal SDPA for attention, the GDN in
+chunked WY form with all chunks' intra-chunk work batched (chunk 64, triangular solve) and only the
+state hand-off looped. The end of `train` logs both checks on the trained weights (fast vs graph path).
+
+A CPU smoke run of every stage on a few files and tiny shapes (--max-files, --vocab, --small,
+--target-steps, --drafter-steps, --n-gen, --n-held, --gen-len): tests/test_train.py.
+"""
