@@ -1,4 +1,4 @@
-"""The trained target + DFlash drafter shipped in models/ (tools/train_tiny.py), through the project's own
+"""The trained target + DFlash drafter shipped in models/ (tools/train/), through the project's own
 load/generate path on CPU (torch backend, fp32): speculative output is token-identical to plain greedy on
 every held-out prompt, and the acceptance length at gamma=15 averages >= 3.0.
 
