@@ -323,7 +323,7 @@ class TargetModel(nn.Module):
         cfg = self.cfg
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, h.dtype)
-        kv_rows, fold_k, fold_v, fold_g, states, cols_all, taps = [], [], [], [], [], [], []
+        kv_rows, fold_k, fold_v, fold_g, states, cols_all, taps = [], [], [], [], [], [], {}
         ia = ig = 0
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)
@@ -342,14 +342,13 @@ class TargetModel(nn.Module):
             h = h + y
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in self.tap_ids:
-                taps.append(h)
+                taps[i] = h
         logits = self.logits(h)
         out = {
             "argmax": logits.argmax(-1),
             "kv_rows": torch.stack(kv_rows) if kv_rows else None,
             "conv_cols": torch.stack(cols_all) if cols_all else None,
-            "ctx_hidden": torch.cat([taps[self.tap_ids.index(t)] for t in self.tap_ids], dim=-1)
-            if self.tap_ids else None,
+            "ctx_hidden": torch.cat([taps[t] for t in self.tap_ids], dim=-1) if self.tap_ids else None,
         }
         if valid_len is None:
             out.update(gdn_k=torch.stack(fold_k), gdn_v=torch.stack(fold_v), gdn_gamma=torch.stack(fold_g))

@@ -37,6 +37,21 @@ def _model(model_type="qwen3_5_text", seed=0, taps=(1, 2)):
     return m
 
 
+def test_tap_rows_follow_tap_ids_order():
+    """ctx_hidden concatenates taps in tap_ids order (the drafter's fc columns), also when unsorted: compared
+    with the residual stream after each layer, taken by hand from the layers."""
+    m = _model(taps=(2, 0))
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(3))
+    H = m.cfg.hidden_size
+    with torch.no_grad():
+        m.tap_ids = [0, 1, 2]
+        rows = m.forward_full(ids)["ctx_hidden"]  # sorted taps: layer 0 | 1 | 2
+        m.tap_ids = [2, 0]
+        for path in (m.forward_full, m.forward_train):
+            got = path(ids)["ctx_hidden"]
+            assert _rel(got[..., :H], rows[..., 2 * H:]) < 1e-5 and _rel(got[..., H:], rows[..., :H]) < 1e-5
+
+
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_gdn_chunk_dense_matches_recurrence(chunk):
     from dflash_trt.plugins.gdn.reference import gdn_recurrent
