@@ -216,6 +216,11 @@ class Runtime:
         """One scheduler step; returns the requests that got tokens, finished or failed."""
         return self.scheduler.step() if self.scheduler is not None else []
 
+    @property
+    def has_work(self) -> bool:
+        """Requests waiting, running or with a step in flight."""
+        return self.scheduler is not None and self.scheduler.has_work
+
     def release_request(self, req) -> None:
         if self.scheduler is not None:
             self.scheduler.release(req)

@@ -40,5 +40,6 @@ def run(args) -> int:
     print(codec.decode(out))
     mode = "plain" if (args.no_spec or rt.dcfg is None) else "dflash"
     print(f"[{mode}] backend={args.backend} device={args.device} prompt={st.prompt_tokens} new={st.new_tokens} "
-          f"target_steps={st.target_steps} tau={st.tau:.2f} tok/s={st.tokens_per_s:.1f}")
+          f"target_steps={st.target_steps} tau={st.tau:.2f} tok/s={st.tokens_per_s:.1f}"
+          + (" (includes capturing the CUDA graphs: see `dflash-trt bench e2e` for speed)" if args.device != "cpu" else ""))
     return 0
