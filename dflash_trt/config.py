@@ -184,6 +184,11 @@ class TargetConfig:
             raise ConfigError(f"{path}: unknown layer type '{bad[0]}'")
 
 
+# DFlash2-era fields of a drafter architecture we do not implement: refused by name, never ignored
+_DRAFTER_UNSUPPORTED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                        "mask_embedding")
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -198,33 +203,113 @@ class DrafterConfig:
     target_layer_ids: list[int]
     mask_token_id: int
     num_target_layers: int | None = None
+    # per layer: "full_attention" (bidirectional over all ctx + block) | "sliding_attention" (DESIGN §2b)
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int = 0  # 0: no window; else a query at p sees keys with p - key < sliding_window
+    is_causal: bool | None = None  # set: overrides causality within the block for every layer
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0  # c > 0: logits = c * tanh(logits / c)
+    draft_vocab_size: int | None = None  # checked against the target's vocab in check_against
+
+    def layer_causal(self, i: int) -> bool:
+        """Causal within the block for drafter layer i: is_causal when set, else sliding layers only."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self._types()[i] == "sliding_attention"
+
+    def layer_window(self, i: int) -> int:
+        """Attention window of drafter layer i (0 = none): sliding layers only."""
+        return self.sliding_window if self._types()[i] == "sliding_attention" else 0
+
+    def _types(self) -> list[str]:
+        return self.layer_types or ["full_attention"] * self.num_layers
 
     @classmethod
     def from_dict(cls, raw: dict, path: str = "config.json") -> "DrafterConfig":
         dc = raw.get("dflash_config") or {}
-        # older checkpoints keep target_layer_ids / mask_token_id at top level
-        taps = dc.get("target_layer_ids", raw.get("target_layer_ids"))
-        mask = dc.get("mask_token_id", raw.get("mask_token_id"))
+        if not isinstance(dc, dict):
+            raise ConfigError(f"{path}: 'dflash_config' must be an object")
+
+        def get(key, default=None):
+            """dflash_config first, then top level: the released checkpoints mix both."""
+            v = dc.get(key)
+            return raw.get(key, default) if v is None else v
+
+        for key in _DRAFTER_UNSUPPORTED:
+            if get(key) is not None:
+                raise ConfigError(f"{path}: field '{key}' is not supported (DFlash2 conv/selector layers, own "
+                                  "embeddings and mask_embedding overrides are not implemented)")
+        if get("attention_bias", False):
+            raise ConfigError(f"{path}: field 'attention_bias' true is not supported (q/k/v/o biases)")
+        act = get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{path}: field 'hidden_act' {act!r} is not supported (only 'silu')")
+        taps, mask = get("target_layer_ids"), get("mask_token_id")
         if taps is None:
             raise ConfigError(f"{path}: missing 'dflash_config.target_layer_ids' (or top-level target_layer_ids)")
         if mask is None:
             raise ConfigError(f"{path}: missing 'dflash_config.mask_token_id' (or top-level mask_token_id)")
-        theta, _ = _rope(raw, path)
-        n_heads = _int(raw, "num_attention_heads", path)
-        hidden = _int(raw, "hidden_size", path)
+        merged = {**raw, **{k: v for k, v in dc.items() if v is not None}}
+        rs, rp = merged.get("rope_scaling") or {}, merged.get("rope_parameters") or {}
+        if rs and rs.get("rope_type", rs.get("type", "default")) != "default":
+            raise ConfigError(f"{path}: field 'rope_scaling' {rs!r} is not supported (YaRN and other rope "
+                              "scaling: plain RoPE only)")
+        if rp.get("rope_type", "default") != "default":
+            raise ConfigError(f"{path}: field 'rope_parameters.rope_type' {rp['rope_type']!r} is not supported "
+                              "(YaRN and other rope scaling: plain RoPE only)")
+        theta, partial = _rope(merged, path)  # refuses YaRN / linear / dynamic rope scaling by its type
+        if partial != 1.0:
+            raise ConfigError(f"{path}: field 'partial_rotary_factor' {partial} is not supported (full RoPE only)")
+        n_heads = _int(merged, "num_attention_heads", path)
+        hidden = _int(merged, "hidden_size", path)
+        n_layers = _int(merged, "num_hidden_layers", path)
+        types = get("layer_types")
+        if types is not None:
+            if not isinstance(types, list) or len(types) != n_layers:
+                raise ConfigError(f"{path}: field 'layer_types' must list {n_layers} layer types, got {types!r}")
+            bad = [t for t in types if t not in ("full_attention", "sliding_attention")]
+            if bad:
+                raise ConfigError(f"{path}: field 'layer_types' has unknown type {bad[0]!r} "
+                                  "(expected full_attention or sliding_attention)")
+        types = list(types or ["full_attention"] * n_layers)
+        window = 0
+        if "sliding_attention" in types and get("use_sliding_window", True) is not False:
+            window = _int(merged, "sliding_window", path)
+        causal = get("is_causal")
+        if causal is not None and not isinstance(causal, bool):
+            raise ConfigError(f"{path}: field 'is_causal' must be true or false, got {causal!r}")
+
+        def num(key, default):
+            v = get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"{path}: field '{key}' must be a number, got {v!r}")
+            return float(v)
+
+        softcap = num("final_logit_softcapping", 0.0)
+        if softcap < 0:
+            raise ConfigError(f"{path}: field 'final_logit_softcapping' must be >= 0, got {softcap}")
+        dvs = get("draft_vocab_size")
         c = cls(
             hidden_size=hidden,
-            intermediate_size=_int(raw, "intermediate_size", path),
-            num_layers=_int(raw, "num_hidden_layers", path),
+            intermediate_size=_int(merged, "intermediate_size", path),
+            num_layers=n_layers,
             num_heads=n_heads,
-            num_kv_heads=_int(raw, "num_key_value_heads", path, n_heads),
-            head_dim=_int(raw, "head_dim", path, hidden // n_heads),
-            rms_norm_eps=float(_get(raw, "rms_norm_eps", path, 1e-6)),
+            num_kv_heads=_int(merged, "num_key_value_heads", path, n_heads),
+            head_dim=_int(merged, "head_dim", path, hidden // n_heads),
+            rms_norm_eps=float(_get(merged, "rms_norm_eps", path, 1e-6)),
             rope_theta=theta,
-            block_size=_int(raw, "block_size", path, 16),
+            block_size=_int(merged, "block_size", path, 16),
             target_layer_ids=[_int({"target_layer_ids": t}, "target_layer_ids", path, minimum=0) for t in taps],
             mask_token_id=_int({"mask_token_id": mask}, "mask_token_id", path, minimum=0),
-            num_target_layers=raw.get("num_target_layers"),
+            num_target_layers=get("num_target_layers"),
+            layer_types=types,
+            sliding_window=window,
+            is_causal=causal,
+            input_embedding_scale=num("input_embedding_scale", 1.0),
+            output_multiplier=num("output_multiplier", 1.0),
+            final_logit_softcapping=softcap,
+            draft_vocab_size=None if dvs is None else _int(merged, "draft_vocab_size", path),
         )
         if c.num_heads % c.num_kv_heads:
             raise ConfigError(f"{path}: num_attention_heads not a multiple of num_key_value_heads")
@@ -247,5 +332,8 @@ class DrafterConfig:
             raise ConfigError(
                 f"{path}: num_target_layers {self.num_target_layers} != target num_hidden_layers {target.num_layers}"
             )
+        if self.draft_vocab_size is not None and self.draft_vocab_size != target.vocab_size:
+            raise ConfigError(f"{path}: field 'draft_vocab_size' {self.draft_vocab_size} != target vocab "
+                              f"{target.vocab_size} is not supported (no draft-to-target token map)")
         if not 0 <= self.mask_token_id < target.vocab_size:
             raise ConfigError(f"{path}: mask_token_id {self.mask_token_id} outside target vocab {target.vocab_size}")

@@ -120,6 +120,13 @@ def load_drafter(d: str, target: TargetModel, dtype=torch.float32) -> Drafter:
                 f"{fc}: fc.weight is {shape}; with {len(cfg.target_layer_ids)} taps of target hidden "
                 f"{target.cfg.hidden_size} it must be {want} (drafter trained for another target?)"
             )
+    # the drafter borrows the target's embedding and lm_head (DESIGN §2b): own ones, a mask-embedding override
+    # or projection biases would be silently dropped by _bind, so they are refused by name
+    own = [n for n in src.where if n.split(".")[0] in ("embed_tokens", "lm_head", "mask_embedding")
+           or n.endswith("_proj.bias")]
+    if own:
+        raise ConfigError(f"{src.where[own[0]]}: drafter tensor '{own[0]}' is not supported (own embeddings, "
+                          "lm_head, mask_embedding and biases are not implemented; the target's are used)")
     drafter = Drafter(cfg, target.cfg.hidden_size)
     _bind(drafter, src, lambda n: n, dtype, "drafter")
     return drafter.eval().bind_target(target)
