@@ -79,14 +79,14 @@ def conv_verify(x, conv_state, weight):
     return conv_ref.conv_verify(x, conv_state, weight)
 
 
-def paged_attention(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale):
-    """PagedAttention over cached rows [kv_start, kv_len) in pages plus the T new rows."""
+def paged_attention(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale, window=0):
+    """PagedAttention over cached rows [kv_start, kv_len) in pages plus the T new rows (window > 0: sliding)."""
     if _exporting():
-        attrs = {"layer": layer, "causal": bool(causal), "scale": scale}
+        attrs = {"layer": layer, "causal": bool(causal), "scale": scale, "window": int(window)}
         return _node(ATTENTION, (q, k_new, v_new, kv_pool, block_table, kv_start, kv_len), attrs)[0]
     dflash = _cuda_ops(q)
     if dflash is not None:
         return dflash.paged_attention(q, k_new, v_new, kv_pool, int(layer), block_table, kv_start, kv_len,
-                                      bool(causal), float(scale))
+                                      bool(causal), float(scale), int(window))
     return attention_ref.paged_attention_ref(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len,
-                                             causal, scale)
+                                             causal, scale, window)

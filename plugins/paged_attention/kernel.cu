@@ -3,6 +3,8 @@
 // cached logical rows [kv_start[b], kv_len[b]) followed by the T new rows (k_new/v_new [B,T,Hkv,HD]).
 // One warp per query row (t, q-head); a CTA holds NWARP rows of one kv head (GQA: the K/V tile in
 // shared memory is shared by the q-heads of the group). Online softmax in fp32, exp2 domain.
+// window > 0 (sliding attention): query row t (key index Lc + t) sees key index j only if Lc + t - j < window;
+// window 0 means no lower bound, and then every index below is what it was before windows existed.
 #include "common.cuh"
 // NWARP (warps = query rows per CTA) and KT (keys per tile, one per lane when scoring) come from
 // paged_attention/spec.py through NVRTC -D options: the launcher sizes grid and shared memory from them.
@@ -16,7 +18,7 @@ __device__ __forceinline__ void paged_attention_body(
     int n_dt, const void* __restrict__ pool, int p_dt, int layer, int num_blocks, int block_size,
     const int* __restrict__ block_table, int max_blocks, const int* __restrict__ kv_start,
     const int* __restrict__ kv_len, void* __restrict__ o, int o_dt, int T, int Hq, int Hkv,
-    int causal, float scale) {
+    int causal, int window, float scale) {
   constexpr int E = HD / 32, KS = HD + 1;
   extern __shared__ float smem[];
   float* Qs = smem;               // [NWARP][HD]
@@ -31,6 +33,9 @@ __device__ __forceinline__ void paged_attention_body(
   const int t_last = min(T - 1, ((int)blockIdx.x * NWARP + NWARP - 1) / G);
   const int cta_lim = causal ? Lc + t_last + 1 : Ltot;
   const int lim = causal ? Lc + t + 1 : Ltot;
+  // first visible key of this row / of the CTA's first row (rows of a CTA are ordered by t, so it is the min)
+  const int lo = window > 0 ? max(0, Lc + t - window + 1) : 0;
+  const int cta_lo = window > 0 ? max(0, Lc + ((int)blockIdx.x * NWARP) / G - window + 1) : 0;
   const float qscale = scale * 1.4426950408889634f;
   const i64 qbase = (((i64)b * T + t) * Hq + hq) * HD;
 #pragma unroll
@@ -40,7 +45,7 @@ __device__ __forceinline__ void paged_attention_body(
   float m = -INFINITY, l = 0.f, acc[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) acc[e] = 0.f;
-  for (int j0 = 0; j0 < cta_lim; j0 += KT) {
+  for (int j0 = cta_lo; j0 < cta_lim; j0 += KT) {
     __syncthreads();
     for (int e4 = tid * 4; e4 < KT * HD; e4 += NWARP * 32 * 4) {
       const int j = e4 / HD, d = e4 % HD, jj = j0 + j;
@@ -64,10 +69,12 @@ __device__ __forceinline__ void paged_attention_body(
       vd[0] = vv.x; vd[1] = vv.y; vd[2] = vv.z; vd[3] = vv.w;
     }
     __syncthreads();
-    if (!valid || j0 >= lim) continue;
+    // a tile with no visible key of this row is skipped whole: m stays -inf-free (lo <= Lc + t < lim)
+    if (!valid || j0 >= lim || j0 + KT <= lo) continue;
     const int jj = j0 + lane;
+    const bool vis = jj >= lo && jj < lim;
     float sc = -INFINITY;
-    if (jj < lim) {
+    if (vis) {
       float dot = 0.f;
       const float* kr = Ks + lane * KS;
       const float* qr = Qs + w * HD;
@@ -75,8 +82,8 @@ __device__ __forceinline__ void paged_attention_body(
       for (int d = 0; d < HD; ++d) dot += qr[d] * kr[d];
       sc = dot;
     }
-    const float m_new = fmaxf(m, warp_max(sc));  // finite: key j0 <= lim-1 is always valid here
-    const float p = jj < lim ? exp2f(sc - m_new) : 0.f;
+    const float m_new = fmaxf(m, warp_max(sc));  // finite: some key of [max(j0, lo), lim) is in this tile
+    const float p = vis ? exp2f(sc - m_new) : 0.f;
     const float corr = exp2f(m - m_new);
     l = l * corr + warp_sum(p);
 #pragma unroll
@@ -102,10 +109,10 @@ __device__ __forceinline__ void paged_attention_body(
       const void* q, int q_dt, const void* k_new, const void* v_new, int n_dt, const void* pool,  \
       int p_dt, int layer, int num_blocks, int block_size, const int* block_table,                \
       int max_blocks, const int* kv_start, const int* kv_len, void* o, int o_dt, int T, int Hq,   \
-      int Hkv, int causal, float scale) {                                                         \
+      int Hkv, int causal, int window, float scale) {                                             \
     paged_attention_body<HD>(q, q_dt, k_new, v_new, n_dt, pool, p_dt, layer, num_blocks,          \
                              block_size, block_table, max_blocks, kv_start, kv_len, o, o_dt, T,   \
-                             Hq, Hkv, causal, scale);                                             \
+                             Hq, Hkv, causal, window, scale);                                     \
   }
 PAGED_ATTN(64)
 PAGED_ATTN(128)

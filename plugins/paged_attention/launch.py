@@ -13,15 +13,16 @@ KV_WRITE_THREADS = 128
 
 
 def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, B, T, Hq, Hkv, hd, layer,
-                    num_blocks, block_size, max_blocks, causal, scale, q_dtype="bfloat16", n_dtype=None,
+                    num_blocks, block_size, max_blocks, causal, scale, window=0, q_dtype="bfloat16", n_dtype=None,
                     p_dtype=None, o_dtype=None, stream=0):
-    """o [B,T,Hq,hd] = attention of q over cached rows [kv_start, kv_len) in pages + T new rows."""
+    """o [B,T,Hq,hd] = attention of q over cached rows [kv_start, kv_len) in pages + T new rows
+    (window > 0: sliding, spec.py)."""
     spec.check_dims(B, T, Hq, Hkv, hd, block_size)
     args = [(q, P), (dtype_code(q_dtype, "attn q"), I), (k_new, P), (v_new, P),
             (dtype_code(n_dtype or q_dtype, "attn k/v"), I), (pool, P), (dtype_code(p_dtype or q_dtype, "attn kv pool"), I),
             (layer, I), (num_blocks, I), (block_size, I), (block_table, P), (max_blocks, I), (kv_start, P),
             (kv_len, P), (o, P), (dtype_code(o_dtype or q_dtype, "attn o"), I), (T, I), (Hq, I), (Hkv, I),
-            (int(bool(causal)), I), (scale, F)]
+            (int(bool(causal)), I), (max(int(window), 0), I), (scale, F)]
     G = Hq // Hkv
     grid = ((G * T + spec.NWARP - 1) // spec.NWARP, Hkv, B)
     smem = spec.smem_bytes(hd)

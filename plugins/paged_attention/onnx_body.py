@@ -34,7 +34,17 @@ def body(b: Body):
     causal = b.op("LessOrEqual", b.unsq(t, 0), b.unsq(t, 1))  # [T,T]: s <= t
     new = b.op("Or", causal, b.op("Equal", b.attr("causal", "int"), b.const(0)))
     new = b.op("Expand", b.unsq(new, 0), b.op("Concat", b.dims(q, 0, 2), T, axis=0))
-    mask = b.unsq(b.op("Concat", vis, new, axis=2), 1, 2)  # [B,1,1,T,S]
+    mask = b.op("Concat", vis, new, axis=2)  # [B,T,S]
+    # window W > 0: key index s (cached rows counted from kv_start, then the new rows) visible to row t iff
+    # (kv_len - kv_start) + t - s < W. Cached column j is key index j - kv_start; new column Sc + u is
+    # key index Lc + u. Written as one distance per column: window 0 keeps every column.
+    Lc = b.op("Sub", kl, ks)  # [B,1]
+    qi = b.op("Add", Lc, b.unsq(t, 0))  # [B,T] key index of row t
+    kidx = b.op("Concat", b.op("Sub", j, ks), b.op("Add", Lc, b.unsq(t, 0)), axis=1)  # [B,S]
+    dist = b.op("Sub", b.unsq(qi, 2), b.unsq(kidx, 1))  # [B,T,S]
+    W = b.attr("window", "int")
+    inwin = b.op("Or", b.op("Less", dist, W), b.op("LessOrEqual", W, b.const(0)))
+    mask = b.unsq(b.op("And", mask, inwin), 1, 2)  # [B,1,1,T,S]
     # GQA: q-head h = kv-head h // r -> q as [B,Hkv,r,T,hd]
     q5 = b.op("Reshape", q, b.op("Concat", b.const([0, 0]), b.dims(kn, 2, 3), b.const([-1]), b.dims(q, 3, 4), axis=0))
     q5 = b.t(q5, 0, 2, 3, 1, 4)

@@ -23,12 +23,13 @@ def gather_pages(kv_pool, layer, block_table_row, start, end):
     return kv_pool[layer, 0, pages, offs], kv_pool[layer, 1, pages, offs]
 
 
-def paged_attention_ref(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale):
+def paged_attention_ref(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale, window=0):
     """q [B,T,Hq,hd]; k_new, v_new [B,T,Hkv,hd]; kv_pool [L,2,num_blocks,block_size,Hkv,hd].
 
     block_table [B,max_blocks]; kv_start, kv_len int [B]: cached rows [kv_start, kv_len) are
     attended; the T new rows come logically after them. causal=True: new row t sees all cached rows
     and new rows <= t; causal=False: all cached + all T new rows. GQA: q-head h uses kv-head h // r.
+    window W > 0 (sliding attention): new row t, at key index Lc + t, also needs Lc + t - s < W for key s.
     Softmax in float32 (float64 if inputs are). Returns o [B,T,Hq,hd] in q's dtype.
     """
     B, T, Hq, hd = q.shape
@@ -48,12 +49,14 @@ def paged_attention_ref(q, k_new, v_new, kv_pool, layer, block_table, kv_start, 
         K = K.repeat_interleave(r, dim=1)                                   # [Lc+T, Hq, hd]
         V = V.repeat_interleave(r, dim=1)
         s = torch.einsum("thd,shd->hts", q[b].to(dt), K) * scale            # [Hq, T, Lc+T]
+        t_idx = torch.arange(T, device=q.device)[:, None]
+        s_idx = torch.arange(Lc + T, device=q.device)[None, :]
         if causal:
             # New row t sees cached rows (s < Lc) and new rows s - Lc <= t.
-            t_idx = torch.arange(T, device=q.device)[:, None]
-            s_idx = torch.arange(Lc + T, device=q.device)[None, :]
-            allowed = s_idx <= Lc + t_idx                                   # [T, Lc+T]
-            s = s.masked_fill(~allowed, float("-inf"))
+            s = s.masked_fill(~(s_idx <= Lc + t_idx), float("-inf"))  # [T, Lc+T]
+        if window > 0:
+            # the row itself (distance 0) is always inside, so no row is left without a key
+            s = s.masked_fill(~(Lc + t_idx - s_idx < window), float("-inf"))
         p = torch.softmax(s, dim=-1)
         outs.append(torch.einsum("hts,shd->thd", p, V))
     return torch.stack(outs, dim=0).to(q.dtype)

@@ -1,9 +1,13 @@
 """The spec of PagedAttention and of its commit kernel kv_write (DESIGN §3). Math: reference.py.
 
-PagedAttention(q, k_new, v_new, kv_pool, block_table, kv_start, kv_len; layer, causal, scale) -> o
+PagedAttention(q, k_new, v_new, kv_pool, block_table, kv_start, kv_len; layer, causal, scale, window) -> o
   q [B,T,Hq,hd]; k_new, v_new [B,T,Hkv,hd] (one dtype); kv_pool [L,2,num_blocks,block_size,Hkv,hd]
   (read-only); block_table [B,max_blocks]; kv_start, kv_len [B] (int32 or int64). Row t attends the
   cached logical rows [kv_start, kv_len) of its pages and the T new rows (new rows <= t when causal).
+  window W > 0 (sliding attention): with the Lc = kv_len - kv_start cached rows first, row t (key index Lc + t)
+  sees key index s only if Lc + t - s < W, the window counting the row itself. Callers keep the attended rows
+  at contiguous positions ending just before the new rows, so this is position(q) - position(key) < W.
+  window 0: no window (every earlier behaviour).
   GQA: q-head h reads kv-head h // (Hq/Hkv). o [B,T,Hq,hd] in q's dtype. scale 0 means hd ** -0.5.
 kv_write (runtime commit, all layers in one launch): kv_pool [L,2,num_blocks,block_size,Hkv,hd] in place;
   rows [L,2,B,T,Hkv,hd] (K, V); block_table [B,max_blocks]; pos, n [B]: row t < n[b] of sequence b goes
@@ -67,7 +71,8 @@ SPEC = OpSpec(
             Port("kv_start", "i1", "[B]"), Port("kv_len", "i2", "[B]")),
     outputs=(Port("o", "q", "[B,T,Hq,hd]"),),
     attrs=(Attr("layer", "int", 0, "kv_pool layer"), Attr("causal", "int", 1, "1: new row t sees new rows <= t"),
-           Attr("scale", "float", 0.0, "0: hd ** -0.5")),
+           Attr("scale", "float", 0.0, "0: hd ** -0.5"),
+           Attr("window", "int", 0, "W > 0: key index s visible to row t iff Lc + t - s < W; 0: none")),
     groups={"q": FLOATS, "n": FLOATS, "p": FLOATS, "i0": INTS, "i1": INTS, "i2": INTS},
     output_shapes=_output_shapes,
     check_shapes=_check_shapes,

@@ -2,7 +2,7 @@
 current stream, CPU -> reference.py, plus fake impls. Register all ops through dflash_trt.plugins.torch_ops.
 Index tensors may be int32 or int64.
 
-  paged_attention(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale) -> o
+  paged_attention(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale, window=0) -> o
   kv_write(kv_pool!, rows, block_table, pos, n)   all layers: kv_pool [L,2,blocks,bs,Hkv,hd], rows [L,2,B,T,Hkv,hd]
 """
 from __future__ import annotations
@@ -17,18 +17,18 @@ from dflash_trt.plugins.paged_attention import launch, reference, spec
 
 @torch.library.custom_op("dflash::paged_attention", mutates_args=())
 def paged_attention(q: Tensor, k_new: Tensor, v_new: Tensor, kv_pool: Tensor, layer: int, block_table: Tensor,
-                    kv_start: Tensor, kv_len: Tensor, causal: bool, scale: float) -> Tensor:
+                    kv_start: Tensor, kv_len: Tensor, causal: bool, scale: float, window: int = 0) -> Tensor:
     raise NotImplementedError("dflash::paged_attention: no kernel for this device")
 
 
 @paged_attention.register_kernel("cpu")
-def _paged_attention_cpu(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale):
+def _paged_attention_cpu(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale, window=0):
     return reference.paged_attention_ref(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len,
-                                         causal, scale).contiguous()
+                                         causal, scale, window).contiguous()
 
 
 @paged_attention.register_kernel("cuda")
-def _paged_attention_cuda(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale):
+def _paged_attention_cuda(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale, window=0):
     B, T, Hq, hd = q.shape
     Hkv = k_new.shape[2]
     L, _, NB, BS = kv_pool.shape[:4]
@@ -42,13 +42,14 @@ def _paged_attention_cuda(q, k_new, v_new, kv_pool, layer, block_table, kv_start
     launch.paged_attention(q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), kv_pool.data_ptr(), bt.data_ptr(),
                            ks.data_ptr(), kl.data_ptr(), o.data_ptr(), B=B, T=T, Hq=Hq, Hkv=Hkv, hd=hd, layer=layer,
                            num_blocks=NB, block_size=BS, max_blocks=bt.shape[1], causal=causal, scale=scale,
+                           window=window,
                            q_dtype=U.dname(q), n_dtype=U.dname(k_new), p_dtype=U.dname(kv_pool), o_dtype=U.dname(o),
                            stream=U.stream(q))
     return o
 
 
 @paged_attention.register_fake
-def _paged_attention_fake(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale):
+def _paged_attention_fake(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len, causal, scale, window=0):
     return torch.empty_like(q)
 
 

@@ -39,5 +39,6 @@ class PagedAttentionPlugin(DflashPlugin):
         scale = self.attrs["scale"] or hd ** -0.5
         launch.paged_attention(i[0], i[1], i[2], i[3], bt, ks, kl, o[0], B=B, T=T, Hq=Hq, Hkv=Hkv, hd=hd,
                                layer=self.attrs["layer"], num_blocks=NB, block_size=BS, max_blocks=d[4][1],
-                               causal=bool(self.attrs["causal"]), scale=scale, q_dtype=it[0], n_dtype=it[1],
+                               causal=bool(self.attrs["causal"]), scale=scale, window=int(self.attrs["window"]),
+                               q_dtype=it[0], n_dtype=it[1],
                                p_dtype=it[3], o_dtype=ot[0], stream=stream)

@@ -50,14 +50,15 @@ class FakeLaunch:
         view(y, (B, T, C), y_dtype).copy_(r)
 
     def paged_attention(self, q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, B, T, Hq, Hkv, hd, layer,
-                        num_blocks, block_size, max_blocks, causal, scale, q_dtype, n_dtype, p_dtype, o_dtype, stream):
+                        num_blocks, block_size, max_blocks, causal, scale, window, q_dtype, n_dtype, p_dtype, o_dtype,
+                        stream):
         self.calls.append(("attn", stream))
         L = self.L
         r = attention_ref.paged_attention_ref(
             view(q, (B, T, Hq, hd), q_dtype), view(k_new, (B, T, Hkv, hd), n_dtype), view(v_new, (B, T, Hkv, hd), n_dtype),
             view(pool, (L, 2, num_blocks, block_size, Hkv, hd), p_dtype), layer,
             view(block_table, (B, max_blocks), "int32").long(), view(kv_start, (B,), "int32").long(),
-            view(kv_len, (B,), "int32").long(), causal, scale)
+            view(kv_len, (B,), "int32").long(), causal, scale, window)
         view(o, (B, T, Hq, hd), o_dtype).copy_(r)
 
 
