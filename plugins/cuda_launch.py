@@ -17,14 +17,14 @@ from dflash_trt.plugins.opspec import check_arch
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
-def _cu():
+def driver():
     from cuda.bindings import driver
     return driver
 
 
 def check(res, what):
     """Unwrap a cuda-python driver result; RuntimeError naming `what` on failure."""
-    cu = _cu()
+    cu = driver()
     err = res[0] if isinstance(res, tuple) else res
     if err != cu.CUresult.CUDA_SUCCESS:
         _, name = cu.cuGetErrorName(err)
@@ -40,7 +40,7 @@ _modules: dict = {}
 
 def _context():
     """The current CUDA context; retains + sets device 0's primary context if none is current."""
-    cu = _cu()
+    cu = driver()
     check(cu.cuInit(0), "cuInit")
     ctx = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
     if int(ctx) == 0:
@@ -51,7 +51,7 @@ def _context():
 
 
 def device_arch() -> tuple:
-    cu = _cu()
+    cu = driver()
     _context()
     dev = check(cu.cuCtxGetDevice(), "cuCtxGetDevice")
     A = cu.CUdevice_attribute
@@ -71,22 +71,22 @@ def get_function(source: str, name: str, max_dynamic_smem: int = 0):
             arch = device_arch()
             check_arch(arch)
             image = nvrtc.compile_source(source, f"sm_{arch[0]}{arch[1]}")
-            mod = check(_cu().cuModuleLoadData(image), f"cuModuleLoadData({source})")
+            mod = check(driver().cuModuleLoadData(image), f"cuModuleLoadData({source})")
             entry = _modules[key] = (mod, {})
         mod, funcs = entry
         fn = funcs.get(name)
         if fn is None:
-            fn = check(_cu().cuModuleGetFunction(mod, name.encode()), f"cuModuleGetFunction({name})")
+            fn = check(driver().cuModuleGetFunction(mod, name.encode()), f"cuModuleGetFunction({name})")
             if max_dynamic_smem:
-                A = _cu().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                check(_cu().cuFuncSetAttribute(fn, A, max_dynamic_smem), "cuFuncSetAttribute")
+                A = driver().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                check(driver().cuFuncSetAttribute(fn, A, max_dynamic_smem), "cuFuncSetAttribute")
             funcs[name] = fn
         return fn
 
 
 def launch(fn, grid, block, smem, stream, args) -> None:
     """cuLaunchKernel with `args` as (value, P | I | F) pairs, asynchronously on `stream`."""
-    cu = _cu()
+    cu = driver()
     vals = tuple(int(a) if t in (P, I) else float(a) for a, t in args)
     types = tuple(t for _, t in args)
     check(cu.cuLaunchKernel(fn, *grid, *block, smem, cu.CUstream(int(stream)), (vals, types), 0), "cuLaunchKernel")

@@ -19,6 +19,8 @@ import gc
 import numpy as np
 import torch
 
+from dflash_trt.plugins.cuda_launch import check as _ck
+from dflash_trt.plugins.cuda_launch import driver as _driver
 from dflash_trt.runtime.devices.torch_cpu import TorchStepIO
 from dflash_trt.runtime.devices.torch_device import _DTYPES, TorchDevice
 
@@ -26,22 +28,6 @@ from dflash_trt.runtime.devices.torch_device import _DTYPES, TorchDevice
 class CudaUnavailable(RuntimeError):
     """--device cuda on a machine without a usable CUDA GPU."""
 
-
-def _driver():
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _ck(res, what: str):
-    cu = _driver()
-    err = res[0] if isinstance(res, tuple) else res
-    if err != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(err)
-        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
-    if isinstance(res, tuple):
-        return res[1] if len(res) == 2 else res[1:]
-    return None
 
 
 def require_cuda() -> None:
