@@ -27,7 +27,7 @@ from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.pools import PoolExhausted
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.runtime.snapshot import SnapshotError, SnapshotMismatch, read_meta
-from dflash_trt.tools.tiny import make_tiny_pair
+from dflash_trt.tools.tiny import KERNEL_SHAPES, make_tiny_pair
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SIZES = PoolSizes(kv_blocks=64, page_size=4, max_seq_len=256, max_seqs=2, dkv_blocks=64, ctx_window=12,
@@ -351,10 +351,7 @@ def test_save_replaces_atomically_and_refuses_foreign_paths(tmp_path, pair, full
 
 @pytest.fixture(scope="module")
 def kernel_dirs(tmp_path_factory):
-    """Head dims our CUDA kernels support (as tests/test_torch_device.py)."""
-    return make_tiny_pair(str(tmp_path_factory.mktemp("k")), seed=5,
-                          target_over=dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=32),
-                          drafter_over=dict(head_dim=64))
+    return make_tiny_pair(str(tmp_path_factory.mktemp("k")), seed=5, **KERNEL_SHAPES)
 
 
 @pytest.mark.gpu

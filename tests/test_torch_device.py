@@ -11,7 +11,7 @@ from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.devices.torch_device import TorchDevice
 from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.runtime import Runtime
-from dflash_trt.tools.tiny import make_tiny_pair
+from dflash_trt.tools.tiny import KERNEL_SHAPES, make_tiny_pair
 
 SIZES = PoolSizes(kv_blocks=64, page_size=4, max_seq_len=256, max_seqs=2, dkv_blocks=64, ctx_window=12,
                   prefill_chunk=16)
@@ -48,10 +48,7 @@ def test_torch_device_matches_host_device(dirs):
 
 @pytest.fixture(scope="module")
 def kernel_dirs(tmp_path_factory):
-    """Head dims our CUDA kernels support (GDN dk 64, dv 32; attention head_dim 64)."""
-    return make_tiny_pair(str(tmp_path_factory.mktemp("k")), seed=5,
-                          target_over=dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=32),
-                          drafter_over=dict(head_dim=64))
+    return make_tiny_pair(str(tmp_path_factory.mktemp("k")), seed=5, **KERNEL_SHAPES)
 
 
 @pytest.mark.gpu

@@ -56,6 +56,12 @@ def _randomize(module: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() == 3 else 0.08))
 
 
+# the smallest tiny-pair shapes our CUDA kernels take (GDN dk 64, dv a multiple of 32; attention head_dim 64):
+# make_tiny_pair(dir, **KERNEL_SHAPES) for GPU tests
+KERNEL_SHAPES = dict(target_over=dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=32),
+                     drafter_over=dict(head_dim=64))
+
+
 def make_tiny_pair(out_dir: str, seed: int = 0, target_over: dict | None = None,
                    drafter_over: dict | None = None) -> tuple[str, str]:
     """Writes out_dir/target and out_dir/drafter; returns their paths."""
