@@ -12,7 +12,10 @@ target_k{K} / target_prefill (T = K, or the prefill chunk):
        (+ logits[B,T,V] f32 when sampling)
 drafter_ctx (R rows):  in: ctx_hidden[B,R,n_taps*H], positions[B,R]  out: dkv_rows[Ld,2,B,R,Hkv_d,hd_d]
 drafter_block:         in: block_ids[B,Bs], positions[B,Bs], block_table[B,MBd], kv_start[B], kv_len[B], dkv_pool
-                       out: drafts[B,Bs-1] i64 (+ logits[B,Bs,V])
+                       out: drafts[B,Bs-1] i64 (+ logits[B,Bs,V])          Bs = the drafter's block_size
+drafter_block_b{Bs}:   the same for a shorter block of Bs = γ+1 slots (γ drafts, 2 <= Bs < block_size): the
+                       reference runs a block of γ+1 slots for γ drafts, and with a non-causal block those drafts
+                       differ from the first γ of a full block. One per verify width K = Bs of the manifest.
 """
 from __future__ import annotations
 
@@ -51,6 +54,28 @@ def parse_target_graph(name: str) -> int | None:
     if name.startswith("target_k") and name[8:].isdigit():
         return int(name[8:])
     return None
+
+
+def drafter_block_graph(bs: int, block_size: int) -> str:
+    """The drafter block graph of Bs = bs slots (γ = bs - 1 drafts) for a drafter of block_size."""
+    if not 2 <= bs <= block_size:
+        raise ValueError(f"drafter block of {bs} slots outside 2..block_size={block_size}")
+    return DRAFTER_BLOCK if bs == block_size else f"{DRAFTER_BLOCK}_b{bs}"
+
+
+def parse_drafter_block(name: str, block_size: int) -> int | None:
+    """'drafter_block' -> block_size; 'drafter_block_b4' -> 4; any other name -> None."""
+    if name == DRAFTER_BLOCK:
+        return block_size
+    tail = name[len(DRAFTER_BLOCK) + 2:]
+    if name.startswith(DRAFTER_BLOCK + "_b") and tail.isdigit() and 2 <= int(tail) < block_size:
+        return int(tail)
+    return None
+
+
+def drafter_block_lens(ks, block_size: int) -> list[int]:
+    """Block lengths exported for verify widths ks: every K = γ+1 in 2..block_size-1, plus the full block."""
+    return sorted({int(k) for k in ks if 2 <= int(k) < block_size} | {block_size})
 
 
 def ctx_block_table_width(window: int, page_size: int, max_append: int) -> int:
@@ -131,8 +156,8 @@ def graph_io(name: str, t: TargetConfig, d: DrafterConfig | None, s: PoolSizes, 
         R = s.max_append
         ins = [("ctx_hidden", (B, R, n_taps * t.hidden_size), kv_dtype), ("positions", (B, R), "int64")]
         return ins, [("dkv_rows", (d.num_layers, 2, B, R, d.num_kv_heads, d.head_dim), kv_dtype)]
-    if name == DRAFTER_BLOCK:
-        Bs = d.block_size
+    Bs = parse_drafter_block(name, d.block_size)
+    if Bs is not None:
         ins = [("block_ids", (B, Bs), "int64"), ("positions", (B, Bs), "int64"),
                ("block_table", (B, s.max_ctx_blocks), "int64"), ("kv_start", (B,), "int64"),
                ("kv_len", (B,), "int64"), ("dkv_pool", *pools["dkv_pool"])]

@@ -18,8 +18,8 @@ from dataclasses import asdict, fields
 
 import numpy as np
 
-from dflash_trt.abi import (DRAFTER_BLOCK, DRAFTER_CTX, MAX_K, PREFILL, PoolSizes, graph_io, parse_target_graph, pool_specs,
-                            target_graph)
+from dflash_trt.abi import (DRAFTER_CTX, MAX_K, PREFILL, PoolSizes, drafter_block_graph, drafter_block_lens,
+                            graph_io, parse_target_graph, pool_specs, target_graph)
 from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, read_json
 from dflash_trt.hashing import sha256_files
 
@@ -36,9 +36,13 @@ def _io_json(specs):
     return [{"name": n, "shape": list(s), "dtype": d} for n, s, d in specs]
 
 
-def expected_graphs(ks, with_drafter: bool) -> list[str]:
+def expected_graphs(ks, block_size: int | None) -> list[str]:
+    """The graphs of a manifest for verify widths ks; block_size None: no drafter. A drafter block graph per
+    block length γ+1 in ks (abi.drafter_block_lens) besides the full one."""
     names = [target_graph(k) for k in ks] + [PREFILL]
-    return names + ([DRAFTER_CTX, DRAFTER_BLOCK] if with_drafter else [])
+    if block_size is None:
+        return names
+    return names + [DRAFTER_CTX] + [drafter_block_graph(bs, block_size) for bs in drafter_block_lens(ks, block_size)]
 
 
 class Manifest:
@@ -112,7 +116,7 @@ class Manifest:
             tcfg, dcfg, sizes = self.target_config, self.drafter_config, self.sizes
         except (TypeError, ValueError) as e:
             raise ManifestError(f"{path}: bad config/sizes record ({e})") from None
-        want = expected_graphs(self.ks, dcfg is not None)
+        want = expected_graphs(self.ks, dcfg.block_size if dcfg is not None else None)
         missing = [g for g in want if g not in self.data["graphs"]]
         if missing:
             raise ManifestError(f"{path}: graph(s) {missing} missing from 'graphs' (K list {self.ks})")

@@ -5,9 +5,12 @@ Two graphs (DESIGN §4):
       c = hidden_norm(fc(concat(taps))); K = RoPE(k_norm(k_proj c)) at the rows' absolute positions;
       V = v_proj c. c never goes through the drafter MLPs.
   block(block_ids, positions, ctx pages) -> drafts
-      block = [bonus, MASK×(Bs-1)] embedded with the target's embedding; queries only from the block;
-      attention to the visible ctx K/V and bidirectionally within the block; output slot j predicts
-      the token at slot j; drafts = argmax(target_lm_head(norm(h)))[1:]. One forward, no denoising.
+      block = [bonus, MASK×γ] (Bs = γ+1 slots; a graph per block length) embedded with the target's embedding
+      × input_embedding_scale; queries only from the block; per layer (cfg.layer_causal / layer_window):
+      full_attention bidirectional over the visible ctx K/V and the block, sliding_attention causal within the
+      block and a window (p - key < sliding_window); output slot j predicts the token at slot j;
+      logits = target_lm_head(norm(h)) × output_multiplier, then c·tanh(·/c) softcapping;
+      drafts = argmax(logits)[1:]. One forward, no denoising.
 RMSNorms here are plain Qwen3 (x̂·w), not zero-centred.
 """
 from __future__ import annotations
@@ -19,6 +22,19 @@ from torch import nn
 from dflash_trt.config import DrafterConfig
 from dflash_trt.plugins import ops
 from dflash_trt.export.target import MLP, RMSNorm, apply_rope, rope_cos_sin
+
+
+def final_logits(cfg: DrafterConfig, logits):
+    """× output_multiplier, then c·tanh(logits/c) when final_logit_softcapping = c > 0 (fp32)."""
+    if cfg.output_multiplier != 1.0:
+        logits = logits * cfg.output_multiplier
+    c = cfg.final_logit_softcapping
+    return c * torch.tanh(logits / c) if c > 0 else logits
+
+
+def embed_block(cfg: DrafterConfig, embed, ids, dtype):
+    h = embed(ids).to(dtype)
+    return h * cfg.input_embedding_scale if cfg.input_embedding_scale != 1.0 else h
 
 
 class DrafterAttention(nn.Module):
@@ -80,24 +96,26 @@ class Drafter(nn.Module):
         return {"dkv_rows": torch.stack(rows)}
 
     def block(self, block_ids, positions, block_table, kv_start, kv_len, dkv_pool, want_logits=False):
-        """block_ids/positions [B,Bs]; the ctx rows [kv_start, kv_len) of each sequence's drafter pages.
-        Returns {'drafts': [B,Bs-1] int64} (+ 'logits' [B,Bs,V])."""
+        """block_ids/positions [B,Bs] (Bs = γ+1 <= block_size); the ctx rows [kv_start, kv_len) of each
+        sequence's drafter pages, at the contiguous positions just before the block (the sliding windows count
+        keys by that). Returns {'drafts': [B,Bs-1] int64} (+ 'logits' [B,Bs,V])."""
         if not self._target:
             raise RuntimeError("Drafter.block needs the target's embedding and lm_head: call bind_target(target)")
         embed, lm_head = self._target
         cfg = self.cfg
         B, Bs = block_ids.shape
-        h = embed(block_ids).to(self.fc.weight.dtype)
+        h = embed_block(cfg, embed, block_ids, self.fc.weight.dtype)
         cos, sin = self._rope(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             att = layer.self_attn
             x = layer.input_layernorm(h)
             q = apply_rope(att.q_norm(att.q_proj(x).view(B, Bs, cfg.num_heads, cfg.head_dim)), cos, sin)
             k, v = att.kv(x, cos, sin)
-            o = ops.paged_attention(q, k, v, dkv_pool, i, block_table, kv_start, kv_len, False, cfg.head_dim**-0.5)
+            o = ops.paged_attention(q, k, v, dkv_pool, i, block_table, kv_start, kv_len, cfg.layer_causal(i),
+                                    cfg.head_dim**-0.5, cfg.layer_window(i))
             h = h + att.o_proj(o.reshape(B, Bs, cfg.num_heads * cfg.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = lm_head(self.norm(h).to(lm_head.weight.dtype)).float()
+        logits = final_logits(cfg, lm_head(self.norm(h).to(lm_head.weight.dtype)).float())
         out = {"drafts": logits[:, 1:].argmax(-1)}
         if want_logits:
             out["logits"] = logits
@@ -108,23 +126,34 @@ class Drafter(nn.Module):
         (tests/test_train.py checks it against them). ctx_hidden [B,R,n_taps*H_target] at ctx_positions
         [B,R]; block_ids / block_positions [B, n_blocks*Bs]: n_blocks blocks side by side per row of the
         batch (training puts many anchors of one sequence in one row, so the ctx projections run once),
-        each attending bidirectionally to its own block only; ctx_mask [B, n_blocks*Bs, R] bool
-        (True = may attend) says which ctx rows each block row sees (None: all).
+        each attending to its own block only (causal and windowed per layer as block()); ctx_mask
+        [B, n_blocks*Bs, R] bool (True = may attend) says which ctx rows each block row sees (None: all);
+        sliding layers further keep only keys with block_position - key_position < sliding_window.
         Returns logits [B, n_blocks*Bs, V] fp32."""
         embed, lm_head = self._target
         cfg = self.cfg
         B, N = block_ids.shape
         c = self.hidden_norm(self.fc(ctx_hidden.to(self.fc.weight.dtype)))
         ccos, csin = self._rope(ctx_positions, c.dtype)
-        h = embed(block_ids).to(c.dtype)
+        h = embed_block(cfg, embed, block_ids, c.dtype)
         cos, sin = self._rope(block_positions, h.dtype)
-        mask = None
-        if ctx_mask is not None or n_blocks > 1:
-            blk = torch.arange(N, device=h.device) // (N // n_blocks)
-            own = (blk[:, None] == blk[None, :]).expand(B, N, N)
-            cm = ctx_mask if ctx_mask is not None else own.new_ones(B, N, c.shape[1])
-            mask = torch.cat([cm, own], -1)[:, None]  # [B,1,N,R+N]
-        for layer in self.layers:
+        idx = torch.arange(N, device=h.device)
+        blk = idx // (N // n_blocks)
+        own = (blk[:, None] == blk[None, :]).expand(B, N, N)
+        cm = ctx_mask if ctx_mask is not None else own.new_ones(B, N, c.shape[1])
+        qpos = block_positions[:, :, None]
+        dist = torch.cat([qpos - ctx_positions[:, None, :], qpos - block_positions[:, None, :]], -1)  # [B,N,R+N]
+
+        def layer_mask(i):  # [B,1,N,R+N]; None when every key is visible (plain SDPA)
+            if ctx_mask is None and n_blocks == 1 and not cfg.layer_causal(i) and not cfg.layer_window(i):
+                return None
+            m = torch.cat([cm, own & (idx[None, :] <= idx[:, None]) if cfg.layer_causal(i) else own], -1)
+            if cfg.layer_window(i):
+                m = m & (dist < cfg.layer_window(i))
+            return m[:, None]
+
+        for i, layer in enumerate(self.layers):
+            mask = layer_mask(i)
             att = layer.self_attn
             x = layer.input_layernorm(h)
             q = apply_rope(att.q_norm(att.q_proj(x).view(B, N, cfg.num_heads, cfg.head_dim)), cos, sin)
@@ -137,4 +166,4 @@ class Drafter(nn.Module):
             )
             h = h + att.o_proj(o.transpose(1, 2).reshape(B, N, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return lm_head(self.norm(h)).float()
+        return final_logits(cfg, lm_head(self.norm(h)).float())

@@ -2,7 +2,7 @@
 (export/onnx_export.py traces it) and the torch backend (runtime/backends/torch_backend.py runs it)."""
 from __future__ import annotations
 
-from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, parse_target_graph
+from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, parse_drafter_block, parse_target_graph
 
 
 def run_graph(name: str, target, drafter, x: dict, want_logits: bool = False) -> dict:
@@ -15,7 +15,10 @@ def run_graph(name: str, target, drafter, x: dict, want_logits: bool = False) ->
         raise ValueError(f"graph '{name}' needs a drafter")
     if name == DRAFTER_CTX:
         return drafter.ctx(x["ctx_hidden"], x["positions"])
-    if name == DRAFTER_BLOCK:
+    bs = parse_drafter_block(name, drafter.cfg.block_size)
+    if bs is not None:  # the block length is the inputs' (drafter.block runs any Bs)
+        if x["block_ids"].shape[1] != bs:
+            raise ValueError(f"graph '{name}' runs blocks of {bs} slots, got block_ids {tuple(x['block_ids'].shape)}")
         return drafter.block(x["block_ids"], x["positions"], x["block_table"], x["kv_start"], x["kv_len"],
                              x["dkv_pool"], want_logits=want_logits)
     raise ValueError(f"unknown graph '{name}' (expected target_k<K>, {PREFILL}, {DRAFTER_CTX}, {DRAFTER_BLOCK})")

@@ -170,7 +170,7 @@ def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSiz
     os.makedirs(tmp)
     man.root = tmp
     try:
-        names = expected_graphs(man.ks, drafter is not None)
+        names = expected_graphs(man.ks, drafter.cfg.block_size if drafter is not None else None)
         for i, name in enumerate(names, 1):
             t0 = time.perf_counter()
             info = export_graph(name, target, drafter, sizes, os.path.join(tmp, name + ".onnx"), batch=batch,

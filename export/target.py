@@ -276,6 +276,11 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def _tap(self, i: int, h):
+        """Tap id i = the residual stream after layer i, as HF's hidden_states[i+1]: for the last layer that is
+        the value after the final norm (what the DFlash reference trains and runs on, DESIGN §2b)."""
+        return self.norm(h) if i == len(self.layers) - 1 else h
+
     def logits(self, h):
         return self.lm_head(self.norm(h)).float()
 
@@ -310,7 +315,7 @@ class TargetModel(nn.Module):
                      else layer.linear_attn.forward_dense(x))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in self.tap_ids:
-                taps[i] = h
+                taps[i] = self._tap(i, h)
         return {"logits": self.logits(h) if want_logits else None,
                 "ctx_hidden": torch.cat([taps[t] for t in self.tap_ids], -1) if self.tap_ids else None}
 
@@ -342,7 +347,7 @@ class TargetModel(nn.Module):
             h = h + y
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in self.tap_ids:
-                taps[i] = h
+                taps[i] = self._tap(i, h)
         logits = self.logits(h)
         out = {
             "argmax": logits.argmax(-1),

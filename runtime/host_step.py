@@ -10,7 +10,7 @@ import contextlib
 
 import numpy as np
 
-from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, target_graph
+from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
 from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, StepResult
 from dflash_trt.runtime.commit import WriteTables, write
 
@@ -98,10 +98,10 @@ class HostStepExecutor:
             n = live.copy()
         elif plan.kind == SPEC:
             d, g = rt.dcfg, plan.gamma
-            Bs = d.block_size
+            Bs = g + 1  # γ drafts come from a block of γ+1 slots, as the reference runs them
             block = np.full((plan.bucket, Bs), d.mask_token_id, dtype=np.int64)
             block[:, :1] = bonus
-            drafts = rt.backend.run(DRAFTER_BLOCK, {
+            drafts = rt.backend.run(drafter_block_graph(Bs, d.block_size), {
                 "block_ids": block, "positions": x["seq_len"][:, None] + np.arange(Bs, dtype=np.int64)[None],
                 "block_table": x["ctx_table"], "kv_start": x["kv_start"], "kv_len": x["kv_len"],
                 "dkv_pool": rt.pools["dkv_pool"],

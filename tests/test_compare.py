@@ -37,7 +37,7 @@ def test_compare_torch_vs_ort_passes(exported, tiny_pair, capsys):
     assert rep.ok and rep.kl and max(k for *_, k in rep.kl) < 1e-6
     graphs = {s.graph for s in rep.stats.values()}
     assert graphs == {"target_prefill", "target_k1", "target_k2", "target_k4", "target_k16", "drafter_ctx",
-                      "drafter_block"}
+                      "drafter_block", "drafter_block_b2", "drafter_block_b4"}  # a block of γ+1 slots per K
     assert all(s.max_abs <= 1e-4 for s in rep.stats.values())
 
 

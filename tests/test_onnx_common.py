@@ -53,7 +53,7 @@ class OracleDrafter:
         self.name, self.kv_dtype = "oracle+" + backend.name, backend.kv_dtype
 
     def run(self, graph, inputs):
-        if graph != DRAFTER_BLOCK:
+        if not graph.startswith(DRAFTER_BLOCK):  # drafter_block or drafter_block_b{γ+1}
             return self.backend.run(graph, inputs)
         Bs = inputs["block_ids"].shape[1]
         start = inputs["positions"][:, 0]  # position of the bonus token

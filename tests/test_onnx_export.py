@@ -8,7 +8,8 @@ import numpy as np
 import onnx
 import pytest
 
-from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, PoolSizes, target_graph
+from dflash_trt.abi import (DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, PoolSizes, drafter_block_graph, drafter_block_lens,
+                            target_graph)
 from dflash_trt.hashing import sha256_files
 from dflash_trt.manifest import Manifest, ManifestError
 from test_onnx_common import KS, PROMPT, SIZES, OracleDrafter, exported, tiny_pair, torch_backend  # noqa: F401
@@ -19,7 +20,8 @@ from dflash_trt.runtime.gating import Gate  # noqa: E402
 from dflash_trt.runtime.runtime import Runtime  # noqa: E402
 from dflash_trt.runtime.load import ByteCodec  # noqa: E402
 
-GRAPHS = [target_graph(k) for k in KS] + [PREFILL, DRAFTER_CTX, DRAFTER_BLOCK]
+# a drafter block graph per verify width K = γ+1 below the full block (the reference's γ+1-slot blocks)
+GRAPHS = [target_graph(k) for k in KS] + [PREFILL, DRAFTER_CTX] + [drafter_block_graph(b, 16) for b in drafter_block_lens(KS, 16)]
 NEW = 64
 
 

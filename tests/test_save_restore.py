@@ -49,7 +49,7 @@ class Recorder:
 
     def run(self, graph, inputs):
         out = self.inner.run(graph, inputs)
-        if graph == DRAFTER_BLOCK:
+        if graph.startswith(DRAFTER_BLOCK):  # drafter_block or drafter_block_b{γ+1}
             self.drafts.append(np.asarray(out["drafts"]).tolist())
         return out
 

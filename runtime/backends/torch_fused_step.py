@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, target_graph
+from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
 from dflash_trt.export.graphs import run_graph
 from dflash_trt.runtime.commit import WriteTables, write
 
@@ -103,14 +103,14 @@ class FusedSteps:
         seq_len, bonus = self.state.seq_len[b["srow"]], self.state.bonus[b["srow"]]
         B = seq_len.shape[0]
         kv_start, kv_len = self._window(b, seq_len)
-        block = torch.full((B, d.block_size), d.mask_token_id, dtype=torch.int64, device=seq_len.device)
+        K = gamma + 1  # γ drafts come from a block of γ+1 slots, as the reference runs them
+        block = torch.full((B, K), d.mask_token_id, dtype=torch.int64, device=seq_len.device)
         block[:, 0] = bonus
-        bpos = seq_len[:, None] + torch.arange(d.block_size, device=seq_len.device)[None]
-        drafts = run_graph(DRAFTER_BLOCK, self.target, self.drafter, {
+        bpos = seq_len[:, None] + torch.arange(K, device=seq_len.device)[None]
+        drafts = run_graph(drafter_block_graph(K, d.block_size), self.target, self.drafter, {
             "block_ids": block, "positions": bpos, "block_table": b["ctx_table"], "kv_start": kv_start,
-            "kv_len": kv_len, "dkv_pool": self.pools["dkv_pool"]})["drafts"][:, :gamma]
-        K = gamma + 1
-        pos = bpos[:, :K]
+            "kv_len": kv_len, "dkv_pool": self.pools["dkv_pool"]})["drafts"]
+        pos = bpos
         out = self._target(target_graph(K), torch.cat([bonus[:, None], drafts], 1), pos, b, seq_len)
         am = out["argmax"]
         # accepted = longest prefix with draft_i == argmax_i (a running product of matches)
