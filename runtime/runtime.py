@@ -16,22 +16,38 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dflash_trt.abi import PoolSizes, ctx_block_table_width, pool_specs
 from dflash_trt.runtime import commit, snapshot
-from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, pad_rows
+from dflash_trt.runtime.batching import BUCKETS, DECODE, SPEC, StepPlan, pad_rows
 from dflash_trt.runtime.ctx import CtxWindow
 from dflash_trt.runtime.devices.host import HostDevice
 from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.host_step import HostStepExecutor
 from dflash_trt.runtime.pools import BlockAllocator, SlotPool
-from dflash_trt.runtime.scheduler import FAILED, Scheduler
-from dflash_trt.runtime.sequence import Sequence
+from dflash_trt.runtime.scheduler import FAILED, Request, Scheduler
+from dflash_trt.runtime.sequence import Sequence, SequenceError, token_ids
 
 LOOKAHEAD_ROWS = 16  # the widest verify step: the extra ctx rows reserved while one step is in flight
 
 
 class CapacityError(ValueError):
     """A request does not fit the runtime's sizes (prompt + new tokens over max_seq_len, ...)."""
+
+
+class GammaError(ValueError):
+    """gamma (drafts per spec step) is not an integer in 1..block_size-1 of the drafter."""
+
+
+def check_gamma(gamma, block_size: int) -> int:
+    """gamma (drafts per step) against the drafter's block size: 1..block_size-1. Callers check it before
+    loading weights or exporting graphs, so a bad --gamma costs nothing."""
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)):
+        raise GammaError(f"gamma must be an integer, got {gamma!r}")
+    if not 1 <= gamma <= block_size - 1:
+        raise GammaError(f"gamma {gamma} outside [1, block_size-1={block_size - 1}] of this drafter")
+    return int(gamma)
 
 
 @dataclass
@@ -95,43 +111,89 @@ class Runtime:
         self.scheduler: Scheduler | None = None
 
     # ---- sequence lifetime ----------------------------------------------------------------
-    def check_prompt(self, prompt) -> None:
-        if len(prompt) == 0:
+    def check_prompt(self, prompt) -> list[int]:
+        """The prompt as Python ints; TokenIdError for a non-integer or out-of-vocabulary id (never truncated)."""
+        ids = token_ids(prompt, self.tcfg.vocab_size)
+        if len(ids) == 0:
             raise CapacityError("empty prompt: at least one token is needed")
-        bad = [t for t in prompt if not 0 <= int(t) < self.tcfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} outside the vocabulary [0, {self.tcfg.vocab_size})")
+        return ids
 
-    def check_request(self, prompt, max_new_tokens: int, K: int) -> None:
-        """Bad input fails here, before any pool is touched."""
-        self.check_prompt(prompt)
+    def check_request(self, prompt, max_new_tokens: int, K: int) -> list[int]:
+        """Bad input fails here, before any pool is touched; returns the prompt as Python ints."""
+        ids = self.check_prompt(prompt)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+            raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        need = len(prompt) + max_new_tokens + K * (1 + self.executor.max_inflight)
+        need = len(ids) + max_new_tokens + K * (1 + self.executor.max_inflight)
         if need > self.sizes.max_seq_len:
             raise CapacityError(
-                f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens (+ verify width) needs {need} "
+                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens (+ verify width) needs {need} "
                 f"positions; this runtime holds max_seq_len={self.sizes.max_seq_len}"
             )
+        return ids
+
+    def _check_seq(self, seq, api: str = "step") -> None:
+        """A handle this runtime may act on: its own, not released, not driven by the scheduler."""
+        if not isinstance(seq, Sequence):
+            raise SequenceError(f"{api}: expected a Sequence of this runtime, got {type(seq).__name__}")
+        if seq.owner is not self:
+            raise SequenceError(f"{api}: sequence {seq.seq_id} belongs to another Runtime (its pools hold its state)")
+        if not seq.live:
+            raise SequenceError(f"{api}: sequence {seq.seq_id} was released; add a new sequence")
+        if seq.managed and api != "_scheduler":
+            raise SequenceError(f"{api}: sequence {seq.seq_id} is a scheduler request's; use step()/release_request()")
+
+    def _check_batch(self, seqs, api: str) -> list:
+        """Every handle of a step validated before any page is reserved or any row written."""
+        seqs = list(seqs)
+        if not seqs:
+            raise SequenceError(f"{api}: no sequences given")
+        if len(seqs) > BUCKETS[-1]:
+            raise SequenceError(f"{api}: a step holds at most {BUCKETS[-1]} sequences, got {len(seqs)}")
+        seen = set()
+        for s in seqs:
+            self._check_seq(s, api)
+            if id(s) in seen:
+                raise SequenceError(f"{api}: sequence {s.seq_id} appears twice in one batch")
+            seen.add(id(s))
+            if s.bonus is None:
+                raise SequenceError(f"{api}: sequence {s.seq_id} has not been prefilled; call prefill() first")
+        return seqs
 
     def add_sequence(self, prompt: list[int]) -> Sequence:
-        self.check_prompt(prompt)
+        ids = self.check_prompt(prompt)
+        if self.sizes.max_seq_len < len(ids) + 1:  # prefill() could never finish: refuse before taking a slot
+            raise CapacityError(f"prompt of {len(ids)} tokens does not fit max_seq_len={self.sizes.max_seq_len}")
         slot = self.slots.alloc()
+        self._zero_slot(slot)
+        seq = Sequence(self._next_id, ids, slot, self.sizes.max_blocks, ctx=self._new_ctx(), owner=self)
+        self._next_id += 1
+        return seq
+
+    def _new_ctx(self):
+        if self.dcfg is None:
+            return None
+        return CtxWindow(self.sizes.ctx_window, self.sizes.page_size, self.dkv_alloc, self.ctx_append,
+                         auto_slide=not self.executor.ahead)
+
+    def _zero_slot(self, slot: int) -> None:
         for name in ("gdn_pool", "conv_pool"):  # a fresh sequence starts from zero state
             zero = getattr(self.device, "zero_slot", None)
             if zero is not None:
                 zero(self.pools[name], slot)
             else:
                 self.pools[name][:, slot] = 0
-        ctx = None
-        if self.dcfg is not None:
-            ctx = CtxWindow(self.sizes.ctx_window, self.sizes.page_size, self.dkv_alloc, self.ctx_append,
-                            auto_slide=not self.executor.ahead)
-        seq = Sequence(self._next_id, [int(t) for t in prompt], slot, self.sizes.max_blocks, ctx=ctx)
-        self._next_id += 1
-        return seq
 
     def release(self, seq: Sequence) -> None:
+        """Give back seq's pages and slot. Releasing a released sequence again is a no-op; a foreign or
+        scheduler-owned one is refused (SequenceError) before anything changes."""
+        if isinstance(seq, Sequence) and seq.owner is self and not seq.live:
+            return
+        self._check_seq(seq, "release")
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
         if seq.slot < 0:
             return
         if seq.pages:
@@ -145,6 +207,8 @@ class Runtime:
     def save_sequence(self, seq: Sequence, path: str, extra: dict | None = None) -> str:
         """Snapshot seq's state (KV rows, GDN/conv slot, ctx rows + positions, tokens, bonus) between steps
         to the directory `path` (safetensors + JSON, written atomically); runtime/snapshot.py has the format."""
+        if not (isinstance(seq, Sequence) and not seq.live):  # a released one: snapshot's SnapshotError says so
+            self._check_seq(seq, "save_sequence")
         return snapshot.save_sequence(self, seq, path, extra)
 
     def restore_sequence(self, path: str) -> Sequence:
@@ -155,20 +219,41 @@ class Runtime:
         return seq
 
     # ---- steps (each: reserve -> executor -> finish) ---------------------------------------
-    def prefill(self, seq: Sequence) -> int:
-        """The prompt through target_prefill chunks; sets and returns seq.bonus, the first new token."""
+    def prefill(self, seq: Sequence, _api: str = "prefill") -> int:
+        """The prompt through target_prefill chunks; sets and returns seq.bonus, the first new token.
+        Once per sequence. A prefill that fails part-way (PoolExhausted) puts the sequence back as
+        add_sequence left it (pages and ctx pages given back, state slot zeroed), so a retry is exact."""
+        self._check_seq(seq, _api)
+        if seq.bonus is not None or seq.seq_len:
+            raise SequenceError(f"prefill: sequence {seq.seq_id} was already prefilled ({seq.seq_len} rows)")
         C, ps = self.sizes.prefill_chunk, self.sizes.page_size
         toks = seq.tokens
         pending = None
-        for lo in range(0, len(toks), C):
-            chunk = toks[lo:lo + C]
-            if self.executor.ahead and seq.ctx is not None:
-                seq.ctx.slide()
-            commit.reserve(seq, len(chunk), self.kv_alloc, ps)
-            pending = self.executor.launch_prefill(seq, chunk)
-            commit.finish(seq, len(chunk), self.kv_alloc, ps)  # n is the chunk's length: known on the host
-        seq.bonus = int(self.executor.collect(pending))
+        try:
+            for lo in range(0, len(toks), C):
+                chunk = toks[lo:lo + C]
+                if self.executor.ahead and seq.ctx is not None:
+                    seq.ctx.slide()
+                commit.reserve(seq, len(chunk), self.kv_alloc, ps)
+                pending = self.executor.launch_prefill(seq, chunk)
+                commit.finish(seq, len(chunk), self.kv_alloc, ps)  # n is the chunk's length: known on the host
+            bonus = int(self.executor.collect(pending))
+        except BaseException:
+            self._rewind(seq)
+            raise
+        seq.bonus = bonus
         return seq.bonus
+
+    def _rewind(self, seq: Sequence) -> None:
+        """Back to the fresh state of add_sequence (same slot): the rows a failed prefill committed are dropped."""
+        if seq.pages:
+            self.kv_alloc.free(seq.pages)
+        seq.pages = []
+        if seq.ctx is not None:
+            seq.ctx.release()
+        seq.ctx = self._new_ctx()
+        seq.seq_len, seq.bonus = 0, None
+        self._zero_slot(seq.slot)
 
     def _run_step(self, kind: str, seqs, K: int):
         ps = self.sizes.page_size
@@ -184,18 +269,19 @@ class Runtime:
 
     def decode_step(self, seqs) -> list[list[int]]:
         """Plain K=1 step on each sequence's bonus token; returns the new token per sequence."""
-        return self._run_step(DECODE, seqs, 1)[0]
+        return self._run_step(DECODE, self._check_batch(seqs, "decode_step"), 1)[0]
 
     def spec_step(self, seqs, gamma: int) -> tuple[list[list[int]], list[int]]:
         """propose -> verify K=γ+1 -> greedy accept -> commit. Returns (new tokens, accepted counts)."""
+        if self.dcfg is None:
+            raise SequenceError("spec_step: this runtime has no drafter; use decode_step")
+        seqs = self._check_batch(seqs, "spec_step")
         self._check_gamma(gamma)
         new, res = self._run_step(SPEC, seqs, gamma + 1)
         return new, [int(n) - 1 for n in res.n[: len(seqs)]]
 
     def _check_gamma(self, gamma: int) -> None:
-        Bs = self.dcfg.block_size
-        if not 1 <= gamma <= Bs - 1:
-            raise ValueError(f"gamma {gamma} outside [1, block_size-1={Bs - 1}]")
+        check_gamma(gamma, self.dcfg.block_size)
 
     # ---- continuous batching (one K per batch) -----------------------------------------------
     def add_request(self, prompt, max_new_tokens: int, gamma: int | None = None, spec: bool = True):
@@ -222,6 +308,10 @@ class Runtime:
         return self.scheduler is not None and self.scheduler.has_work
 
     def release_request(self, req) -> None:
+        """Let a request leave now. A request of another runtime is refused (SequenceError); one of this
+        runtime that already left is a no-op."""
+        if not isinstance(req, Request) or req.rt is not self:
+            raise SequenceError(f"release_request: not a request of this runtime ({type(req).__name__})")
         if self.scheduler is not None:
             self.scheduler.release(req)
 

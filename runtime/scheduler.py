@@ -39,6 +39,7 @@ class Request:
     inflight: int = 0  # its steps in flight
     steps: int = 0  # target launches after the prefill
     accepted: list = field(default_factory=list)  # accepted drafts per spec step
+    rt: object = field(default=None, repr=False)  # the Runtime that queued it (release_request checks it)
 
     @property
     def done(self) -> bool:
@@ -68,8 +69,8 @@ class Scheduler:
     # ---- requests -------------------------------------------------------------------------
     def add(self, prompt, max_new_tokens: int) -> Request:
         """Queue a request; bad input (empty prompt, token ids outside the vocabulary, over capacity) raises."""
-        self.rt.check_request(prompt, max_new_tokens, self.K)
-        req = Request(self._next_id, [int(t) for t in prompt], int(max_new_tokens))
+        ids = self.rt.check_request(prompt, max_new_tokens, self.K)
+        req = Request(self._next_id, ids, int(max_new_tokens), rt=self.rt)
         self._next_id += 1
         self.waiting.append(req)
         return req
@@ -78,7 +79,7 @@ class Scheduler:
         """Leave now: pages and slot back (a step of it still in flight finishes first on the device's stream,
         before anything reuses them; its results are dropped)."""
         if req.seq is not None:
-            self.rt.release(req.seq)
+            self.rt._release(req.seq)  # the scheduler's own handle (direct release() refuses managed ones)
             req.seq = None
         if req in self.running:
             self.running.remove(req)
@@ -123,7 +124,8 @@ class Scheduler:
             req = self.waiting.popleft()
             try:
                 req.seq = rt.add_sequence(req.prompt)
-                first = rt.prefill(req.seq)
+                req.seq.managed = True  # from now on only this scheduler steps or releases it
+                first = rt.prefill(req.seq, _api="_scheduler")
             except (PoolExhausted, ValueError) as e:  # a request that cannot be admitted fails alone
                 self._fail(req, e, touched)
                 continue
