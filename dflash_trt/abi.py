@@ -93,8 +93,17 @@ class PoolSizes:
     max_seq_len: int = 2048
     max_seqs: int = 4  # GDN/conv state slots
     dkv_blocks: int = 256  # drafter ctx pages
-    ctx_window: int = 1024  # drafter context rows attended (DESIGN §5 window)
+    # drafter ctx rows kept and attended (DESIGN §2b/§5). 0 (default) = max_seq_len: full retention, so
+    # full-attention drafter layers see every committed row and sliding layers their last sliding_window, exactly
+    # as the reference for prompts + generations up to max_seq_len. An explicit smaller value is a memory bound:
+    # the window slides keeping the newest ctx_window rows, and drafts (never the output tokens) may then differ
+    # from the reference once a sequence is longer than it.
+    ctx_window: int = 0
     prefill_chunk: int = 64
+
+    def __post_init__(self):
+        if self.ctx_window is None or self.ctx_window == 0:  # resolved first, so every reader sees one number
+            object.__setattr__(self, "ctx_window", self.max_seq_len)
 
     @property
     def max_blocks(self) -> int:
