@@ -19,9 +19,10 @@ drafter_block_b{Bs}:   the same for a shorter block of Bs = γ+1 slots (γ draft
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
-from dflash_trt.config import DrafterConfig, TargetConfig
+from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig
 
 PREFILL = "target_prefill"
 DRAFTER_CTX = "drafter_ctx"
@@ -104,6 +105,12 @@ class PoolSizes:
     def __post_init__(self):
         if self.ctx_window is None or self.ctx_window == 0:  # resolved first, so every reader sees one number
             object.__setattr__(self, "ctx_window", self.max_seq_len)
+        # every entry point (export, runtime, cache key, CLI) builds a PoolSizes: refuse 0 / negative / non-integer
+        # sizes here, before anything traces or allocates (they used to fail 10-30 s into an export, or much later)
+        for f in self.__dataclass_fields__:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ConfigError(f"pool size {f} (--{f.replace('_', '-')}) must be a positive integer, got {v!r}")
 
     @property
     def max_blocks(self) -> int:

@@ -19,23 +19,57 @@ PASSTHROUGH = {
 }
 
 
-def _user_errors():
+def _user_errors() -> tuple:
+    """Every exception class that means bad input (not a bug): printed as one line, exit 2. Imported here, not at
+    module top, so `dflash-trt --help` stays fast; optional stacks (TensorRT, ORT) only when installed."""
     from dflash_trt.config import ConfigError
+    from dflash_trt.engines.load import EngineError
+    from dflash_trt.engines.network import BuildError
     from dflash_trt.export.checkpoint import CheckpointError
+    from dflash_trt.export.onnx_export import ExportError
+    from dflash_trt.manifest import ManifestError
+    from dflash_trt.plugins.opspec import KernelError
+    from dflash_trt.plugins.trt_compat import ParserLibError, TensorRTMissing
     from dflash_trt.runtime.devices.cuda import CudaUnavailable
     from dflash_trt.runtime.load import UsageError
     from dflash_trt.runtime.pools import PoolExhausted
-    from dflash_trt.runtime.runtime import CapacityError
+    from dflash_trt.runtime.runtime import CapacityError, GammaError
+    from dflash_trt.runtime.sequence import SequenceError, TokenIdError
+    from dflash_trt.runtime.snapshot import SnapshotError
 
-    return (ConfigError, CheckpointError, CapacityError, PoolExhausted, NotImplementedError, CudaUnavailable,
-            UsageError)
+    errs = [ConfigError, CheckpointError, ManifestError, ExportError, SnapshotError, CapacityError, PoolExhausted,
+            UsageError, KernelError, EngineError, BuildError, CudaUnavailable, TensorRTMissing, ParserLibError,
+            GammaError, SequenceError, TokenIdError, NotImplementedError, OSError]
+    ort = sys.modules.get("onnxruntime.capi.onnxruntime_pybind11_state")  # only if ORT ran: its load errors
+    if ort is not None:
+        errs += [getattr(ort, n) for n in ("Fail", "InvalidArgument", "InvalidGraph", "InvalidProtobuf", "NoSuchFile",
+                                           "NoModel", "NotImplemented") if isinstance(getattr(ort, n, None), type)]
+    return tuple(errs)
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split()) or type(e).__name__  # a multi-line message (ORT, TensorRT) on one line
+    if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
+        msg += f": {e.filename}"
+    return msg
+
+
+def _run(cmd: str, fn) -> int:
+    """The one place user errors become `dflash-trt <cmd>: error: ...` + exit 2; anything else is a bug."""
+    try:
+        return int(fn() or 0)
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        print(f"dflash-trt {cmd}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in PASSTHROUGH:
         mod = importlib.import_module(PASSTHROUGH[argv[0]][0])
-        return int(mod.main(argv[1:]) or 0)
+        return _run(argv[0], lambda: mod.main(argv[1:]))
     p = argparse.ArgumentParser(prog="dflash-trt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, (mod, help_) in COMMANDS.items():
@@ -44,13 +78,7 @@ def main(argv=None) -> int:
     for name, (_, help_) in PASSTHROUGH.items():
         sub.add_parser(name, help=help_ + " (see dflash-trt %s --help)" % name, add_help=False)
     args = p.parse_args(argv)
-    try:
-        return int(importlib.import_module(COMMANDS[args.cmd][0]).run(args) or 0)
-    except Exception as e:
-        if not isinstance(e, _user_errors()):
-            raise
-        print(f"dflash-trt {args.cmd}: error: {e}", file=sys.stderr)  # bad input: one clear line
-        return 2
+    return _run(args.cmd, lambda: importlib.import_module(COMMANDS[args.cmd][0]).run(args))
 
 
 if __name__ == "__main__":

@@ -102,17 +102,31 @@ def build_one(man: Manifest, name: str, *, builder, ccs, plugins=True, batch=Non
     }
 
 
+OPT_LEVELS = range(0, 6)  # TensorRT's builder_optimization_level (IBuilderConfig): 0..5
+
+
+def check_build_args(max_batch=None, opt_batch=None, opt_level=None) -> None:
+    """Values that cannot be meant, refused in one line (0 used to fall back to the default silently)."""
+    for flag, v in (("--max-batch", max_batch), ("--opt-batch", opt_batch)):
+        if v is not None and v < 1:
+            raise BuildError(f"{flag} must be >= 1, got {v}")
+    if opt_level is not None and opt_level not in OPT_LEVELS:
+        raise BuildError(f"--opt-level {opt_level} outside TensorRT's range "
+                         f"{OPT_LEVELS.start}..{OPT_LEVELS.stop - 1}")
+
+
 def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=None, target_cc=None, plugins=True,
                   max_batch=None, opt_batch=None, opt_level=None, progress=print) -> Manifest:
     """Build the selected graphs of a manifest directory; records them in its manifest.json."""
+    check_build_args(max_batch=max_batch, opt_batch=opt_batch, opt_level=opt_level)  # before TensorRT loads
     trt = C.require()
     progress = progress or (lambda *_: None)
     man = Manifest.load(manifest_dir)
     names = select_graphs(man, ks, graphs)
     gpu = local_gpu_cc()
     ccs = resolve_ccs(parse_cc(target_cc) if target_cc else None, gpu)
-    maxb = int(max_batch or (man.batch if isinstance(man.batch, int) else man.sizes.max_seqs))
-    optb = int(opt_batch or 1)
+    maxb = int(max_batch if max_batch is not None else (man.batch if isinstance(man.batch, int) else man.sizes.max_seqs))
+    optb = int(opt_batch if opt_batch is not None else 1)
     if not 1 <= optb <= maxb:
         raise BuildError(f"--opt-batch {optb} must be in 1..--max-batch {maxb}")
     logger = trt.Logger(trt.Logger.WARNING)

@@ -302,6 +302,19 @@ def sizes_from_args(a) -> PoolSizes:
     return PoolSizes(**{f: getattr(a, f) for f in asdict(PoolSizes())})
 
 
+def _parse_batch(s: str):
+    """--batch: 'B' (dynamic) or a positive int, checked before any tracing."""
+    if s == "B":
+        return s
+    try:
+        b = int(s)
+    except ValueError:
+        b = 0
+    if b < 1:
+        raise ExportError(f"--batch must be 'B' (dynamic) or a positive integer, got {s!r}")
+    return b
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dflash-trt export", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="target checkpoint dir (HF format)")
@@ -314,8 +327,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-check", action="store_true", help="skip onnx.checker full_check")
     add_size_args(p)
     a = p.parse_args(argv)
-    batch = a.batch if a.batch == "B" else int(a.batch)
     try:
+        batch = _parse_batch(a.batch)
         export_graphs(a.model, a.drafter, a.out, a.k, sizes_from_args(a), batch=batch, want_logits=not a.no_logits,
                       dtype=a.dtype, check=not a.no_check)
     except (ValueError, OSError) as e:  # ConfigError / CheckpointError / ManifestError are ValueErrors

@@ -25,22 +25,37 @@ def hardware(device: str = "cpu") -> str:
 
 def bench_generate(argv) -> int:
     """Plain greedy vs DFlash on a prompt file: tokens/s, target launches, τ, speedup; checks identity."""
-    from dflash_trt.tools.demo import default_pair
     from dflash_trt import load_runtime
+    from dflash_trt.runtime.load import UsageError
+    from dflash_trt.runtime.runtime import check_gamma
+    from dflash_trt.tools.demo import default_pair
 
     p = argparse.ArgumentParser(prog="dflash-trt bench generate")
     p.add_argument("--model"), p.add_argument("--drafter")
     p.add_argument("--prompts", help="file: prompts separated by lines with only '---' (default: the demo prompt)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--gamma", type=int, default=None)
-    p.add_argument("--backend", default="torch")
+    p.add_argument("--backend", default="torch", choices=["torch", "ort"])
     p.add_argument("--json", help="write results here")
     a = p.parse_args(argv)
-    tdir, ddir = (a.model, a.drafter) if a.model else default_pair()[:2]
-    rt, codec = load_runtime(tdir, ddir, a.backend)
+    # bad values fail in one line (the CLI maps UsageError / GammaError / OSError) before any model loads
+    if a.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    if a.drafter and not a.model:
+        raise UsageError("--drafter needs --model (without both, the demo pair runs)")
     prompts = ["def fibonacci(n):\n    "]
     if a.prompts:
-        prompts = [s.strip("\n") for s in open(a.prompts).read().split("\n---\n") if s.strip()]
+        with open(a.prompts) as f:
+            prompts = [s.strip("\n") for s in f.read().split("\n---\n") if s.strip()]
+        if not prompts:
+            raise UsageError(f"--prompts {a.prompts}: no prompts in the file")
+    tdir, ddir = (a.model, a.drafter) if a.model else default_pair()[:2]
+    if a.gamma is not None and ddir:
+        from dflash_trt.config import DrafterConfig, read_json
+
+        cfg = os.path.join(ddir, "config.json")
+        check_gamma(a.gamma, DrafterConfig.from_dict(read_json(cfg), cfg).block_size)
+    rt, codec = load_runtime(tdir, ddir, a.backend)
     rt.generate(codec.encode(prompts[0]), 8)  # warm-up
     rows = []
     for i, text in enumerate(prompts):

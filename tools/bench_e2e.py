@@ -215,6 +215,25 @@ def floor_tok_s(rt, ctx_rows: int, bw_gbs: float) -> tuple[float, float]:
     return ms, 1000.0 / ms
 
 
+def check_args(a) -> None:
+    """Bad values refused in one line (UsageError) before any model loads or any GPU work starts."""
+    from dflash_trt.runtime.batching import BUCKETS
+    from dflash_trt.runtime.load import DTYPES, UsageError
+
+    try:
+        batches = [int(b) for b in a.batch.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or any(not 1 <= b <= BUCKETS[-1] for b in batches):
+        raise UsageError(f"--batch wants comma-separated batch sizes in 1..{BUCKETS[-1]}, got {a.batch!r}")
+    for flag, v, lo in (("--max-new-tokens", a.max_new_tokens, 1), ("--hf-tokens", a.hf_tokens, 0),
+                        ("--batch1-prompts", a.batch1_prompts, 1), ("--gamma", a.gamma, 1)):
+        if v is not None and v < lo:
+            raise UsageError(f"{flag} must be >= {lo}, got {v}")
+    if a.dtype is not None and a.dtype not in DTYPES:
+        raise UsageError(f"--dtype {a.dtype!r} not supported ({', '.join(DTYPES)})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dflash-trt bench e2e")
     p.add_argument("--model", required=True, help=f"target checkpoint dir, or '{RANDOM_0P9B}'")
@@ -229,6 +248,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="also break one decode / spec step down by kernel")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
+    check_args(a)
     from dflash_trt.tools.bench_e2e_run import run
 
     return run(a)

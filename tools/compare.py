@@ -101,7 +101,7 @@ class CompareReport:
 
     @property
     def failures(self) -> list[str]:
-        out = []
+        out = [] if self.stats else ["nothing was compared (no graph output recorded)"]  # never PASS on nothing
         for s in self.stats.values():
             if s.failed_steps:
                 out.append(f"{s.graph}/{s.output} ({s.pair[1]} vs {s.pair[0]}): max abs {s.max_abs:.3g}, max rel "
@@ -208,6 +208,12 @@ def compare(manifest, backends=("torch", "ort"), prompts=None, steps: int = 8, *
     from dflash_trt.runtime.load import ByteCodec, TokenizerCodec
 
     G_LOGGER.module_severity = G_LOGGER.CRITICAL  # the report says what failed; keep polygraphy quiet
+    # values that would compare nothing are refused before any backend loads
+    for what, v in (("steps", steps), ("topk", topk)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"--{what} must be a positive integer, got {v!r}")
+    if prompts is not None and not list(prompts):
+        raise ValueError("no prompts given (the prompts file is empty)")
     m = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
     if len(backends) < 2:
         raise ValueError("compare needs at least two backends")
@@ -232,7 +238,7 @@ def compare(manifest, backends=("torch", "ort"), prompts=None, steps: int = 8, *
     room = sizes.max_seq_len - steps * max(ks) - 1
     if room < 1:
         raise ValueError(f"--steps {steps} with K up to {max(ks)} does not fit max_seq_len {sizes.max_seq_len}")
-    for p in prompts or DEFAULT_PROMPTS:
+    for p in DEFAULT_PROMPTS if prompts is None else prompts:
         ids = [int(t) for t in (codec.encode(p) if isinstance(p, str) else p)][-room:]
         seq = rt.add_sequence(ids)
         try:

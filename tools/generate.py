@@ -4,15 +4,22 @@ from __future__ import annotations
 import argparse
 import os
 
+from dflash_trt.abi import PoolSizes
 from dflash_trt.config import DrafterConfig, read_json
-from dflash_trt.runtime.load import load_runtime
+from dflash_trt.runtime.load import UsageError, load_runtime
+from dflash_trt.runtime.runtime import check_gamma
+from dflash_trt.runtime.sequence import TokenIdError
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target checkpoint dir (HF format)")
     p.add_argument("--drafter", help="DFlash drafter checkpoint dir")
-    p.add_argument("--prompt", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file", help="read the prompt from this file (UTF-8)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help=f"positions per sequence: prompt + new tokens + verify width (default {PoolSizes().max_seq_len})")
     p.add_argument("--gamma", type=int, default=None, help="drafts per step (default block_size-1)")
     p.add_argument("--no-spec", action="store_true", help="plain greedy decoding")
     p.add_argument("--backend", default="torch", choices=["torch", "ort"])
@@ -28,14 +35,48 @@ def verify_widths(gamma: int | None, block_size: int | None, spec: bool) -> tupl
     return tuple(sorted({1, (gamma if gamma is not None else block_size - 1) + 1}))
 
 
+def run_sizes(max_seq_len: int | None) -> PoolSizes:
+    """Default pools, with max_seq_len raised (KV pages to match) when asked; PoolSizes validates the values."""
+    if max_seq_len is None:
+        return PoolSizes()
+    d = PoolSizes()
+    pages = max(d.kv_blocks, -(-max_seq_len // d.page_size) * d.max_seqs) if max_seq_len > 0 else d.kv_blocks
+    return PoolSizes(max_seq_len=max_seq_len, kv_blocks=pages, ctx_window=min(d.ctx_window, max(max_seq_len, 1)))
+
+
+def read_prompt(args) -> str:
+    if args.prompt_file is None:
+        return args.prompt
+    with open(args.prompt_file, encoding="utf-8") as f:  # OSError / UnicodeError: one line from the CLI
+        return f.read()
+
+
 def run(args) -> int:
+    # everything a user can get wrong is checked before weights load, the prompt prefills or graphs export
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sizes = run_sizes(args.max_seq_len)
+    try:
+        text = read_prompt(args)
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason})") from None
     block = None
     if args.drafter:
         p = os.path.join(args.drafter, "config.json")
         block = DrafterConfig.from_dict(read_json(p), p).block_size
+        if args.gamma is not None and not args.no_spec:
+            check_gamma(args.gamma, block)
     ks = verify_widths(args.gamma, block, not args.no_spec)
-    rt, codec = load_runtime(args.model, args.drafter, args.backend, ks=ks, device=args.device, dtype=args.dtype)
-    ids = codec.encode(args.prompt)
+    rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
+                             dtype=args.dtype)
+    ids = codec.encode(text)
+    try:
+        rt.check_prompt(ids)
+    except TokenIdError as e:
+        if getattr(codec, "tok", None) is None:  # ByteCodec: the prompt's bytes are the ids
+            raise UsageError(f"{e}: {args.model} has no tokenizer.json, so the prompt's UTF-8 bytes are its token "
+                             f"ids; use ASCII text or add a tokenizer") from None
+        raise
     out, st = rt.generate(ids, args.max_new_tokens, gamma=args.gamma, spec=not args.no_spec)
     print(codec.decode(out))
     mode = "plain" if (args.no_spec or rt.dcfg is None) else "dflash"

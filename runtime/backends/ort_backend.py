@@ -36,6 +36,12 @@ class OrtBackend:
         self.providers = list(providers or default_providers())
         self.threads, self.optimize, self.check = threads, optimize, check_inputs
         self._sessions: dict = {}
+        if self.kv_dtype == "bfloat16" and not self.on_cuda:
+            # numpy (the CPU pools) has no bfloat16: refuse here in one line, not later in a numpy TypeError
+            from dflash_trt.runtime.load import UsageError
+
+            raise UsageError(f"{self.manifest.root}: a bfloat16 export cannot run on ONNX Runtime CPU (numpy has no "
+                             f"bfloat16 pools); export with --dtype float32 (or float16), or use the trt backend")
 
     # what a Runtime needs to be built over this backend
     @property
@@ -67,7 +73,12 @@ class OrtBackend:
                 so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             if self.threads:
                 so.intra_op_num_threads = self.threads
-            s = ort.InferenceSession(path, so, providers=self.providers)
+            try:
+                s = ort.InferenceSession(path, so, providers=self.providers)
+            except Exception as e:  # ORT's own classes (InvalidProtobuf, Fail, ...): one line naming the graph
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ManifestError(f"graph {graph} ({path}): ONNX Runtime cannot load it ({msg[:300]}); "
+                                    f"re-run dflash-trt export") from None
             exp_in, exp_out = self.manifest.io(graph)
             for kind, got, exp in (("input", s.get_inputs(), exp_in), ("output", s.get_outputs(), exp_out)):
                 rec = [{"name": a.name, "shape": ["B" if isinstance(d, str) or d is None else d for d in a.shape],

@@ -1,0 +1,195 @@
+"""One-line errors everywhere and no silent nonsense (issue 13, items 4-5): every user error of every subcommand is
+`dflash-trt <sub>: error: ...` on stderr and exit 2, checked before weights load, graphs trace or TensorRT starts;
+a real bug still raises. In-process through dflash_trt.cli.main."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from test_onnx_common import exported, tiny_pair  # noqa: F401
+
+from dflash_trt import cli
+from dflash_trt.tools.tiny import make_tiny_pair
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    torch.set_num_threads(1)  # tiny matmuls: threads only contend on a shared 2-core box
+    return make_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=2)
+
+
+@pytest.fixture(scope="module")
+def broken_weights(pair, tmp_path_factory):
+    """The target with its weights truncated: an error about anything else proves it came before loading."""
+    d = str(tmp_path_factory.mktemp("broken") / "target")
+    shutil.copytree(pair[0], d)
+    with open(os.path.join(d, "model.safetensors"), "r+b") as f:
+        f.truncate(100)
+    return d
+
+
+def one_line(capsys, sub, argv, match):
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dflash-trt {sub}: error: "), err
+    assert match in lines[0], lines[0]
+    return lines[0]
+
+
+# ---- generate / demo ----------------------------------------------------------------------------
+@pytest.mark.parametrize("gamma", ["0", "16", "-3"])
+def test_generate_bad_gamma_before_loading_weights(capsys, pair, broken_weights, gamma):
+    one_line(capsys, "generate", ["generate", "--model", broken_weights, "--drafter", pair[1], "--prompt", "hi",
+                                  "--gamma", gamma], f"gamma {gamma} outside [1, block_size-1=15]")
+
+
+def test_generate_gamma_16_ort_names_gamma_not_a_k_list(capsys, pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
+    line = one_line(capsys, "generate", ["generate", "--model", pair[0], "--drafter", pair[1], "--prompt", "hi",
+                                         "--gamma", "16", "--backend", "ort"], "gamma 16 outside")
+    assert "--k" not in line and "K list" not in line
+    assert not os.path.exists(tmp_path / "cache")  # refused before any export
+
+
+@pytest.mark.parametrize("n", ["0", "-5"])
+def test_generate_max_new_tokens_below_1(capsys, pair, broken_weights, n):
+    one_line(capsys, "generate", ["generate", "--model", broken_weights, "--prompt", "hi", "--max-new-tokens", n],
+             "--max-new-tokens must be >= 1")
+
+
+def test_generate_max_seq_len_0(capsys, broken_weights):
+    one_line(capsys, "generate", ["generate", "--model", broken_weights, "--prompt", "hi", "--max-seq-len", "0"],
+             "pool size max_seq_len (--max-seq-len) must be a positive integer, got 0")
+
+
+def test_generate_max_seq_len_and_prompt_file(capsys, pair, tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text("x" * 3000)  # over the default max_seq_len 2048: needs --max-seq-len
+    base = ["generate", "--model", pair[0], "--drafter", pair[1], "--prompt-file", str(f), "--max-new-tokens", "3"]
+    one_line(capsys, "generate", base, "needs 3019 positions; this runtime holds max_seq_len=2048")
+    assert cli.main(base + ["--max-seq-len", "3100"]) == 0
+    assert "prompt=3000 new=3" in capsys.readouterr().out
+
+
+def test_generate_missing_prompt_file(capsys, pair, tmp_path):
+    one_line(capsys, "generate", ["generate", "--model", pair[0], "--prompt-file", str(tmp_path / "nope.txt")],
+             "No such file or directory")
+
+
+def test_generate_prompt_bytes_over_a_small_vocab(capsys, tmp_path):
+    tdir, _ = make_tiny_pair(str(tmp_path), seed=0, target_over=dict(vocab=150))  # no tokenizer.json
+    one_line(capsys, "generate", ["generate", "--model", tdir, "--prompt", "caf\u00e9"],
+             "token id 195 outside the vocabulary [0, 150)")
+
+
+def test_demo_bad_gamma(capsys, monkeypatch, pair):
+    monkeypatch.setattr("dflash_trt.tools.demo.default_pair", lambda: (*pair, "test pair"))
+    one_line(capsys, "demo", ["demo", "--gamma", "0", "--backend", "torch"], "gamma 0 outside")
+
+
+def test_a_real_bug_still_raises(monkeypatch, pair):
+    def boom(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr("dflash_trt.tools.generate.run", boom)
+    with pytest.raises(KeyError):
+        cli.main(["generate", "--model", pair[0], "--prompt", "hi"])
+
+
+# ---- export ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag,value,match", [
+    ("--page-size", "0", "pool size page_size (--page-size) must be a positive integer, got 0"),
+    ("--prefill-chunk", "0", "pool size prefill_chunk"),
+    ("--kv-blocks", "-1", "pool size kv_blocks (--kv-blocks) must be a positive integer, got -1"),
+    ("--max-seqs", "0", "pool size max_seqs"),
+    ("--max-seq-len", "0", "pool size max_seq_len"),
+    ("--ctx-window", "-5", "pool size ctx_window"),
+    ("--batch", "0", "--batch must be 'B' (dynamic) or a positive integer, got '0'"),
+    ("--batch", "abc", "--batch must be 'B' (dynamic) or a positive integer, got 'abc'"),
+])
+def test_export_sizes_refused_before_tracing(capsys, broken_weights, pair, tmp_path, flag, value, match):
+    out = tmp_path / "out"
+    one_line(capsys, "export", ["export", "--model", broken_weights, "--drafter", pair[1], "--out", str(out),
+                                flag, value], match)
+    assert not out.exists()
+
+
+# ---- ORT: bf16 export, garbage graph --------------------------------------------------------------
+def _copy_export(exported, tmp_path):  # noqa: F811
+    d = str(tmp_path / "exp")
+    shutil.copytree(exported, d)
+    return d
+
+
+def test_bf16_export_on_ort_cpu_is_refused_up_front(exported):  # noqa: F811
+    from dflash_trt.manifest import Manifest
+    from dflash_trt.runtime.backends.ort_backend import OrtBackend
+    from dflash_trt.runtime.load import UsageError
+
+    man = Manifest.load(exported)
+    man.data["kv_dtype"] = "bfloat16"  # what `export --dtype bfloat16` records
+    with pytest.raises(UsageError, match="a bfloat16 export cannot run on ONNX Runtime CPU"):
+        OrtBackend(man, providers=["CPUExecutionProvider"])
+
+
+def test_garbage_onnx_is_one_line(exported, tmp_path, capsys):  # noqa: F811
+    from dflash_trt.manifest import Manifest, ManifestError
+    from dflash_trt.runtime.backends.ort_backend import OrtBackend
+
+    d = _copy_export(exported, tmp_path)
+    man = Manifest.load(d)
+    rec = man.data["graphs"]["target_k1"]
+    with open(os.path.join(d, rec["file"]), "wb") as f:
+        f.write(b"not an onnx graph at all")
+    man.add_graph("target_k1", rec["file"], rec.get("external_data"))  # re-hash: ORT itself must refuse it
+    man.save(d)
+    with pytest.raises(ManifestError, match="graph target_k1 .* ONNX Runtime cannot load it"):
+        OrtBackend(d, providers=["CPUExecutionProvider"]).session("target_k1")
+
+
+# ---- compare / build / bench: nothing compared, values that cannot be meant --------------------------
+@pytest.mark.parametrize("extra,match", [(["--steps", "-3"], "--steps must be a positive integer, got -3"),
+                                         (["--topk", "0"], "--topk must be a positive integer, got 0"),
+                                         (["--prompts", "EMPTY"], "no prompts given")])
+def test_compare_refuses_to_compare_nothing(capsys, tmp_path, extra, match):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    extra = [str(empty) if x == "EMPTY" else x for x in extra]
+    one_line(capsys, "compare", ["compare", "--manifest", str(tmp_path / "no-export")] + extra, match)
+
+
+def test_compare_report_without_outputs_fails():
+    from dflash_trt.tools.compare import CompareReport
+
+    rep = CompareReport(["a", "b"], 1e-4, 1e-4, 1e-6, 10)
+    assert not rep.ok and "nothing was compared" in rep.format()
+
+
+@pytest.mark.parametrize("extra,match", [(["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+                                         (["--opt-batch", "0"], "--opt-batch must be >= 1"),
+                                         (["--opt-level", "9"], "--opt-level 9 outside TensorRT's range 0..5"),
+                                         (["--opt-level", "-1"], "--opt-level -1 outside")])
+def test_build_refuses_values_that_cannot_be_meant(capsys, tmp_path, extra, match):
+    one_line(capsys, "build", ["build", "--manifest", str(tmp_path)] + extra, match)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["generate", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["generate", "--prompts", "MISSING"], "No such file or directory"),
+    (["generate", "--prompts", "EMPTY"], "no prompts in the file"),
+    (["generate", "--model", "BROKEN", "--drafter", "DRAFTER", "--gamma", "16"], "gamma 16 outside"),
+    (["e2e", "--model", "x", "--batch", "abc"], "--batch wants comma-separated batch sizes in 1..16"),
+    (["e2e", "--model", "x", "--batch", "0,4"], "--batch wants"),
+    (["e2e", "--model", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["e2e", "--model", "x", "--dtype", "int8"], "--dtype 'int8' not supported"),
+])
+def test_bench_bad_inputs(capsys, tmp_path, pair, broken_weights, argv, match):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    subst = {"MISSING": str(tmp_path / "nope.txt"), "EMPTY": str(empty), "BROKEN": broken_weights,
+             "DRAFTER": pair[1]}
+    one_line(capsys, "bench", ["bench"] + [subst.get(x, x) for x in argv], match)
