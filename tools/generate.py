@@ -41,7 +41,7 @@ def run_sizes(max_seq_len: int | None) -> PoolSizes:
         return PoolSizes()
     d = PoolSizes()
     pages = max(d.kv_blocks, -(-max_seq_len // d.page_size) * d.max_seqs) if max_seq_len > 0 else d.kv_blocks
-    return PoolSizes(max_seq_len=max_seq_len, kv_blocks=pages, ctx_window=min(d.ctx_window, max(max_seq_len, 1)))
+    return PoolSizes(max_seq_len=max_seq_len, kv_blocks=pages)  # ctx_window: its default (full retention)
 
 
 def read_prompt(args) -> str:
