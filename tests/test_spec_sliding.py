@@ -108,3 +108,32 @@ def test_ort_lossless_mixed_drafter(dirs, pair, tmp_path):
         tokens = prompt + plain
         for _, block, pos, drafts in ort.calls:  # the exported graphs propose what the dense reference does
             np.testing.assert_array_equal(drafts[0], _dense_drafts(target, drafter, tokens, block, int(pos[0, 0])))
+
+
+@pytest.fixture(scope="module")
+def kernel_dirs(tmp_path_factory):
+    """The mixed drafter at head dims our CUDA kernels take (tools/tiny.KERNEL_SHAPES)."""
+    from dflash_trt.tools.tiny import KERNEL_SHAPES
+
+    n = tiny_target_config()["num_hidden_layers"]
+    over = dict(KERNEL_SHAPES["drafter_over"], **DRAFTER, taps=[1, n - 1])
+    return make_tiny_pair(str(tmp_path_factory.mktemp("sliding_k")), seed=5,
+                          target_over=KERNEL_SHAPES["target_over"], drafter_over=over)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gamma", [BS - 1, 3])
+def test_gpu_lossless_mixed_drafter(kernel_dirs, gamma):
+    """fp32 on the GPU (CudaDevice, one CUDA graph per step, our kernels with the sliding window) == the CPU
+    reference's plain greedy, prompts longer than the window."""
+    from dflash_trt import load_runtime
+
+    cpu, _ = load_runtime(*kernel_dirs, sizes=SIZES)
+    gpu, _ = load_runtime(*kernel_dirs, sizes=SIZES, device="cuda", gate=Gate(min_rate=0.0))
+    for seed in (3, 4):
+        prompt = _prompt(seed=seed)
+        plain, _ = cpu.generate(prompt, 40, spec=False)
+        spec, st = gpu.generate(prompt, 40, gamma=gamma)
+        assert spec == plain and st.spec_steps > 3
+        gplain, _ = gpu.generate(prompt, 40, spec=False)
+        assert gplain == plain
