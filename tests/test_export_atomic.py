@@ -169,3 +169,66 @@ def test_killed_export_process_leaves_old_export_usable(pairs, old_export, tmp_p
     p.wait()
     time.sleep(0.1)
     assert _all_graphs_verify(out).data["target"]["hash"] == Manifest.load(old_export).data["target"]["hash"]
+
+
+def test_read_only_cache_hit_works_and_miss_is_one_line(pairs, tmp_path, monkeypatch):
+    """A cache the process may not write (simulated: as root chmod does not stop writes) serves a hit without
+    writing anything and refuses a miss with one line naming the cache and DFLASH_TRT_CACHE."""
+    import builtins
+
+    cache = str(tmp_path / "ro")
+    out = onnx_export.ensure_export(*pairs[0], KS, SIZES, cache_dir=cache, progress=None)
+    real_open, real_replace, real_makedirs = builtins.open, os.replace, os.makedirs
+    writes = []
+
+    def guard(path, *a):
+        if str(path).startswith(cache):
+            writes.append(str(path))
+            raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(builtins, "open", lambda p, mode="r", *a, **k: (
+        guard(p) if any(c in mode for c in "wax+") else None) or real_open(p, mode, *a, **k))
+    monkeypatch.setattr(os, "replace", lambda s, d, *a, **k: guard(d) or real_replace(s, d, *a, **k))
+    monkeypatch.setattr(os, "makedirs", lambda p, *a, **k: guard(os.path.join(p, "x")) or real_makedirs(p, *a, **k))
+    assert onnx_export.ensure_export(*pairs[0], KS, SIZES, cache_dir=cache, progress=None) == out
+    assert writes == []  # a hit wrote nothing
+    other = PoolSizes(**{**SIZES.__dict__, "kv_blocks": 17})
+    with pytest.raises(onnx_export.ExportError, match=rf"cannot write the export cache {cache} \(set DFLASH_TRT_CACHE "
+                                                      r"to use another directory\): Permission denied"):
+        onnx_export.ensure_export(*pairs[0], KS, other, cache_dir=cache, progress=None)
+
+
+HAMMER = """
+import sys, time
+from dflash_trt.abi import PoolSizes
+from dflash_trt.export.onnx_export import ensure_export
+from dflash_trt.manifest import Manifest
+warm, cold, cache, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+s = PoolSizes(kv_blocks=16, max_seq_len=128, max_seqs=2, dkv_blocks=16, ctx_window=32, prefill_chunk=16)
+outs, t_end, n = set(), time.time() + seconds, 0
+outs.add(ensure_export(cold, None, (1,), s, cache_dir=cache))
+while time.time() < t_end or n < 3:
+    m = Manifest.load(ensure_export(warm, None, (1,), s, cache_dir=cache))  # a hit, verified, read only
+    [m.verify_graph(g) for g in m.graphs]
+    n += 1
+print("HITS", n, "OUT", sorted(outs), flush=True)
+"""
+
+
+def test_processes_racing_on_a_warm_and_a_cold_cache(pairs, tmp_path):
+    """Four processes for RACE_SECONDS (default 20; the issue's minute with DFLASH_TRT_RACE_SECONDS=60): each
+    exports the cold entry once (one of them does, the others wait) and then hits the warm one in a loop."""
+    cache = str(tmp_path / "cache")
+    onnx_export.ensure_export(pairs[0][0], None, KS, SIZES, cache_dir=cache, progress=None)  # warm
+    seconds = os.environ.get("DFLASH_TRT_RACE_SECONDS", "20")
+    procs = [subprocess.Popen([sys.executable, "-c", HAMMER, pairs[0][0], pairs[1][0], cache, seconds],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum(o.count("exported 2 graphs") for o in outs) == 1, outs  # the cold entry, once
+    hits = [int(o.split("HITS ")[1].split()[0]) for o in outs]
+    assert min(hits) >= 3, hits
+    entries = [f for f in os.listdir(cache) if not f.endswith(".lock")]
+    assert len(entries) == 2, entries  # warm + cold, no leftovers
+    for e in entries:
+        _all_graphs_verify(os.path.join(cache, e))
