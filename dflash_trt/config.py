@@ -211,6 +211,7 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float = 0.0  # c > 0: logits = c * tanh(logits / c)
     draft_vocab_size: int | None = None  # checked against the target's vocab in check_against
+    vocab_field: str = "draft_vocab_size"  # which config field draft_vocab_size came from (for the message)
 
     def layer_causal(self, i: int) -> bool:
         """Causal within the block for drafter layer i: is_causal when set, else sliding layers only."""
@@ -289,7 +290,10 @@ class DrafterConfig:
         softcap = num("final_logit_softcapping", 0.0)
         if softcap < 0:
             raise ConfigError(f"{path}: field 'final_logit_softcapping' must be >= 0, got {softcap}")
-        dvs = get("draft_vocab_size")
+        # the drafter borrows the target's embedding and lm_head: its vocabulary (draft_vocab_size, else the
+        # vocab_size its config.json states) must be the target's
+        dvs_field = "draft_vocab_size" if get("draft_vocab_size") is not None else "vocab_size"
+        dvs = get(dvs_field)
         c = cls(
             hidden_size=hidden,
             intermediate_size=_int(merged, "intermediate_size", path),
@@ -309,7 +313,8 @@ class DrafterConfig:
             input_embedding_scale=num("input_embedding_scale", 1.0),
             output_multiplier=num("output_multiplier", 1.0),
             final_logit_softcapping=softcap,
-            draft_vocab_size=None if dvs is None else _int(merged, "draft_vocab_size", path),
+            draft_vocab_size=None if dvs is None else _int(merged, dvs_field, path),
+            vocab_field=dvs_field,
         )
         if c.num_heads % c.num_kv_heads:
             raise ConfigError(f"{path}: num_attention_heads not a multiple of num_key_value_heads")
@@ -333,7 +338,7 @@ class DrafterConfig:
                 f"{path}: num_target_layers {self.num_target_layers} != target num_hidden_layers {target.num_layers}"
             )
         if self.draft_vocab_size is not None and self.draft_vocab_size != target.vocab_size:
-            raise ConfigError(f"{path}: field 'draft_vocab_size' {self.draft_vocab_size} != target vocab "
+            raise ConfigError(f"{path}: field '{self.vocab_field}' {self.draft_vocab_size} != target vocab "
                               f"{target.vocab_size} is not supported (no draft-to-target token map)")
         if not 0 <= self.mask_token_id < target.vocab_size:
             raise ConfigError(f"{path}: mask_token_id {self.mask_token_id} outside target vocab {target.vocab_size}")

@@ -98,6 +98,14 @@ def test_draft_vocab_size_other_than_target_refused():
         DrafterConfig.from_dict(released_like(draft_vocab_size=100)).check_against(t, "config.json")
 
 
+def test_drafter_vocab_size_other_than_target_refused():
+    """Released drafter configs state the target's vocab_size; another one means another tokenizer."""
+    t = TargetConfig.from_dict(tiny_target_config())
+    DrafterConfig.from_dict(released_like(vocab_size=t.vocab_size)).check_against(t)
+    with pytest.raises(ConfigError, match=r"field 'vocab_size' 300 != target vocab 259 is not supported"):
+        DrafterConfig.from_dict(released_like(vocab_size=300)).check_against(t, "config.json")
+
+
 @pytest.mark.parametrize("tensor", ["embed_tokens.weight", "lm_head.weight", "mask_embedding",
                                     "layers.0.self_attn.q_proj.bias"])
 def test_own_embedding_or_bias_tensor_refused(tmp_path, tensor):

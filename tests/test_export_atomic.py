@@ -63,7 +63,7 @@ def test_interrupted_export_into_fresh_dir_leaves_nothing(pairs, tmp_path, monke
     assert not os.path.exists(out) and os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("n", [1])
+@pytest.mark.parametrize("n", [0, 1, 2])  # before each graph, and after the last one (before the manifest)
 def test_interrupted_export_over_an_older_one_keeps_the_older(pairs, old_export, tmp_path, monkeypatch, n):
     import shutil
 
@@ -71,6 +71,8 @@ def test_interrupted_export_over_an_older_one_keeps_the_older(pairs, old_export,
     shutil.copytree(old_export, out)
     before = Manifest.load(out).data["target"]["hash"]
     _fail_after(monkeypatch, n)
+    if n == 2:
+        monkeypatch.setattr(Manifest, "save", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
     with pytest.raises(KeyboardInterrupt):
         onnx_export.export_graphs(*pairs[1], out, KS, SIZES, check=False, progress=None)
     m = _all_graphs_verify(out)  # the older export, complete and consistent
@@ -232,3 +234,19 @@ def test_processes_racing_on_a_warm_and_a_cold_cache(pairs, tmp_path):
     assert len(entries) == 2, entries  # warm + cold, no leftovers
     for e in entries:
         _all_graphs_verify(os.path.join(cache, e))
+
+
+@pytest.mark.parametrize("sub", ["build", "compare"])
+def test_garbage_graph_is_one_line_on_the_cli(old_export, tmp_path, capsys, sub):
+    import shutil
+
+    from dflash_trt.cli import main
+
+    d = str(tmp_path / "exp")
+    shutil.copytree(old_export, d)
+    with open(os.path.join(d, "target_k1.onnx"), "wb") as f:
+        f.write(b"not an onnx file")
+    args = ["--manifest", d] + (["--backends", "torch,ort"] if sub == "compare" else [])
+    assert main([sub, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"dflash-trt {sub}: error:") and "target_k1" in err and "\n" not in err, err
