@@ -15,6 +15,7 @@ import os
 from dflash_trt.config import cache_root
 
 _MEMO: dict = {}
+_KEEP = 1024  # file states remembered on disk (oldest dropped first)
 
 
 def sha256_files(paths, with_names: bool = False) -> str:
@@ -36,7 +37,7 @@ def sha256_files(paths, with_names: bool = False) -> str:
                     h.update(chunk)
         disk = _read(disk_path)  # re-read: another process may have added entries meanwhile
         disk[key] = h.hexdigest()
-        _write(disk_path, disk)
+        _write(disk_path, dict(list(disk.items())[-_KEEP:]))  # the newest entries: the file stays small
     _MEMO[key] = disk[key]
     return disk[key]
 
