@@ -1,7 +1,8 @@
 """The one config object per model: parsed from a Hugging Face config.json, validated up front.
 
-TargetConfig covers Qwen3-Next (`qwen3_next`), Qwen3.5 text (`qwen3_5_text`) and multimodal Qwen3.5
-(`qwen3_5`, text decoder under `text_config`). DrafterConfig covers the z-lab DFlash format.
+TargetConfig covers Qwen3-Next (`qwen3_next`, dense or sparse-MoE MLPs), Qwen3.5 text (`qwen3_5_text`),
+Qwen3.5-MoE text (`qwen3_5_moe_text`) and multimodal Qwen3.5 / Qwen3.5-MoE (`qwen3_5`, `qwen3_5_moe`, text
+decoder under `text_config`). DrafterConfig covers the z-lab DFlash format.
 Every error names the file and the field, so a user can fix the checkpoint rather than the code.
 """
 from __future__ import annotations
@@ -62,6 +63,40 @@ def _rope(cfg: dict, path: str) -> tuple[float, float]:
     return float(theta), float(partial)
 
 
+def _moe_fields(cfg: dict, path: str, n_layers: int) -> dict:
+    """The sparse-MoE fields as TargetConfig keywords ({} for a dense model); each checked by name."""
+    n_exp = _int(cfg, "num_experts", path, 0, minimum=0)
+    if n_exp == 0:
+        return {}
+    top_k = _int(cfg, "num_experts_per_tok", path)
+    if top_k > n_exp:
+        raise ConfigError(f"{path}: field 'num_experts_per_tok' {top_k} > num_experts {n_exp}")
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers
+                                          for i in dense):
+        raise ConfigError(f"{path}: field 'mlp_only_layers' must list layer indices in 0..{n_layers - 1}, "
+                          f"got {dense!r}")
+    norm = cfg.get("norm_topk_prob", True)
+    if not isinstance(norm, bool):
+        raise ConfigError(f"{path}: field 'norm_topk_prob' must be true or false, got {norm!r}")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{path}: field 'hidden_act' {act!r} is not supported (only 'silu')")
+    return dict(num_experts=n_exp, num_experts_per_tok=top_k,
+                moe_intermediate_size=_int(cfg, "moe_intermediate_size", path),
+                shared_expert_intermediate_size=_int(cfg, "shared_expert_intermediate_size", path),
+                norm_topk_prob=norm, decoder_sparse_step=_int(cfg, "decoder_sparse_step", path, 1),
+                mlp_only_layers=sorted(set(dense)))
+
+
+def moe_layers(moe: dict, n_layers: int) -> list[int]:
+    """Layer indices with a sparse-MoE MLP for _moe_fields' result (before a TargetConfig exists)."""
+    if not moe:
+        return []
+    return [i for i in range(n_layers)
+            if i not in moe["mlp_only_layers"] and (i + 1) % moe["decoder_sparse_step"] == 0]
+
+
 @dataclass
 class TargetConfig:
     model_type: str
@@ -84,6 +119,23 @@ class TargetConfig:
     tie_word_embeddings: bool
     gdn_layout: str  # "qkvz" (Qwen3-Next: in_proj_qkvz + in_proj_ba) | "split" (Qwen3.5: qkv, z, b, a)
     eos_token_ids: list[int] = field(default_factory=list)
+    # sparse MoE (num_experts 0: every MLP dense). A layer is MoE when num_experts > 0, it is not in
+    # mlp_only_layers and (i + 1) % decoder_sparse_step == 0 — HF's Qwen3NextDecoderLayer rule; Qwen3.5-MoE
+    # has neither field (every layer MoE, top-k always renormalised), which the defaults reproduce.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
     # ---- derived shapes (the graph ABI sizes) ----
     @property
@@ -105,21 +157,22 @@ class TargetConfig:
     @classmethod
     def from_dict(cls, raw: dict, path: str = "config.json") -> "TargetConfig":
         mt = raw.get("model_type")
-        if mt == "qwen3_5" or (mt is None and "text_config" in raw):
+        if mt in ("qwen3_5", "qwen3_5_moe") or (mt is None and "text_config" in raw):
             cfg = dict(raw.get("text_config") or {})
             if not cfg:
-                raise ConfigError(f"{path}: model_type 'qwen3_5' needs a 'text_config' object")
+                raise ConfigError(f"{path}: model_type '{mt or 'qwen3_5'}' needs a 'text_config' object")
             cfg.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
             if "eos_token_id" not in cfg and "eos_token_id" in raw:
                 cfg["eos_token_id"] = raw["eos_token_id"]
             layout = "split"
-        elif mt == "qwen3_5_text":
+        elif mt in ("qwen3_5_text", "qwen3_5_moe_text"):
             cfg, layout = raw, "split"
         elif mt == "qwen3_next":
             cfg, layout = raw, "qkvz"
         else:
             raise ConfigError(
-                f"{path}: model_type '{mt}' is not supported (expected qwen3_next, qwen3_5_text or qwen3_5)"
+                f"{path}: model_type '{mt}' is not supported (expected qwen3_next, qwen3_5_text, qwen3_5, "
+                "qwen3_5_moe_text or qwen3_5_moe)"
             )
         n_layers = _int(cfg, "num_hidden_layers", path)
         layer_types = cfg.get("layer_types")
@@ -130,16 +183,7 @@ class TargetConfig:
             ]
         if len(layer_types) != n_layers:
             raise ConfigError(f"{path}: layer_types has {len(layer_types)} entries, num_hidden_layers is {n_layers}")
-        n_exp = cfg.get("num_experts") or 0
-        if n_exp > 0:
-            dense = set(cfg.get("mlp_only_layers") or [])
-            step = int(cfg.get("decoder_sparse_step", 1) or 1)
-            moe = [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
-            if moe:
-                raise NotImplementedError(
-                    f"{path}: num_experts={n_exp} makes layers {moe[:4]}... mixture-of-experts; "
-                    "MoE MLPs are not supported yet (dense SwiGLU only)"
-                )
+        moe = _moe_fields(cfg, path, n_layers)
         theta, partial = _rope(cfg, path)
         n_heads = _int(cfg, "num_attention_heads", path)
         hidden = _int(cfg, "hidden_size", path)
@@ -149,7 +193,9 @@ class TargetConfig:
             model_type=mt or "qwen3_5",
             vocab_size=_int(cfg, "vocab_size", path),
             hidden_size=hidden,
-            intermediate_size=_int(cfg, "intermediate_size", path),
+            # only dense layers use intermediate_size: Qwen3.5-MoE configs (every layer MoE) omit it
+            intermediate_size=(_int(cfg, "intermediate_size", path) if len(moe_layers(moe, n_layers)) < n_layers
+                               else _int(cfg, "intermediate_size", path, 0, minimum=0)),
             num_layers=n_layers,
             layer_types=list(layer_types),
             num_heads=n_heads,
@@ -166,6 +212,7 @@ class TargetConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             gdn_layout=layout,
             eos_token_ids=eos_ids,
+            **moe,
         )
         c.validate(path)
         return c

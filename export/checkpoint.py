@@ -67,21 +67,28 @@ class WeightSource:
             raise CheckpointError(f"{f}: tensor '{name}' could not be read ({e})") from None
 
 
-def _bind(module: torch.nn.Module, src: WeightSource, name_of, dtype, what: str) -> None:
-    """Copy every parameter of `module` from the checkpoint, checking presence and shape first."""
+def _where(src: WeightSource) -> str:
+    """The checkpoint named in a missing-tensor message: its one weight file, else its directory."""
+    return src.files[0] if len(src.files) == 1 else os.path.dirname(src.files[0])
+
+
+def _bind(module: torch.nn.Module, src: WeightSource, name_of, dtype, what: str, built=None) -> None:
+    """Copy every parameter of `module` from the checkpoint, checking presence and shape first.
+    built: checkpoint key -> (tensor, file) for tensors assembled from others (stacked experts)."""
+    built = built or {}
     params = dict(module.named_parameters(remove_duplicate=True))
-    missing = [name_of(p) for p in params if name_of(p) not in src.where]
+    missing = [name_of(p) for p in params if name_of(p) not in src.where and name_of(p) not in built]
     if missing:
         raise CheckpointError(
-            f"{what} checkpoint {src.files[0] if len(src.files) == 1 else os.path.dirname(src.files[0])}: "
+            f"{what} checkpoint {_where(src)}: "
             f"missing tensor '{missing[0]}'" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     for p_name, p in params.items():
         key = name_of(p_name)
-        t = src.get(key)
+        t, f = built[key] if key in built else (src.get(key), src.where[key])
         if tuple(t.shape) != tuple(p.shape):
             raise CheckpointError(
-                f"{src.where[key]}: tensor '{key}' has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
+                f"{f}: tensor '{key}' has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
             )
         with torch.no_grad():
             p.data = t.to(dtype).contiguous()
@@ -94,6 +101,38 @@ def _target_prefix(src: WeightSource) -> str:
     raise CheckpointError(f"{src.files[0]}: missing tensor 'model.embed_tokens.weight' (not a Qwen3-Next/3.5 decoder?)")
 
 
+def _stack_experts(model: TargetModel, src: WeightSource, prefix: str) -> dict:
+    """Expert weights in the per-expert layout of released checkpoints (and of transformers' save_pretrained):
+    mlp.experts.{e}.{gate,up,down}_proj.weight, stacked into our fused parameters (HF's in-memory layout,
+    mlp.experts.gate_up_proj [E,2I,H] and mlp.experts.down_proj [E,H,I]). A layer whose fused tensors are in
+    the checkpoint is bound from them directly. Each per-expert tensor is checked by name and shape here,
+    so the error names the tensor the user has, not our stacked one."""
+    cfg, built = model.cfg, {}
+    E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    for i in cfg.moe_layers:
+        base = f"{prefix}layers.{i}.mlp.experts."
+        fused = [base + "gate_up_proj", base + "down_proj"]
+        if all(k in src.where for k in fused):
+            continue
+        parts = {n: [] for n in ("gate_proj", "up_proj", "down_proj")}
+        for e in range(E):
+            for n, shape in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
+                key = f"{base}{e}.{n}.weight"
+                if key not in src.where:
+                    missing = fused[0] if fused[0] not in src.where else fused[1]
+                    raise CheckpointError(f"target checkpoint {_where(src)}: missing tensor '{key}' "
+                                          f"(layer {i} has {E} experts; no fused '{missing}' either)")
+                t = src.get(key)
+                if tuple(t.shape) != shape:
+                    raise CheckpointError(f"{src.where[key]}: tensor '{key}' has shape {tuple(t.shape)}, "
+                                          f"expected {shape}")
+                parts[n].append(t)
+        f = src.where[f"{base}0.gate_proj.weight"]
+        built[fused[0]] = (torch.stack([torch.cat([g, u]) for g, u in zip(parts["gate_proj"], parts["up_proj"])]), f)
+        built[fused[1]] = (torch.stack(parts["down_proj"]), f)
+    return built
+
+
 def load_target(d: str, dtype=torch.float32) -> TargetModel:
     cfg = TargetConfig.from_dict(read_json(os.path.join(d, "config.json")), os.path.join(d, "config.json"))
     src = WeightSource(d)
@@ -102,7 +141,8 @@ def load_target(d: str, dtype=torch.float32) -> TargetModel:
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in src.where
     if tied and not cfg.tie_word_embeddings:
         raise CheckpointError(f"{src.files[0]}: missing tensor 'lm_head.weight' and tie_word_embeddings is false")
-    _bind(model, src, lambda n: "lm_head.weight" if n == "lm_head.weight" else prefix + n, dtype, "target")
+    _bind(model, src, lambda n: "lm_head.weight" if n == "lm_head.weight" else prefix + n, dtype, "target",
+          built=_stack_experts(model, src, prefix))
     return model.eval()
 
 

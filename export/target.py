@@ -16,6 +16,7 @@ from torch import nn
 
 from dflash_trt.config import TargetConfig
 from dflash_trt.export.gdn_gates import gdn_gates
+from dflash_trt.export.mlp import MLP, SparseMoE
 from dflash_trt.plugins import ops
 from dflash_trt.plugins.gdn.reference import l2norm
 
@@ -63,17 +64,6 @@ def apply_rope(x, cos, sin):
     rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
     xr = xr * cos[:, :, None] + rot * sin[:, :, None]
     return torch.cat([xr, xp], dim=-1)
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def gdn_chunk_dense(q, k, v, g, beta, state=None, chunk: int = 64):
@@ -250,7 +240,7 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig, layer_type: str):
+    def __init__(self, cfg: TargetConfig, layer_type: str, index: int):
         super().__init__()
         self.is_attention = layer_type == "full_attention"
         if self.is_attention:
@@ -259,7 +249,8 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        # one module per layer for step() and forward_train() alike, so both paths run the same MLP
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
 class TargetModel(nn.Module):
@@ -270,7 +261,7 @@ class TargetModel(nn.Module):
         self.cfg = cfg
         self.tap_ids = list(tap_ids or [])
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t, i) for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

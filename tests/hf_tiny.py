@@ -2,8 +2,14 @@
 import torch
 
 
+# sparse MoE: 6 experts, top-3 (more than one selected, fewer than all), expert / shared widths unlike the dense one
+MOE = dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+
+
 def tiny_hf_config(kind: str, ratio: int = 2, vocab: int = 251):
-    """Hv/Hk = ratio, dk != dv, two attention layers, odd vocab, partial RoPE."""
+    """Hv/Hk = ratio, dk != dv, two attention layers, odd vocab, partial RoPE.
+    kind: qwen3_next | qwen3_5 (dense) | qwen3_next_moe (MoE with dense layers mixed in: layer 2 by
+    mlp_only_layers, odd layers by decoder_sparse_step 2) | qwen3_5_moe (text model, every layer MoE)."""
     common = dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -12,24 +18,35 @@ def tiny_hf_config(kind: str, ratio: int = 2, vocab: int = 251):
         layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
         tie_word_embeddings=False, max_position_embeddings=512,
     )
+    next_rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+    # multi-axis RoPE sections must cover rotary_dim/2 = 4 frequencies
+    q35_rope = dict(next_rope, mrope_section=[2, 1, 1])
     if kind == "qwen3_next":
         from transformers import Qwen3NextConfig
 
-        return Qwen3NextConfig(**common, num_experts=0, rope_parameters=dict(
-            rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
+        return Qwen3NextConfig(**common, num_experts=0, rope_parameters=next_rope)
+    if kind == "qwen3_next_moe":  # sparse layers 3, 5 (step 2, layer 1 dense by mlp_only_layers); 0, 2, 4 dense
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(**common, **MOE, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[1],
+                               rope_parameters=next_rope)
+    if kind == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+
+        common.pop("intermediate_size")  # every layer is MoE: the config has no dense width
+        return Qwen3_5MoeTextConfig(**common, **MOE, rope_parameters=q35_rope)
     from transformers import Qwen3_5TextConfig
 
-    # multi-axis RoPE sections must cover rotary_dim/2 = 4 frequencies
-    return Qwen3_5TextConfig(**common, rope_parameters=dict(
-        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]))
+    return Qwen3_5TextConfig(**common, rope_parameters=q35_rope)
 
 
 def make_hf_model(kind: str, ratio: int, path: str, seed: int = 0):
-    from transformers import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
     cfg = tiny_hf_config(kind, ratio)
-    cls = Qwen3NextForCausalLM if kind == "qwen3_next" else Qwen3_5ForCausalLM
+    cls = {"qwen3_next": Qwen3NextForCausalLM, "qwen3_next_moe": Qwen3NextForCausalLM,
+           "qwen3_5_moe": Qwen3_5MoeForCausalLM}.get(kind, Qwen3_5ForCausalLM)
     model = cls(cfg).float().eval()
     with torch.no_grad():  # HF inits norms to 0/1 and A_log/dt_bias to fixed values: randomise to test them
         for n, p in model.named_parameters():
@@ -37,5 +54,9 @@ def make_hf_model(kind: str, ratio: int, path: str, seed: int = 0):
                 p.add_(0.1 * torch.randn_like(p))
             if "A_log" in n:
                 p.copy_(torch.empty_like(p).uniform_(-2, 1))
+            if n.endswith("mlp.gate.weight"):  # HF inits the router to zeros: all experts tie, top-k arbitrary
+                p.copy_(0.5 * torch.randn_like(p))
+            if "experts" in n or "shared_expert" in n:  # weights large enough that a wrong route shows
+                p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
     return model

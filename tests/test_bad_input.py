@@ -55,10 +55,18 @@ def test_config_missing_field(pair_dir, tmp_path):
         load_target(d)
 
 
-def test_moe_config_is_refused_by_name(pair_dir, tmp_path):
+def test_moe_config_without_expert_fields_is_refused_by_name(pair_dir, tmp_path):
+    """num_experts alone is not enough: the MoE fields it needs are named (and the dense weights do not
+    silently load as an MoE model)."""
     d = copy(pair_dir[0], tmp_path)
     edit_json(os.path.join(d, "config.json"), lambda c: c.update(num_experts=8))
-    with pytest.raises(NotImplementedError, match="num_experts=8"):
+    with pytest.raises(ConfigError, match="missing required field 'num_experts_per_tok'"):
+        load_target(d)
+    edit_json(os.path.join(d, "config.json"), lambda c: c.update(num_experts_per_tok=2, moe_intermediate_size=16))
+    with pytest.raises(ConfigError, match="missing required field 'shared_expert_intermediate_size'"):
+        load_target(d)
+    edit_json(os.path.join(d, "config.json"), lambda c: c.update(shared_expert_intermediate_size=16))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight'"):
         load_target(d)
 
 
