@@ -15,6 +15,11 @@ from dflash_trt.export.drafter import Drafter
 from dflash_trt.export.target import TargetModel
 
 
+# a tiny sparse-MoE MLP (tiny_target_config(**TINY_MOE)): 4 experts, top-2, every layer but layer 1 sparse
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                norm_topk_prob=True, mlp_only_layers=[1])
+
+
 def tiny_target_config(vocab=259, hidden=64, layers=4, ratio=2, model_type="qwen3_5_text", **over) -> dict:
     cfg = dict(
         model_type=model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -52,8 +57,10 @@ def _randomize(module: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(torch.empty(p.shape).uniform_(-1, 1, generator=gen))
             elif "norm" in name:  # zero-centred norms: small offsets; plain norms: around 1
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):  # router: logits far enough apart that top-k is not a tie
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() == 3 else 0.08))
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if "conv1d" in name else 0.08))
 
 
 # the smallest tiny-pair shapes our CUDA kernels take (GDN dk 64, dv a multiple of 32; attention head_dim 64):

@@ -1,0 +1,149 @@
+"""Sparse-MoE targets (issue 16, CPU checks): transformers oracle for Qwen3-Next with mixed dense/sparse layers
+and the Qwen3.5-MoE text model, both weight layouts, lossless spec on torch and ORT, bad expert tensors."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hf_tiny import make_hf_model
+from safetensors.torch import load_file, save_file
+from spec_helpers import ScriptedDrafter
+
+from dflash_trt.abi import PoolSizes
+from dflash_trt.export.checkpoint import CheckpointError, load_drafter, load_target, save_checkpoint
+from dflash_trt.export.mlp import SparseMoE
+from dflash_trt.runtime.backends.torch_backend import TorchBackend
+from dflash_trt.runtime.gating import Gate
+from dflash_trt.runtime.runtime import Runtime
+from dflash_trt.tools.tiny import TINY_MOE, make_tiny_pair
+
+KINDS = ["qwen3_next_moe", "qwen3_5_moe"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def hf_pair(request, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp(request.param))
+    return make_hf_model(request.param, 2, d), d
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model.forward_full(ids)["logits"]
+
+
+def test_layers_are_sparse_where_the_config_says(hf_pair):
+    hf, d = hf_pair
+    ours = load_target(d)
+    want = [type(layer.mlp).__name__ == "Qwen3NextSparseMoeBlock" or "SparseMoe" in type(layer.mlp).__name__
+            for layer in hf.model.layers]
+    assert [isinstance(layer.mlp, SparseMoE) for layer in ours.layers] == want
+    assert any(want) and (all(want) if ours.cfg.model_type == "qwen3_5_moe_text" else not all(want))
+
+
+def test_logits_match_transformers(hf_pair):
+    hf, d = hf_pair
+    ours = load_target(d)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    diff = (logits(ours, ids) - ref).abs().max().item()
+    print(f"{ours.cfg.model_type}: max-abs logits {diff:.3g}")
+    assert diff <= 1e-4, diff
+    # the training path runs the same MLP modules
+    with torch.no_grad():
+        assert (ours.forward_train(ids)["logits"] - ref).abs().max().item() <= 1e-4
+    # the check can fail: routing without renormalisation is visibly different
+    for layer in ours.layers:
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.norm_topk_prob = False
+    assert (logits(ours, ids) - ref).abs().max().item() > 1e-3
+
+
+def test_cached_greedy_matches_transformers(hf_pair):
+    """Prefill chunks of 16 + K=1 cached steps through the Runtime == HF greedy recomputed on the full sequence."""
+    hf, d = hf_pair
+    ours = load_target(d)
+    rt = Runtime(TorchBackend(ours), ours.cfg, None,
+                 PoolSizes(kv_blocks=16, page_size=8, max_seq_len=96, max_seqs=2, prefill_chunk=16))
+    prompt = torch.randint(0, hf.config.vocab_size, (36,), generator=torch.Generator().manual_seed(2)).tolist()
+    new, _ = rt.generate(prompt, 20, spec=False)
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(20):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert new == seq[len(prompt):]
+
+
+def test_fused_expert_layout_loads(hf_pair, tmp_path):
+    """The fused 3-D layout (HF's in-memory names: experts.gate_up_proj / experts.down_proj) == per-expert."""
+    hf, d = hf_pair
+    out = str(tmp_path / "fused")
+    shutil.copytree(d, out)
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, os.path.join(out, "model.safetensors"))
+    keys = load_file(os.path.join(out, "model.safetensors")).keys()
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in keys)
+    assert not any(".experts.0." in k for k in keys)
+    ids = torch.randint(0, 251, (1, 24))
+    assert torch.equal(logits(load_target(out), ids), logits(load_target(d), ids))
+
+
+def _edit(d, tmp_path, fn):
+    out = str(tmp_path / "bad")
+    shutil.copytree(d, out)
+    p = os.path.join(out, "model.safetensors")
+    w = load_file(p)
+    fn(w)
+    save_file(w, p)
+    return out, p
+
+
+def test_missing_expert_tensor_named(hf_pair, tmp_path):
+    hf, d = hf_pair
+    i = next(i for i, layer in enumerate(hf.model.layers) if "Sparse" in type(layer.mlp).__name__)
+    key = f"model.layers.{i}.mlp.experts.4.up_proj.weight"
+    out, p = _edit(d, tmp_path, lambda w: w.pop(key))
+    with pytest.raises(CheckpointError, match=rf"{p}: missing tensor '{key}'"):
+        load_target(out)
+
+
+def test_misshaped_expert_tensor_named(hf_pair, tmp_path):
+    hf, d = hf_pair
+    i = next(i for i, layer in enumerate(hf.model.layers) if "Sparse" in type(layer.mlp).__name__)
+    key = f"model.layers.{i}.mlp.experts.2.down_proj.weight"
+    out, p = _edit(d, tmp_path, lambda w: w.__setitem__(key, torch.zeros(64, 23)))
+    with pytest.raises(CheckpointError, match=rf"{p}: tensor '{key}' has shape \(64, 23\), expected \(64, 24\)"):
+        load_target(out)
+    fkey = f"model.layers.{i}.mlp.experts.gate_up_proj"  # fused layout, wrong expert count
+    out2 = str(tmp_path / "bad2")
+    shutil.copytree(d, out2)
+    save_file({**{k: v.contiguous() for k, v in hf.state_dict().items()}, fkey: torch.zeros(5, 48, 64)},
+              os.path.join(out2, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"tensor '{fkey}' has shape \(5, 48, 64\), expected \(6, 48, 64\)"):
+        load_target(out2)
+
+
+# ---- lossless speculative decoding on an MoE target (tools/tiny.py pair with TINY_MOE) ----
+
+SIZES = PoolSizes(kv_blocks=64, page_size=4, max_seq_len=256, max_seqs=2, dkv_blocks=64, ctx_window=12,
+                  prefill_chunk=16)
+
+
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("moepair"))
+    tdir, ddir = make_tiny_pair(d, seed=5, target_over=dict(TINY_MOE))
+    target = load_target(tdir)
+    assert target.cfg.moe_layers == [0, 2, 3]
+    return tdir, ddir, target, load_drafter(ddir, target)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 15])
+def test_lossless_spec_on_torch(moe_pair, gamma):
+    _, _, target, drafter = moe_pair
+    prompt = list(np.random.default_rng(0).integers(0, 250, 23))
+    plain, _ = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES).generate(prompt, 48, spec=False)
+    be = ScriptedDrafter(TorchBackend(target, drafter), list(prompt) + plain, target.cfg.vocab_size,
+                         lambda s, g: (s * 7) % (g + 1))
+    out, st = Runtime(be, target.cfg, drafter.cfg, SIZES, gate=Gate(min_rate=0.0)).generate(prompt, 48, gamma=gamma)
+    assert st.spec_steps > 0 and out == plain
