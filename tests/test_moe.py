@@ -147,3 +147,35 @@ def test_lossless_spec_on_torch(moe_pair, gamma):
                          lambda s, g: (s * 7) % (g + 1))
     out, st = Runtime(be, target.cfg, drafter.cfg, SIZES, gate=Gate(min_rate=0.0)).generate(prompt, 48, gamma=gamma)
     assert st.spec_steps > 0 and out == plain
+
+
+def test_ort_graphs_and_lossless_on_ort(moe_pair, tmp_path):
+    """The exported MoE target graphs (standard ONNX ops) on ORT == torch (fp32 <= 1e-4) on random valid inputs,
+    and plain / spec decoding on ORT == torch plain greedy."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from test_onnx_export import random_feeds
+
+    from dflash_trt.export.onnx_export import export_graphs
+    from dflash_trt.runtime.backends import make_backend
+
+    tdir, ddir, target, drafter = moe_pair
+    sizes = PoolSizes(**{**SIZES.__dict__, "max_seqs": 4})  # random_feeds uses slots 1 and 3
+    out = str(tmp_path / "export")
+    export_graphs(tdir, ddir, out, (1, 4), sizes, progress=None)
+    ort, tb = make_backend("ort", manifest=out), TorchBackend(target, drafter, want_logits=True)
+    for graph in ("target_k4", "target_prefill"):
+        feeds = random_feeds(ort.manifest, graph)
+        got, ref = ort.run(graph, feeds), tb.run(graph, feeds)
+        assert sorted(got) == sorted(ref)
+        for name, r in ref.items():
+            if np.issubdtype(r.dtype, np.integer):
+                np.testing.assert_array_equal(got[name], r, err_msg=f"{graph}/{name}")
+            else:
+                np.testing.assert_allclose(got[name], r, atol=1e-4, rtol=1e-4, err_msg=f"{graph}/{name}")
+    prompt = list(np.random.default_rng(0).integers(0, 250, 23))
+    plain, _ = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, sizes).generate(prompt, 32, spec=False)
+    assert Runtime(ort, target.cfg, drafter.cfg, sizes).generate(prompt, 32, spec=False)[0] == plain
+    be = ScriptedDrafter(ort, list(prompt) + plain, target.cfg.vocab_size, lambda s, g: (s * 7) % (g + 1))
+    spec, st = Runtime(be, target.cfg, drafter.cfg, sizes, gate=Gate(min_rate=0.0)).generate(prompt, 32, gamma=3)
+    assert st.spec_steps > 0 and spec == plain
