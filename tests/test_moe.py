@@ -179,3 +179,22 @@ def test_ort_graphs_and_lossless_on_ort(moe_pair, tmp_path):
     be = ScriptedDrafter(ort, list(prompt) + plain, target.cfg.vocab_size, lambda s, g: (s * 7) % (g + 1))
     spec, st = Runtime(be, target.cfg, drafter.cfg, sizes, gate=Gate(min_rate=0.0)).generate(prompt, 32, gamma=3)
     assert st.spec_steps > 0 and spec == plain
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gamma", [3, 15])
+def test_gpu_lossless_moe_target(tmp_path, gamma):
+    """fp32 on the GPU (CudaDevice, one CUDA graph per step): an MoE target's plain and DFlash tokens == the CPU
+    reference's plain greedy (the routing runs inside the captured graph)."""
+    from dflash_trt import load_runtime
+    from dflash_trt.tools.tiny import KERNEL_SHAPES
+
+    dirs = make_tiny_pair(str(tmp_path), seed=5, target_over=dict(TINY_MOE, **KERNEL_SHAPES["target_over"]),
+                          drafter_over=KERNEL_SHAPES["drafter_over"])
+    cpu, _ = load_runtime(*dirs, sizes=SIZES)
+    gpu, _ = load_runtime(*dirs, sizes=SIZES, device="cuda", gate=Gate(min_rate=0.0))
+    prompt = list(np.random.default_rng(0).integers(0, 250, 23))
+    plain, _ = cpu.generate(prompt, 48, spec=False)
+    assert gpu.generate(prompt, 48, spec=False)[0] == plain
+    spec, st = gpu.generate(prompt, 48, gamma=gamma)
+    assert st.spec_steps > 0 and spec == plain
