@@ -60,3 +60,23 @@ def make_hf_model(kind: str, ratio: int, path: str, seed: int = 0):
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def cached_greedy_vs_hf(hf, model_dir: str, new_tokens: int):
+    """Our runtime (prefill chunks of 16, so state carries across chunks, then K=1 cached steps) and HF greedy
+    recomputed on the full sequence each token, from the same 36-token prompt: (ours, hf's, runtime)."""
+    from dflash_trt.abi import PoolSizes
+    from dflash_trt.export.checkpoint import load_target
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+    from dflash_trt.runtime.runtime import Runtime
+
+    ours = load_target(model_dir)
+    rt = Runtime(TorchBackend(ours), ours.cfg, None,
+                 PoolSizes(kv_blocks=16, page_size=8, max_seq_len=96, max_seqs=2, prefill_chunk=16))
+    prompt = torch.randint(0, hf.config.vocab_size, (36,), generator=torch.Generator().manual_seed(2)).tolist()
+    new, _ = rt.generate(prompt, new_tokens, spec=False)
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    return new, seq[len(prompt):], rt

@@ -6,12 +6,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from hf_tiny import make_hf_model
+from hf_tiny import cached_greedy_vs_hf, make_hf_model
 from safetensors.torch import load_file, save_file
 from spec_helpers import ScriptedDrafter
 
 from dflash_trt.abi import PoolSizes
-from dflash_trt.export.checkpoint import CheckpointError, load_drafter, load_target, save_checkpoint
+from dflash_trt.export.checkpoint import CheckpointError, load_drafter, load_target
 from dflash_trt.export.mlp import SparseMoE
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.gating import Gate
@@ -62,17 +62,8 @@ def test_logits_match_transformers(hf_pair):
 
 def test_cached_greedy_matches_transformers(hf_pair):
     """Prefill chunks of 16 + K=1 cached steps through the Runtime == HF greedy recomputed on the full sequence."""
-    hf, d = hf_pair
-    ours = load_target(d)
-    rt = Runtime(TorchBackend(ours), ours.cfg, None,
-                 PoolSizes(kv_blocks=16, page_size=8, max_seq_len=96, max_seqs=2, prefill_chunk=16))
-    prompt = torch.randint(0, hf.config.vocab_size, (36,), generator=torch.Generator().manual_seed(2)).tolist()
-    new, _ = rt.generate(prompt, 20, spec=False)
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(20):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    assert new == seq[len(prompt):]
+    new, ref, rt = cached_greedy_vs_hf(*hf_pair, 20)
+    assert new == ref
 
 
 def test_fused_expert_layout_loads(hf_pair, tmp_path):

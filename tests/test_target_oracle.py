@@ -5,13 +5,10 @@ import os
 import numpy as np
 import pytest
 import torch
-from hf_tiny import make_hf_model
+from hf_tiny import cached_greedy_vs_hf, make_hf_model
 from safetensors.torch import load_file, save_file
 
-from dflash_trt.abi import PoolSizes
 from dflash_trt.export.checkpoint import load_target
-from dflash_trt.runtime.backends.torch_backend import TorchBackend
-from dflash_trt.runtime.runtime import Runtime
 
 CASES = [("qwen3_next", 1), ("qwen3_next", 2), ("qwen3_5", 1), ("qwen3_5", 2)]
 
@@ -44,17 +41,8 @@ def test_full_sequence_logits_match_transformers(hf_pair):
 def test_cached_greedy_decode_matches_transformers(hf_pair):
     """Our prefill (chunks of 16, so state carries across chunks) + K=1 cached steps == HF greedy
     recomputed on the full sequence (HF's own cached multi-token path restarts GDN state; see DESIGN §2)."""
-    hf, d = hf_pair
-    ours = load_target(d)
-    rt = Runtime(TorchBackend(ours), ours.cfg, None,
-                 PoolSizes(kv_blocks=16, page_size=8, max_seq_len=96, max_seqs=2, prefill_chunk=16))
-    prompt = torch.randint(0, hf.config.vocab_size, (36,), generator=torch.Generator().manual_seed(2)).tolist()
-    new, _ = rt.generate(prompt, 24, spec=False)
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(24):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    assert new == seq[len(prompt):]
+    new, ref, rt = cached_greedy_vs_hf(*hf_pair, 24)
+    assert new == ref
     assert rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.slots.num_free == rt.slots.num_total
 
 
