@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import TargetConfig
+from dflash_trt.plugins import ops
 
 
 class MLP(nn.Module):
@@ -32,18 +33,13 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(n, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.zeros(n, hidden, inter))
 
-    def forward(self, x, combine):
-        """x [N,H], combine [N,E] (routing weight of expert e for token n, 0 where not selected) -> [N,H].
-        Dense combine: every expert runs on every token as one batched matmul over E, then the combine weights
-        mix them. Chosen for correctness and portability first: all shapes are static and independent of the
-        routing (no nonzero / boolean indexing / .item(), so it traces to plain ONNX MatMul and captures in a
-        CUDA graph), and unselected experts add exactly 0·y. It costs E/top_k times the routed FLOPs and
-        reads every expert once per step; the grouped-GEMM path (issue 16 item 3) replaces it on the GPU.
-        Per (token, expert) the ops are HF's: linear, chunk, silu(gate)·up, linear, × weight in x's dtype."""
-        inter = self.down_proj.shape[-1]
-        gu = torch.matmul(x.unsqueeze(0), self.gate_up_proj.transpose(1, 2))  # [E,N,2I]
-        y = torch.matmul(F.silu(gu[..., :inter]) * gu[..., inter:], self.down_proj.transpose(1, 2))  # [E,N,H]
-        return (y * combine.t().unsqueeze(-1).to(y.dtype)).sum(0)
+    def forward(self, x, topk_idx, topk_w):
+        """x [N,H], topk_idx / topk_w [N,k] (the selected experts and their weights) -> [N,H] in x's dtype.
+        Through the op seam: on CUDA the grouped-GEMM kernels (plugins/moe: each selected expert's weights read
+        once per step, static grids inside the step's CUDA graph); on CPU and under ONNX export the dense-combine
+        reference (plugins/moe/reference.py: every expert on every token, standard ops, routing-independent
+        shapes)."""
+        return ops.moe_experts(x, topk_idx, topk_w, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoE(nn.Module):
@@ -61,17 +57,17 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, x):
-        """x [N,H] -> combine weights [N,E] in x's dtype (top-k scattered into zeros: ScatterElements in ONNX)."""
+        """x [N,H] -> (topk_idx [N,k] int64, topk_w [N,k] in x's dtype)."""
         logits = F.linear(x, self.gate.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
-        return torch.zeros_like(logits).scatter(-1, idx, top.to(logits.dtype))
+        return idx, top.to(logits.dtype)
 
     def forward(self, x):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        routed = self.experts(xf, self.route(xf))
+        routed = self.experts(xf, *self.route(xf))
         shared = torch.sigmoid(self.shared_expert_gate(xf)) * self.shared_expert(xf)
         return (routed + shared).reshape(shape)

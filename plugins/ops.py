@@ -14,6 +14,7 @@ from dflash_trt.plugins.conv import reference as conv_ref
 from dflash_trt.plugins.conv.spec import SPEC as CONV
 from dflash_trt.plugins.gdn import reference as gdn_ref
 from dflash_trt.plugins.gdn.spec import SPEC as GDN
+from dflash_trt.plugins.moe import reference as moe_ref
 from dflash_trt.plugins.opspec import OP_VERSION, PLUGIN_ATTRS
 from dflash_trt.plugins.paged_attention import reference as attention_ref
 from dflash_trt.plugins.paged_attention.spec import SPEC as ATTENTION
@@ -90,3 +91,14 @@ def paged_attention(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_l
                                       bool(causal), float(scale), int(window))
     return attention_ref.paged_attention_ref(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len,
                                              causal, scale, window)
+
+
+def moe_experts(x, topk_idx, topk_w, gate_up, down):
+    """MoeExperts: routed SwiGLU experts given the routing (plugins/moe/spec.py). CUDA tensors: the grouped-GEMM
+    kernels (each selected expert's weights read once per call). Export and CPU: the dense-combine reference,
+    traced as standard ONNX ops (no dflash:: node: ORT and TensorRT run plain MatMuls on it)."""
+    if not _exporting():
+        dflash = _cuda_ops(x)
+        if dflash is not None:
+            return dflash.moe_experts(x, topk_idx, topk_w, gate_up, down)
+    return moe_ref.moe_experts(x, topk_idx, topk_w, gate_up, down)

@@ -236,7 +236,7 @@ def check_args(a) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dflash-trt bench e2e")
-    p.add_argument("--model", required=True, help=f"target checkpoint dir, or '{RANDOM_0P9B}'")
+    p.add_argument("--model", required=True, help=f"target checkpoint dir, or '{RANDOM_0P9B}' or 'random-moe-35b-a3b'")
     p.add_argument("--drafter", help="DFlash drafter checkpoint dir")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: float32; bfloat16 for random-0.9b)")
@@ -249,6 +249,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     check_args(a)
+    if a.model == "random-moe-35b-a3b":  # issue 16's MoE bench: tools/bench_moe.py
+        from dflash_trt.tools.bench_moe import run as run_moe
+
+        return run_moe(a)
     from dflash_trt.tools.bench_e2e_run import run
 
     return run(a)

@@ -16,6 +16,7 @@ ENTRIES = {
     + ["gdn_fold_dk128_cg1", "gdn_fold_dk128_cg2", "gdn_fold_dk64_cg1", "gdn_fold_dk64_cg2"],
     "conv": ["conv_verify", "conv_roll"],
     "paged_attention": ["paged_attention_hd64", "paged_attention_hd128", "paged_attention_hd256", "kv_write"],
+    "moe": ["moe_plan", "moe_combine"] + [f"moe_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16", "f32")],
 }
 
 

@@ -1,0 +1,47 @@
+"""Launchers of the MoE kernels (kernel.cu): raw device pointers (ints) + a CUstream handle (int).
+
+One call = four launches on `stream` with grids fixed by the shapes alone (CUDA-graph safe, no host sync):
+plan (1 CTA) -> gate_up (I/16 x M) -> down (H/32 x M) -> combine (H/256 x N), M = min(E, N*k) expert slots
+of which the unused ones exit at once. Workspace (caller-allocated): plan ints [3M + P], h [P, I] in x's dtype
+(fp32 for fp32), y_pair [P, H] fp32, P = N*k. Every check reads spec.py and runs before any launch.
+"""
+from __future__ import annotations
+
+from dflash_trt.plugins.cuda_launch import I, P, get_function, launch
+from dflash_trt.plugins.moe import spec
+from dflash_trt.plugins.opspec import dtype_code, kernel_need
+
+_SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
+def slots(N: int, k: int, E: int) -> int:
+    """Expert slots of the GEMM grids: at most one per (token, k) pair and one per expert."""
+    return min(E, N * k)
+
+
+def workspace_ints(N: int, k: int, E: int) -> int:
+    return 3 * slots(N, k, E) + N * k
+
+
+def moe_experts(x, topk_idx, topk_w, gate_up, down, out, plan, h, y_pair, *, N, k, E, H, I,  # noqa: E741
+                dtype="bfloat16", idx_dtype="int64", w_dtype="bfloat16", stream=0):
+    """out [N,H] <- MoeExperts(x, topk_idx, topk_w, gate_up, down); all contiguous, weights in x's dtype."""
+    spec.check_dims(N, k, E, H, I)
+    dt = dtype_code(dtype, "moe_experts x / weights")
+    wdt = dtype_code(w_dtype, "moe_experts topk_w")
+    kernel_need(str(idx_dtype).replace("torch.", "") in ("int32", "int64"),
+                f"moe_experts: topk_idx must be int32 or int64, got {idx_dtype}")
+    idx64 = int(str(idx_dtype).endswith("int64"))
+    M, Pn = slots(N, k, E), N * k
+    act_e, act_off, act_cnt, entries = plan, plan + 4 * M, plan + 8 * M, plan + 12 * M  # int32 byte offsets
+    plan_args = [(act_e, P), (act_off, P), (act_cnt, P), (entries, P)]
+    launch(get_function("moe", "moe_plan"), (1, 1, 1), (spec.PLAN_THREADS, 1, 1), 8 * E, stream,
+           [(topk_idx, P), (idx64, I), (Pn, I), (E, I), (M, I), *plan_args])
+    sfx = _SUFFIX[str(dtype).replace("torch.", "")]
+    block = (spec.WARPS * 32, 1, 1)
+    launch(get_function("moe", f"moe_gate_up_{sfx}"), (I // 16, M, 1), block, 0, stream,
+           [(gate_up, P), (x, P), (H, I), (I, I), (k, I), *plan_args, (h, P)])
+    launch(get_function("moe", f"moe_down_{sfx}"), (H // spec.ROWS, M, 1), block, 0, stream,
+           [(down, P), (h, P), (H, I), (I, I), (k, I), *plan_args, (y_pair, P)])
+    launch(get_function("moe", "moe_combine"), ((H + 255) // 256, N, 1), (256, 1, 1), 0, stream,
+           [(y_pair, P), (topk_idx, P), (idx64, I), (topk_w, P), (wdt, I), (H, I), (k, I), (E, I), (out, P), (dt, I)])

@@ -1,0 +1,28 @@
+"""MoeExperts reference math (the oracle of the kernels and the CPU / ONNX path): dense combine.
+
+Every expert runs on every token as one batched matmul over E, then the routing weights (scattered into an [N,E]
+combine matrix, 0 where not selected) mix them. All shapes are static and independent of the routing (no
+nonzero / boolean indexing / .item()), so it traces to plain ONNX (ScatterElements, MatMul) and runs anywhere;
+unselected experts add exactly 0·y. It costs E/top_k times the routed FLOPs and reads every expert per call,
+which is why CUDA tensors go to the grouped kernels instead (kernel.cu). Per (token, expert) the ops are HF's:
+linear, chunk, silu(gate)·up, linear, × weight in x's dtype. Pass float64 tensors for an fp64 oracle.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def combine_weights(topk_idx, topk_w, num_experts: int, dtype):
+    """[N,k] ids + weights -> [N,E] combine matrix in `dtype`."""
+    z = torch.zeros(topk_idx.shape[0], num_experts, dtype=dtype, device=topk_w.device)
+    return z.scatter(-1, topk_idx.long(), topk_w.to(dtype))
+
+
+def moe_experts(x, topk_idx, topk_w, gate_up, down):
+    """x [N,H], topk_idx / topk_w [N,k], gate_up [E,2I,H], down [E,H,I] -> [N,H] in x's dtype."""
+    inter = down.shape[-1]
+    combine = combine_weights(topk_idx, topk_w, gate_up.shape[0], x.dtype)
+    gu = torch.matmul(x.unsqueeze(0), gate_up.transpose(1, 2))  # [E,N,2I]
+    y = torch.matmul(F.silu(gu[..., :inter]) * gu[..., inter:], down.transpose(1, 2))  # [E,N,H]
+    return (y * combine.t().unsqueeze(-1)).sum(0)
