@@ -2,7 +2,8 @@
 then the device part of the commit (commit.write) with n as a host array. The CPU path for every backend
 (ONNX Runtime, the torch reference on CPU, scripted drafters in tests). Synchronous: nothing stays in
 flight, so host state is always current and the scheduler reserves exactly one step ahead.
-numpy + a Device; no torch here.
+numpy + a Device; a step with a sampling sequence imports the torch sampling math (runtime/sampling.py), and
+asks the graphs for their logits; the greedy path stays numpy.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
 from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, StepResult
 from dflash_trt.runtime.commit import WriteTables, write
+from dflash_trt.runtime.sampling import SamplingError, row_params, samples
 
 
 class HostStepExecutor:
@@ -41,14 +43,33 @@ class HostStepExecutor:
             x["kv_len"] = np.array([v[2] for v in vis], dtype=np.int64)
         return x
 
-    def _target(self, graph, x, ids, extra=None):
+    def _run(self, graph, inputs, logits: bool):
+        """backend.run, with the graph's logits when the step samples (the torch backend emits them while its
+        want_logits is set; exported graphs carry them unless exported with --no-logits)."""
+        be = self.rt.backend
+        if not logits:
+            return be.run(graph, inputs)
+        prev = getattr(be, "want_logits", None)
+        if prev is not None:
+            be.want_logits = True
+        try:
+            out = be.run(graph, inputs)
+        finally:
+            if prev is not None:
+                be.want_logits = prev
+        if "logits" not in out:
+            raise SamplingError(f"graph {graph} of the {getattr(be, 'name', '?')} backend emits no logits, so it "
+                                f"cannot sample; re-export without --no-logits, or use temperature 0")
+        return out
+
+    def _target(self, graph, x, ids, extra=None, logits=False):
         rt = self.rt
         B, T = ids.shape
         inputs = {"input_ids": ids, "positions": x["seq_len"][:, None] + np.arange(T, dtype=np.int64)[None],
                   "slot": x["slot"], "seq_len": x["seq_len"], "block_table": x["block_table"],
                   "kv_pool": rt.pools["kv_pool"], "gdn_pool": rt.pools["gdn_pool"], "conv_pool": rt.pools["conv_pool"]}
         inputs.update(extra or {})
-        return rt.backend.run(graph, inputs)
+        return self._run(graph, inputs, logits)
 
     def _ctx_rows(self, x, out):
         """drafter_ctx on the target step's ctx_hidden rows (padded to the graph's static R)."""
@@ -80,9 +101,17 @@ class HostStepExecutor:
         ids = np.zeros((1, C), dtype=np.int64)
         ids[0, : len(chunk)] = chunk
         valid = np.array([len(chunk)], dtype=np.int64)
-        out = self._target(PREFILL, x, ids, {"valid_len": valid})
+        sampled = samples([seq])
+        out = self._target(PREFILL, x, ids, {"valid_len": valid}, logits=sampled)
         self._commit(x, out, valid)
+        if sampled:  # the first new token, at position seq_len + len(chunk)
+            return int(self._sampler([seq]).first(out["logits"][:, len(chunk) - 1], x["seq_len"] + len(chunk))[0])
         return int(out["argmax"][0, len(chunk) - 1])
+
+    def _sampler(self, rows):
+        from dflash_trt.runtime.sampling import HostSampler
+
+        return HostSampler(row_params(rows))
 
     def launch(self, plan: StepPlan) -> StepResult:
         with self._stream():
@@ -93,28 +122,40 @@ class HostStepExecutor:
         x = self._rows(plan.rows)
         live = plan.live
         bonus = np.array([[s.bonus if s else 0] for s in plan.rows], dtype=np.int64)
+        smp = self._sampler(plan.rows) if samples(plan.rows) else None  # None: greedy, numpy only
         if plan.kind == DECODE:
-            out = self._target(target_graph(1), x, bonus)
+            out = self._target(target_graph(1), x, bonus, logits=smp is not None)
             n = live.copy()
+            tokens = out["argmax"] if smp is None else smp.first(out["logits"][:, 0], x["seq_len"] + 1)[:, None]
         elif plan.kind == SPEC:
             d, g = rt.dcfg, plan.gamma
             Bs = g + 1  # γ drafts come from a block of γ+1 slots, as the reference runs them
             block = np.full((plan.bucket, Bs), d.mask_token_id, dtype=np.int64)
             block[:, :1] = bonus
-            drafts = rt.backend.run(drafter_block_graph(Bs, d.block_size), {
+            dout = self._run(drafter_block_graph(Bs, d.block_size), {
                 "block_ids": block, "positions": x["seq_len"][:, None] + np.arange(Bs, dtype=np.int64)[None],
                 "block_table": x["ctx_table"], "kv_start": x["kv_start"], "kv_len": x["kv_len"],
                 "dkv_pool": rt.pools["dkv_pool"],
-            })["drafts"][:, :g]
-            out = self._target(target_graph(plan.K), x, np.concatenate([bonus, drafts], axis=1))
-            # greedy accept: longest prefix with draft_i == target argmax_i; bonus = argmax at the first miss
-            match = drafts == out["argmax"][:, :g]
-            acc = np.where(match.all(1), g, match.argmin(1))
-            n = (acc + 1) * live
+            }, smp is not None)
+            if smp is None:
+                drafts = dout["drafts"][:, :g]
+            else:  # drafts drawn from the drafter's per-slot q (slot j predicts position seq_len + j)
+                drafts = smp.drafts(dout["logits"][:, 1:Bs], x["seq_len"])
+            out = self._target(target_graph(plan.K), x, np.concatenate([bonus, drafts], axis=1),
+                               logits=smp is not None)
+            if smp is None:
+                # greedy accept: longest prefix with draft_i == target argmax_i; bonus = argmax at the first miss
+                match = drafts == out["argmax"][:, :g]
+                acc = np.where(match.all(1), g, match.argmin(1))
+                n = (acc + 1) * live
+                tokens = out["argmax"]
+            else:
+                tokens, n = smp.accept(out["logits"], drafts, x["seq_len"])
+                n = n * live
         else:
             raise ValueError(f"unknown step kind {plan.kind!r}")
         self._commit(x, out, n)
-        return StepResult(np.asarray(out["argmax"], dtype=np.int64), n, x.get("kv_start"), x.get("kv_len"))
+        return StepResult(np.asarray(tokens, dtype=np.int64), n, x.get("kv_start"), x.get("kv_len"))
 
     def collect(self, pending):
         return pending  # already done: launches are synchronous

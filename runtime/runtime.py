@@ -5,7 +5,7 @@ or tensorrt here (the GPU executor is imported lazily from runtime/backends/).
 Step kinds (all end in a commit of n rows):
   prefill  target_prefill over chunks of the prompt (n = valid rows of the chunk)
   decode   target_k1 on the bonus token (n = 1) — also the gated-off path, ctx still appended
-  spec     drafter_block -> target_k{γ+1} -> greedy accept -> n = accepted + 1
+  spec     drafter_block -> target_k{γ+1} -> greedy accept (T > 0: rejection sampling) -> n = accepted + 1
 
 Executors: `HostStepExecutor` (graphs through backend.run, accept on the host; every backend, CPU) and
 `GraphStepExecutor` (torch backend on a CudaDevice: one CUDA graph per step kind, K and batch bucket,
@@ -26,6 +26,7 @@ from dflash_trt.runtime.devices.host import HostDevice
 from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.host_step import HostStepExecutor
 from dflash_trt.runtime.pools import BlockAllocator, SlotPool
+from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.runtime.scheduler import FAILED, Request, Scheduler
 from dflash_trt.runtime.sequence import Sequence, SequenceError, token_ids
 
@@ -161,13 +162,18 @@ class Runtime:
                 raise SequenceError(f"{api}: sequence {s.seq_id} has not been prefilled; call prefill() first")
         return seqs
 
-    def add_sequence(self, prompt: list[int]) -> Sequence:
+    def add_sequence(self, prompt: list[int], sampling: SamplingParams | None = None) -> Sequence:
+        """A new sequence; `sampling` (None: greedy) decides its tokens in every step it takes."""
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        sampling = sampling.resolved() if sampling is not None else None
         ids = self.check_prompt(prompt)
         if self.sizes.max_seq_len < len(ids) + 1:  # prefill() could never finish: refuse before taking a slot
             raise CapacityError(f"prompt of {len(ids)} tokens does not fit max_seq_len={self.sizes.max_seq_len}")
         slot = self.slots.alloc()
         self._zero_slot(slot)
-        seq = Sequence(self._next_id, ids, slot, self.sizes.max_blocks, ctx=self._new_ctx(), owner=self)
+        seq = Sequence(self._next_id, ids, slot, self.sizes.max_blocks, ctx=self._new_ctx(), owner=self,
+                       sampling=sampling)
         self._next_id += 1
         return seq
 
@@ -272,7 +278,7 @@ class Runtime:
         return self._run_step(DECODE, self._check_batch(seqs, "decode_step"), 1)[0]
 
     def spec_step(self, seqs, gamma: int) -> tuple[list[list[int]], list[int]]:
-        """propose -> verify K=γ+1 -> greedy accept -> commit. Returns (new tokens, accepted counts)."""
+        """propose -> verify K=γ+1 -> accept (greedy, or rejection sampling) -> commit. Returns (new tokens, accepted counts)."""
         if self.dcfg is None:
             raise SequenceError("spec_step: this runtime has no drafter; use decode_step")
         seqs = self._check_batch(seqs, "spec_step")
@@ -284,8 +290,13 @@ class Runtime:
         check_gamma(gamma, self.dcfg.block_size)
 
     # ---- continuous batching (one K per batch) -----------------------------------------------
-    def add_request(self, prompt, max_new_tokens: int, gamma: int | None = None, spec: bool = True):
-        """Queue a request for batched decoding; step() advances every running request by one step."""
+    def add_request(self, prompt, max_new_tokens: int, gamma: int | None = None, spec: bool = True, *,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                    seed: int | None = None):
+        """Queue a request for batched decoding; step() advances every running request by one step.
+        temperature > 0 samples (top_k / top_p / min_p filter, seed reproduces; runtime/sampling.py); greedy and
+        sampling requests share batches. Bad sampling parameters raise SamplingError before anything is queued."""
+        sp = SamplingParams(temperature, top_k, top_p, min_p, seed)
         use_spec = spec and self.dcfg is not None
         gamma = gamma if gamma is not None else (self.dcfg.block_size - 1 if use_spec else 0)
         if use_spec:
@@ -296,7 +307,7 @@ class Runtime:
         elif (sch.spec, sch.gamma) != (use_spec, gamma if use_spec else 0):
             raise ValueError(f"this batch decodes with spec={sch.spec} gamma={sch.gamma}; a request with "
                              f"spec={use_spec} gamma={gamma} must wait until it drains")
-        return sch.add(prompt, max_new_tokens)
+        return sch.add(prompt, max_new_tokens, sp)
 
     def step(self):
         """One scheduler step; returns the requests that got tokens, finished or failed."""
@@ -317,10 +328,13 @@ class Runtime:
 
     # ---- one request ------------------------------------------------------------------------
     def generate(self, prompt: list[int], max_new_tokens: int, gamma: int | None = None,
-                 spec: bool = True, on_step=None) -> tuple[list[int], GenStats]:
-        """Greedy generation of one sequence; spec decoding when a drafter is present and spec=True.
-        The sequence's pages and slot are always given back, also when a step raises.
-        on_step(rt, seq) runs after each finished step."""
+                 spec: bool = True, on_step=None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, seed: int | None = None) -> tuple[list[int], GenStats]:
+        """Generation of one sequence; spec decoding when a drafter is present and spec=True. temperature 0:
+        greedy; > 0: sampling (top_k / top_p / min_p, seed: same seed -> same tokens) with speculative rejection
+        sampling, so DFlash keeps the target's distribution exactly. The sequence's pages and slot are always
+        given back, also when a step raises. on_step(rt, seq) runs after each finished step."""
+        sp = SamplingParams(temperature, top_k, top_p, min_p, seed)
         use_spec = spec and self.dcfg is not None
         gamma = gamma if gamma is not None else (self.dcfg.block_size - 1 if use_spec else 0)
         if use_spec:
@@ -328,7 +342,7 @@ class Runtime:
         sch = Scheduler(self, gamma, use_spec, max_batch=1)
         if on_step is not None:
             sch.on_step = lambda rt, req, plan, res, b: on_step(rt, req.seq)
-        req = sch.add(prompt, max_new_tokens)
+        req = sch.add(prompt, max_new_tokens, sp)
         self.gate.reset()
         t0 = time.perf_counter()
         try:

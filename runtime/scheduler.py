@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from dflash_trt.runtime import commit
 from dflash_trt.runtime.batching import BUCKETS, DECODE, SPEC, StepPlan, pad_rows
 from dflash_trt.runtime.pools import PoolExhausted
+from dflash_trt.runtime.sampling import GREEDY, SamplingParams
 
 WAITING, RUNNING, FINISHED, FAILED = "waiting", "running", "finished", "failed"
 
@@ -40,6 +41,7 @@ class Request:
     steps: int = 0  # target launches after the prefill
     accepted: list = field(default_factory=list)  # accepted drafts per spec step
     rt: object = field(default=None, repr=False)  # the Runtime that queued it (release_request checks it)
+    sampling: SamplingParams = GREEDY  # seed resolved when queued (req.sampling.seed reproduces it)
 
     @property
     def done(self) -> bool:
@@ -67,10 +69,12 @@ class Scheduler:
         self.on_step = None  # hook(rt, request) after each of its steps is finished (tests, tracing)
 
     # ---- requests -------------------------------------------------------------------------
-    def add(self, prompt, max_new_tokens: int) -> Request:
-        """Queue a request; bad input (empty prompt, token ids outside the vocabulary, over capacity) raises."""
+    def add(self, prompt, max_new_tokens: int, sampling: SamplingParams | None = None) -> Request:
+        """Queue a request; bad input (empty prompt, token ids outside the vocabulary, over capacity) raises.
+        sampling: how it picks tokens (None: greedy); greedy and sampling requests share batches."""
         ids = self.rt.check_request(prompt, max_new_tokens, self.K)
-        req = Request(self._next_id, ids, int(max_new_tokens), rt=self.rt)
+        sampling = (sampling or GREEDY).resolved()
+        req = Request(self._next_id, ids, int(max_new_tokens), rt=self.rt, sampling=sampling)
         self._next_id += 1
         self.waiting.append(req)
         return req
@@ -123,7 +127,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch and rt.slots.num_free > 0:
             req = self.waiting.popleft()
             try:
-                req.seq = rt.add_sequence(req.prompt)
+                req.seq = rt.add_sequence(req.prompt, sampling=req.sampling)
                 req.seq.managed = True  # from now on only this scheduler steps or releases it
                 first = rt.prefill(req.seq, _api="_scheduler")
             except (PoolExhausted, ValueError) as e:  # a request that cannot be admitted fails alone

@@ -53,6 +53,7 @@ class Sequence:
     bonus: int | None = None  # next token: emitted, not yet in the cache (None: not prefilled yet)
     owner: object = field(default=None, repr=False, compare=False)  # the Runtime whose pools hold it
     managed: bool = False  # admitted by the scheduler: steps and release go through its requests
+    sampling: object = None  # runtime.sampling.SamplingParams (seed resolved); None = greedy
 
     @property
     def live(self) -> bool:

@@ -7,6 +7,10 @@ state advanced), and one async D2H copy brings back only the tokens and n into p
 one event. The host does not wait for it: it plans and launches step t+1 first (the device advanced
 seq_len / bonus itself), then collects step t.
 
+A step with a sampling sequence runs the key (kind, K, B, "sampled"): the same step with per-row sampling
+fields in its input buffer (floats as float64 bits, so one int64 copy still fills it) and the logits path;
+greedy steps keep their keys (kind, K, B) and graphs unchanged.
+
 Graphs are captured on first use after one eager warm-up with all-padding inputs (inert: n = 0). A capture
 that fails is ended by the device (the brick guard), the stream stays usable, and that key runs its step
 eagerly from then on; `eager_keys` lists them. On CPU (TorchCpuDevice) every step runs eagerly.
@@ -17,7 +21,8 @@ import numpy as np
 import torch
 
 from dflash_trt.runtime.batching import DECODE, PREFILL_STEP, SPEC, StepPlan, StepResult, step_tables
-from dflash_trt.runtime.backends.torch_fused_step import RESULT_EXTRA
+from dflash_trt.runtime.backends.torch_fused_step import RESULT_EXTRA, SAMPLING_FIELDS
+from dflash_trt.runtime.sampling import row_params, samples
 
 STAGING_COPIES = 2  # a step's staging/readback pair is reused only after the step before last has landed
 
@@ -89,9 +94,11 @@ class GraphStepExecutor:
         self.on_capture = None  # progress callback(key) while graphs are captured
 
     # ---- buffers and graphs per key ----------------------------------------------------------
-    def _fields(self, kind, K, B):
+    def _fields(self, kind, K, B, sampled=False):
         s = self.rt.sizes
         f = {"slot": (B,), "srow": (B,), "block_table": (B, s.max_blocks)}
+        if sampled:
+            f.update({k: (B,) for k in SAMPLING_FIELDS})
         if self.rt.dcfg is not None:
             f.update(ctx_table=(B, self.rt.ctx_blocks), ctx_base=(B,))
         if kind == PREFILL_STEP:
@@ -108,14 +115,14 @@ class GraphStepExecutor:
             return st.decode
         return lambda b: st.spec(b, K - 1)
 
-    def entry(self, kind: str, K: int, B: int):
+    def entry(self, kind: str, K: int, B: int, sampled: bool = False):
         """(buffers, run) of one key; builds the buffers and captures its graph on first use."""
-        key = (kind, K, B)
+        key = (kind, K, B, "sampled") if sampled else (kind, K, B)
         buf = self.buffers.get(key)
         if buf is None:
-            fields, rshape = self._fields(kind, K, B)
+            fields, rshape = self._fields(kind, K, B, sampled)
             buf = self.buffers[key] = StepBuffers(self.dev, fields, rshape)
-            self._fill_padding(buf, kind, B)
+            self._fill_padding(buf, kind, B, sampled)
             fn = self._fn(kind, K)
             self.graphs[key] = None
             if self.use_graphs:
@@ -129,19 +136,18 @@ class GraphStepExecutor:
         graph = self.graphs[key]
         return buf, (graph if graph is not None else (lambda: fn(buf.views)))
 
-    def _fill_padding(self, buf, kind, B):
+    def _fill_padding(self, buf, kind, B, sampled=False):
         """All-padding inputs (live 0 -> n 0, dummy state row): what warm-up and capture run on."""
-        vals = step_tables([None] * B, self.rt.sizes.max_blocks,
-                           self.rt.ctx_blocks if self.rt.dcfg is not None else None, self.rt.sizes.max_seqs)
+        vals = self._tables([None] * B, sampled)
         if kind == PREFILL_STEP:
             vals.update(ids=np.zeros(buf.shapes["ids"]), start=np.zeros(B), valid=np.zeros(B))  # valid 0: n 0
         with buf.dev.on_stream():
             buf.fill(vals)
         buf.dev.synchronize()
 
-    def run_key(self, kind, K, B, values: dict, eager: bool = False) -> np.ndarray:
+    def run_key(self, kind, K, B, values: dict, eager: bool = False, sampled: bool = False) -> np.ndarray:
         """Run one key on explicit inputs and wait (tests: replay vs eager, bit for bit)."""
-        buf, run = self.entry(kind, K, B)
+        buf, run = self.entry(kind, K, B, sampled)
         with self.dev.on_stream():
             i = buf.fill(values)
             if eager:
@@ -161,17 +167,21 @@ class GraphStepExecutor:
             st.bonus[seq.slot] = int(seq.bonus if seq.bonus is not None else 0)
         self.dev.synchronize()
 
-    def _tables(self, rows):
+    def _tables(self, rows, sampled=False):
         s = self.rt.sizes
-        return step_tables(rows, s.max_blocks, self.rt.ctx_blocks if self.rt.dcfg is not None else None, s.max_seqs)
+        t = step_tables(rows, s.max_blocks, self.rt.ctx_blocks if self.rt.dcfg is not None else None, s.max_seqs)
+        if sampled:  # floats travel as their float64 bits in the int64 buffer (fused step views them back)
+            t.update({k: (v.view(np.int64) if v.dtype == np.float64 else v) for k, v in row_params(rows).items()})
+        return t
 
     def launch_prefill(self, seq, chunk: list[int]):
         C = self.rt.sizes.prefill_chunk
-        vals = self._tables([seq])
+        sampled = samples([seq])
+        vals = self._tables([seq], sampled)
         ids = np.zeros((1, C), dtype=np.int64)
         ids[0, : len(chunk)] = chunk
         vals.update(ids=ids, start=[seq.seq_len], valid=[len(chunk)])
-        buf, run = self.entry(PREFILL_STEP, C, 1)
+        buf, run = self.entry(PREFILL_STEP, C, 1, sampled)
         with self.dev.on_stream():
             i = buf.fill(vals)
             run()
@@ -181,8 +191,9 @@ class GraphStepExecutor:
     def launch(self, plan: StepPlan):
         if plan.kind not in (SPEC, DECODE):
             raise ValueError(f"unknown step kind {plan.kind!r}")
-        buf, run = self.entry(plan.kind, plan.K, plan.bucket)
-        tables = self._tables(plan.rows)
+        sampled = samples(plan.rows)
+        buf, run = self.entry(plan.kind, plan.K, plan.bucket, sampled)
+        tables = self._tables(plan.rows, sampled)
         with self.dev.on_stream():
             t0 = self._mark()
             i = buf.fill(tables)

@@ -6,7 +6,12 @@ tensor) and advances the per-slot device state (seq_len, bonus) so the next step
 but its rows. No .item(), no data-dependent shapes, no host syncs: everything is capturable. On CPU the same
 code runs eagerly (that is how its logic is tested without a GPU).
 
-Result row per sequence (int64): tokens[0:K] (target argmax; the emitted tokens are its first n),
+A step whose buffers carry sampling fields (SAMPLING_FIELDS: a key with a sampling sequence) asks the graphs for
+their logits and picks tokens with runtime/sampling.py (drafts from the drafter's q, speculative rejection
+sampling against the target's p, counter-based uniforms: all inside the graph); its temperature-0 rows come out
+exactly as greedy. Greedy keys run the argmax path unchanged.
+
+Result row per sequence (int64): tokens[0:K] (the emitted tokens are its first n; greedy: the target argmax),
 n, seq_len before the step, kv_start, kv_len (the drafter window attended).
 """
 from __future__ import annotations
@@ -16,8 +21,18 @@ import torch
 from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
 from dflash_trt.export.graphs import run_graph
 from dflash_trt.runtime.commit import WriteTables, write
+from dflash_trt.runtime.sampling import (TOKEN, draft_tokens, row_tensors, sample, speculative_accept, token_probs,
+                                         uniform)
 
 RESULT_EXTRA = 4  # n, seq_len, kv_start, kv_len after the K token columns
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")  # per row; floats as float64 bits
+
+
+def _sampling(b):
+    """The step's per-row sampling parameters as tensors, or None for a greedy key."""
+    if "temperature" not in b:
+        return None
+    return row_tensors({k: b[k] for k in SAMPLING_FIELDS}, b["temperature"].device)
 
 
 class SlotState:
@@ -36,13 +51,13 @@ class FusedSteps:
         self.state = SlotState(rt.sizes.max_seqs, next(target.parameters()).device)
 
     # ---- pieces ---------------------------------------------------------------------------
-    def _target(self, graph, ids, pos, b, seq_len, valid=None):
+    def _target(self, graph, ids, pos, b, seq_len, valid=None, logits=False):
         x = {"input_ids": ids, "positions": pos, "slot": b["slot"], "seq_len": seq_len,
              "block_table": b["block_table"], "kv_pool": self.pools["kv_pool"], "gdn_pool": self.pools["gdn_pool"],
              "conv_pool": self.pools["conv_pool"]}
         if valid is not None:
             x["valid_len"] = valid
-        return run_graph(graph, self.target, self.drafter, x)
+        return run_graph(graph, self.target, self.drafter, x, want_logits=logits)
 
     def _commit(self, out, n, b, seq_len, pos):
         """The device part of the one commit path, drafter ctx rows at logical rows position - ctx_base."""
@@ -62,7 +77,8 @@ class FusedSteps:
         return kv_len - torch.clamp(seq_len, max=self.window), kv_len
 
     def _advance(self, b, am, n, seq_len, bonus, kv):
-        """Per-slot state after the step (padding rows: n = 0, so their dummy row keeps its zeros)."""
+        """Per-slot state after the step (padding rows: n = 0, so their dummy row keeps its zeros); am: the
+        emitted tokens [B, K] (their first n)."""
         live = b["live"] > 0
         new_bonus = am.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
         self.state.seq_len.index_copy_(0, b["srow"], seq_len + n)
@@ -78,10 +94,16 @@ class FusedSteps:
     def prefill(self, b) -> None:
         """One chunk: ids [1,C] at positions start.., valid rows; result [1, 2] = (first token, valid)."""
         ids, start, valid = b["ids"], b["start"], b["valid"]
+        rp = _sampling(b)
         pos = start[:, None] + torch.arange(ids.shape[1], device=ids.device)[None]
-        out = self._target(PREFILL, ids, pos, b, start, valid)
+        out = self._target(PREFILL, ids, pos, b, start, valid, logits=rp is not None)
         self._commit(out, valid, b, start, pos)
-        first = out["argmax"].gather(1, (valid - 1).clamp(min=0)[:, None])[:, 0]
+        last = (valid - 1).clamp(min=0)
+        if rp is None:
+            first = out["argmax"].gather(1, last[:, None])[:, 0]
+        else:  # the first new token, at position start + valid
+            lg = out["logits"][torch.arange(ids.shape[0], device=ids.device), last]
+            first = sample(token_probs(lg, rp), uniform(rp["seed"], start + valid, TOKEN))
         first = torch.where(valid > 0, first, self.state.bonus[b["srow"]])  # valid 0 (warm-up): inert
         self.state.seq_len.index_copy_(0, b["srow"], start + valid)
         self.state.bonus.index_copy_(0, b["srow"], first)
@@ -92,14 +114,20 @@ class FusedSteps:
         """Plain K=1 step on the bonus token (also the gated-off path: ctx rows still appended)."""
         seq_len, bonus = self.state.seq_len[b["srow"]], self.state.bonus[b["srow"]]
         pos = seq_len[:, None]
-        out = self._target(target_graph(1), bonus[:, None], pos, b, seq_len)
+        rp = _sampling(b)
+        out = self._target(target_graph(1), bonus[:, None], pos, b, seq_len, logits=rp is not None)
         n = b["live"].clone()
         self._commit(out, n, b, seq_len, pos)
-        self._advance(b, out["argmax"], n, seq_len, bonus, self._window(b, seq_len))
+        tok = out["argmax"]
+        if rp is not None:
+            tok = sample(token_probs(out["logits"][:, 0], rp), uniform(rp["seed"], seq_len + 1, TOKEN))[:, None]
+        self._advance(b, tok, n, seq_len, bonus, self._window(b, seq_len))
 
     def spec(self, b, gamma: int) -> None:
-        """drafter_block -> target_k{γ+1} -> greedy accept on the device -> commit n = accepted + 1."""
+        """drafter_block -> target_k{γ+1} -> accept on the device (greedy, or rejection sampling) -> commit
+        n = accepted + 1."""
         d = self.drafter.cfg
+        rp = _sampling(b)
         seq_len, bonus = self.state.seq_len[b["srow"]], self.state.bonus[b["srow"]]
         B = seq_len.shape[0]
         kv_start, kv_len = self._window(b, seq_len)
@@ -107,14 +135,24 @@ class FusedSteps:
         block = torch.full((B, K), d.mask_token_id, dtype=torch.int64, device=seq_len.device)
         block[:, 0] = bonus
         bpos = seq_len[:, None] + torch.arange(K, device=seq_len.device)[None]
-        drafts = run_graph(drafter_block_graph(K, d.block_size), self.target, self.drafter, {
+        dout = run_graph(drafter_block_graph(K, d.block_size), self.target, self.drafter, {
             "block_ids": block, "positions": bpos, "block_table": b["ctx_table"], "kv_start": kv_start,
-            "kv_len": kv_len, "dkv_pool": self.pools["dkv_pool"]})["drafts"]
+            "kv_len": kv_len, "dkv_pool": self.pools["dkv_pool"]}, want_logits=rp is not None)
+        if rp is None:
+            drafts = dout["drafts"]
+        else:  # slot j of the block predicts the token at position seq_len + j
+            q = token_probs(dout["logits"][:, 1:], rp)
+            drafts = draft_tokens(q, rp["seed"], bpos[:, 1:])
         pos = bpos
-        out = self._target(target_graph(K), torch.cat([bonus[:, None], drafts], 1), pos, b, seq_len)
-        am = out["argmax"]
-        # accepted = longest prefix with draft_i == argmax_i (a running product of matches)
-        acc = torch.cumprod((drafts == am[:, :gamma]).to(torch.int64), 1).sum(1)
-        n = (acc + 1) * b["live"]
+        out = self._target(target_graph(K), torch.cat([bonus[:, None], drafts], 1), pos, b, seq_len,
+                           logits=rp is not None)
+        if rp is None:
+            am = out["argmax"]
+            # accepted = longest prefix with draft_i == argmax_i (a running product of matches)
+            acc = torch.cumprod((drafts == am[:, :gamma]).to(torch.int64), 1).sum(1)
+            n = (acc + 1) * b["live"]
+        else:  # verify row j predicts the token at position seq_len + 1 + j
+            am, n = speculative_accept(token_probs(out["logits"], rp), q, drafts, rp["seed"], bpos + 1)
+            n = n * b["live"]
         self._commit(out, n, b, seq_len, pos)
         self._advance(b, am, n, seq_len, bonus, (kv_start, kv_len))
