@@ -34,12 +34,13 @@ def _user_errors() -> tuple:
     from dflash_trt.runtime.load import UsageError
     from dflash_trt.runtime.pools import PoolExhausted
     from dflash_trt.runtime.runtime import CapacityError, GammaError
+    from dflash_trt.runtime.sampling import SamplingError
     from dflash_trt.runtime.sequence import SequenceError, TokenIdError
     from dflash_trt.runtime.snapshot import SnapshotError
 
     errs = [ConfigError, CheckpointError, ManifestError, ExportError, SnapshotError, CapacityError, PoolExhausted,
             UsageError, KernelError, EngineError, BuildError, CudaUnavailable, TensorRTMissing, ParserLibError,
-            GammaError, SequenceError, TokenIdError, NotImplementedError, OSError]
+            GammaError, SequenceError, TokenIdError, SamplingError, NotImplementedError, OSError]
     ort = sys.modules.get("onnxruntime.capi.onnxruntime_pybind11_state")  # only if ORT ran: its load errors
     if ort is not None:
         errs += [getattr(ort, n) for n in ("Fail", "InvalidArgument", "InvalidGraph", "InvalidProtobuf", "NoSuchFile",

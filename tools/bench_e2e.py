@@ -6,6 +6,8 @@
   step latency K=1..16     the target verify step alone, captured and replayed (CUDA events), step(16)/step(1)
   GPU idle between steps   timing events around every launch: the gaps between one step's end and the next
                            one's start, over the decode wall time (one step is kept in flight)
+  sampled decode           plain vs DFlash tok/s and τ at each --temperatures value (speculative rejection
+                           sampling; seeds fixed per prompt)
   HF generate()            transformers on the same weights and GPU, batch 1
   floor                    (weight + state bytes of a batch-1 decode step) / device-copy bandwidth measured here
 Models: --model DIR [--drafter DIR], or --model random-0.9b (a 0.9B Qwen3.5-text config built in code with a
@@ -138,10 +140,11 @@ def idle_pct(dev, trace) -> float:
     return 100.0 * gaps / dev.elapsed_ms(trace[0][0], trace[-1][1])
 
 
-def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False) -> dict:
-    """All prompts join at once; prefill (admit) and decode are timed apart. Returns tokens, tok/s, τ, idle."""
-    for p in prompts:
-        rt.add_request(p, max_new, gamma=gamma, spec=spec)
+def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False, temperature: float = 0.0) -> dict:
+    """All prompts join at once; prefill (admit) and decode are timed apart. Returns tokens, tok/s, τ, idle.
+    temperature > 0: every request samples, prompt i with seed i."""
+    for i, p in enumerate(prompts):
+        rt.add_request(p, max_new, gamma=gamma, spec=spec, temperature=temperature, seed=i if temperature else None)
     sch, dev = rt.scheduler, rt.device
     reqs = list(sch.waiting)
     sch.admit()
@@ -230,6 +233,12 @@ def check_args(a) -> None:
                         ("--batch1-prompts", a.batch1_prompts, 1), ("--gamma", a.gamma, 1)):
         if v is not None and v < lo:
             raise UsageError(f"{flag} must be >= {lo}, got {v}")
+    try:
+        temps = [float(t) for t in a.temperatures.split(",") if t.strip()]
+    except ValueError:
+        temps = [-1.0]
+    if any(not t > 0 for t in temps):
+        raise UsageError(f"--temperatures wants comma-separated temperatures > 0 (or ''), got {a.temperatures!r}")
     if a.dtype is not None and a.dtype not in DTYPES:
         raise UsageError(f"--dtype {a.dtype!r} not supported ({', '.join(DTYPES)})")
 
@@ -243,6 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="1,4,16")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=int, default=None)
+    p.add_argument("--temperatures", default="0.6,1.0", help="also decode sampling at these temperatures ('': skip)")
     p.add_argument("--hf-tokens", type=int, default=64, help="new tokens of the HF generate() baseline (0: skip)")
     p.add_argument("--batch1-prompts", type=int, default=8, help="batch 1 runs this many prompts one after another")
     p.add_argument("--profile", action="store_true", help="also break one decode / spec step down by kernel")

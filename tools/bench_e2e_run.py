@@ -33,15 +33,15 @@ def _progress(key, count=[0]) -> None:  # noqa: B006  (a counter across calls)
           end="", file=sys.stderr, flush=True)
 
 
-def _decode(rt, prompts, batch, a, spec):
+def _decode(rt, prompts, batch, a, spec, temperature: float = 0.0):
     """(warm-up run that captures every bucket it will meet, then the measured run)."""
     gamma = a.gamma if spec else None
     if batch == 1:
         work = [[p] for p in prompts[:a.batch1_prompts]]  # one after another; tok/s over all of them
     else:
         work = [prompts[:batch]]
-    decode_run(rt, work[0], a.max_new_tokens, gamma, spec)  # warm-up (graph captures)
-    runs = [decode_run(rt, w, a.max_new_tokens, gamma, spec, trace=True) for w in work]
+    decode_run(rt, work[0], a.max_new_tokens, gamma, spec, temperature=temperature)  # warm-up (graph captures)
+    runs = [decode_run(rt, w, a.max_new_tokens, gamma, spec, trace=True, temperature=temperature) for w in work]
     secs = sum(sum(len(t) - 1 for t in r["tokens"]) / r["tok_s"] for r in runs)
     new = sum(sum(len(t) - 1 for t in r["tokens"]) for r in runs)
     return {"tok_s": new / secs, "tau": float(np.mean([r["tau"] for r in runs])),
@@ -73,6 +73,7 @@ def run(a) -> int:
     target, drafter, hf = (build_random_pair(dtype, dev.device) if random
                            else load_pair(a.model, a.drafter, dtype, dev.device))
     batches = [int(b) for b in a.batch.split(",")]
+    temps = [float(t) for t in getattr(a, "temperatures", "").split(",") if t.strip()]
     sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=16, dkv_blocks=16 * 64 + 64,
                       ctx_window=1024, prefill_chunk=64)
     rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg if drafter else None, sizes, device=dev,
@@ -112,6 +113,10 @@ def run(a) -> int:
             row["dflash"] = _decode(rt, prompts, b, a, spec=True)
             row["identical"] = sum(x == y for x, y in zip(row["plain"]["tokens"], row["dflash"]["tokens"]))
             row["n_seqs"] = len(row["plain"]["tokens"])
+        for T in temps:  # sampling: plain vs DFlash (rejection sampling keeps the target's distribution)
+            row[f"plain_T{T:g}"] = _decode(rt, prompts, b, a, spec=False, temperature=T)
+            if drafter is not None:
+                row[f"dflash_T{T:g}"] = _decode(rt, prompts, b, a, spec=True, temperature=T)
         rows.append(row)
     print(file=sys.stderr)
     if a.profile:
@@ -161,6 +166,11 @@ def print_table(res) -> None:
                f"{r['identical']:>4}/{r['n_seqs']:<5}" if d else f"{'-':>13} {'-':>8} {'-':>6} {'-':>10}"
         idle = f"{p['idle_pct']:.1f}/{d['idle_pct']:.1f}" if d else f"{p['idle_pct']:.1f}/-"
         print(f"{r['batch']:>5} {p['tok_s']:>12.1f} {dtxt} {idle:>19}")
+    for r in res["rows"]:
+        for k in [k for k in r if k.startswith("plain_T")]:
+            p, d, T = r[k], r.get("dflash_T" + k[len("plain_T"):]), k[len("plain_T"):]
+            dtxt = f"dflash {d['tok_s']:.1f} tok/s ({d['tok_s'] / p['tok_s']:.2f}x) tau {d['tau']:.2f}" if d else ""
+            print(f"sampled T={T} batch {r['batch']}: plain {p['tok_s']:.1f} tok/s; {dtxt}")
     lat = res["step_latency_ms"]
     print("target step latency (batch 1, 512-row context, CUDA graph): " +
           " ".join(f"K={k}:{v:.3f}" for k, v in lat.items()) + f" ms; step(16)/step(1) = {res['step16_over_step1']:.2f}")

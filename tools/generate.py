@@ -1,4 +1,5 @@
-"""`dflash-trt generate`: load a target (+ drafter) checkpoint dir, run greedy / DFlash generation, print stats."""
+"""`dflash-trt generate`: load a target (+ drafter) checkpoint dir, run greedy / sampled, plain / DFlash generation,
+print stats."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ from dflash_trt.abi import PoolSizes
 from dflash_trt.config import DrafterConfig, read_json
 from dflash_trt.runtime.load import UsageError, load_runtime
 from dflash_trt.runtime.runtime import check_gamma
+from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.runtime.sequence import TokenIdError
 
 
@@ -21,7 +23,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"positions per sequence: prompt + new tokens + verify width (default {PoolSizes().max_seq_len})")
     p.add_argument("--gamma", type=int, default=None, help="drafts per step (default block_size-1)")
-    p.add_argument("--no-spec", action="store_true", help="plain greedy decoding")
+    p.add_argument("--no-spec", action="store_true", help="plain decoding (no drafter steps)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set of mass >= p (1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top token's (0: off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed gives the same tokens")
     p.add_argument("--backend", default="torch", choices=["torch", "ort"])
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (pools on the GPU, one CUDA graph per step)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -56,6 +63,7 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sizes = run_sizes(args.max_seq_len)
+    sp = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed).resolved()
     try:
         text = read_prompt(args)
     except UnicodeDecodeError as e:
@@ -77,10 +85,12 @@ def run(args) -> int:
             raise UsageError(f"{e}: {args.model} has no tokenizer.json, so the prompt's UTF-8 bytes are its token "
                              f"ids; use ASCII text or add a tokenizer") from None
         raise
-    out, st = rt.generate(ids, args.max_new_tokens, gamma=args.gamma, spec=not args.no_spec)
+    out, st = rt.generate(ids, args.max_new_tokens, gamma=args.gamma, spec=not args.no_spec,
+                          temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed)
     print(codec.decode(out))
     mode = "plain" if (args.no_spec or rt.dcfg is None) else "dflash"
     print(f"[{mode}] backend={args.backend} device={args.device} prompt={st.prompt_tokens} new={st.new_tokens} "
           f"target_steps={st.target_steps} tau={st.tau:.2f} tok/s={st.tokens_per_s:.1f}"
+          + ("" if sp.greedy else f" temperature={sp.temperature:g} seed={sp.seed}")
           + (" (includes capturing the CUDA graphs: see `dflash-trt bench e2e` for speed)" if args.device != "cpu" else ""))
     return 0
