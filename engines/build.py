@@ -168,6 +168,23 @@ def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=
     return man
 
 
+def ensure_engines(manifest_dir: str, graphs=None, progress=print) -> Manifest:
+    """Build the engines of `graphs` (default: all) that are missing, stale or from another TensorRT; keep the
+    others. The trt backend's front doors call this after the export (the cache entry gains its engines)."""
+    from dflash_trt.engines.load import EngineError, check_engine
+
+    man = Manifest.load(manifest_dir)
+    need = []
+    for g in graphs or man.graphs:
+        try:
+            check_engine(man, g, allow_unsupported_shapes=True)  # kernel-shape refusals stay with load_engine
+        except EngineError:
+            need.append(g)
+    if need:
+        build_engines(manifest_dir, graphs=need, progress=progress)
+    return Manifest.load(manifest_dir)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dflash-trt build", description=__doc__.split("\n\n")[0])
     p.add_argument("--manifest", required=True, help="directory of `dflash-trt export` (or its manifest.json)")

@@ -96,6 +96,25 @@ def check_device(rec: dict, cc=None) -> tuple:
     return cc
 
 
+RUNS_ON = ("The engines run with TensorRT-RTX on GPUs of compute capability 8.0/8.6/8.9/12.x (incl. GB10), or with full "
+           "TensorRT >= 10 (`pip install tensorrt`) on Hopper H100/H200; `pytest -m trt_gpu` tests them there")
+
+
+def check_can_execute(cc=None) -> tuple:
+    """This process can execute TensorRT engines (a TensorRT flavour imports and accepts this GPU): the GPU's
+    compute capability; else EngineError in one line naming why and what would run them. Before any export,
+    build or weight load (the trt backend's front doors call it first)."""
+    if not C.HAVE_TRT:
+        raise EngineError(f"the trt backend cannot run here: TensorRT is not importable ({C.IMPORT_ERROR}); {RUNS_ON}")
+    cc = cc if cc is not None else local_gpu_cc()
+    if cc is None:
+        raise EngineError(f"the trt backend cannot run here: no CUDA GPU found. {RUNS_ON}")
+    try:
+        return check_device({"trt": C.describe(), "compute_capabilities": ["ampere+"]}, cc)
+    except EngineError as e:
+        raise EngineError(f"the trt backend cannot run here ({C.FLAVOUR} {C.VERSION}): {e}. {RUNS_ON}") from None
+
+
 def engine_io(engine) -> dict:
     """{"inputs": [...], "outputs": [...]} of a deserialized engine ({name, shape, dtype}; -1 -> "B")."""
     trt = C.require()

@@ -51,11 +51,18 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     torch: the reference modules; on device="cpu" in float32 with numpy pools, on device="cuda" (dtype
     float32 / bfloat16 / float16) with pools owned by a CudaDevice and one CUDA graph per step.
     ort: the ONNX graphs for verify widths `ks` (CPU), exported once into the cache (keyed by both checkpoint
-    hashes, sizes and exporter version) and reused after. A missing GPU fails with one clear line."""
+    hashes, sizes and exporter version) and reused after. trt: that export's TensorRT engines (built once into the
+    cache entry) on a CudaDevice's pools, one CUDA graph per step; refused in one line where engines cannot run.
+    A missing GPU fails with one clear line."""
     from dflash_trt.runtime.backends import make_backend
 
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise UsageError(f"device '{device}' not supported (cpu, cuda, cuda:N)")
+    if backend == "trt":  # before anything exports, builds or loads: one line if engines cannot run here
+        from dflash_trt.engines.load import check_can_execute
+
+        check_can_execute()
+        device = "cuda" if device == "cpu" else device  # engines run on the GPU only
     on_gpu = device != "cpu"
     dtype = dtype or "float32"
     if dtype not in DTYPES:
@@ -64,8 +71,8 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         from dflash_trt.runtime.devices.cuda import require_cuda
 
         require_cuda()
-        if backend != "torch":
-            raise UsageError(f"device '{device}' runs the torch backend (got backend '{backend}')")
+        if backend not in ("torch", "trt"):
+            raise UsageError(f"device '{device}' runs the torch or trt backend (got backend '{backend}')")
     elif dtype != "float32":
         raise UsageError(f"on CPU the runtime computes in float32 (got dtype '{dtype}'); use --device cuda")
     codec = load_codec(model_dir)
@@ -74,6 +81,17 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
 
         be = make_backend("ort", manifest=ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes()))
         return Runtime(be, be.tcfg, be.dcfg, be.sizes, gate=gate), codec
+    if backend == "trt":  # the ONNX export (cached) -> its engines (built once) -> a runtime on the GPU pools
+        from dflash_trt.engines.build import ensure_engines
+        from dflash_trt.export.onnx_export import ensure_export
+        from dflash_trt.runtime.devices.cuda import CudaDevice
+
+        man = ensure_engines(ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes(), dtype=dtype))
+        dev = CudaDevice(int(device.split(":")[1]) if ":" in device else 0)
+        be = make_backend("trt", manifest=man, device=dev)
+        from dflash_trt.runtime.backends.trt import graph_executor
+
+        return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=gate, executor=graph_executor), codec
     import torch
 
     from dflash_trt.export.checkpoint import load_drafter, load_target

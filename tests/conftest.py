@@ -10,7 +10,22 @@ def _has_cuda():
         return False
 
 
+def _trt_refusal():
+    """Why TensorRT engines cannot execute here (None when they can): trt_gpu tests skip with it."""
+    try:
+        from dflash_trt.engines.load import EngineError, check_can_execute
+
+        check_can_execute()
+        return None
+    except EngineError as e:
+        return str(e)
+
+
 def pytest_collection_modifyitems(config, items):
+    trt = [item for item in items if "trt_gpu" in item.keywords]
+    why = _trt_refusal() if trt else None
+    for item in trt if why else []:
+        item.add_marker(pytest.mark.skip(reason=why))
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -248,6 +248,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True, help=f"target checkpoint dir, or '{RANDOM_0P9B}' or 'random-moe-35b-a3b'")
     p.add_argument("--drafter", help="DFlash drafter checkpoint dir")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--backend", default="torch", choices=["torch", "trt"],
+                   help="trt: the checkpoints' TensorRT engines (TensorRT-RTX: CC 8.0/8.6/8.9/12.x; full TensorRT: Hopper)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: float32; bfloat16 for random-0.9b)")
     p.add_argument("--batch", default="1,4,16")
     p.add_argument("--max-new-tokens", type=int, default=128)

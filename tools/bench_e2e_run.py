@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -49,9 +50,38 @@ def _decode(rt, prompts, batch, a, spec, temperature: float = 0.0):
             "tokens": [t for r in runs for t in r["tokens"]], "failed": [f for r in runs for f in r["failed"]]}
 
 
+def _backend(a, target, drafter, sizes, dev, dtype: str):
+    """torch: the modules; trt (--backend trt): the export of the same checkpoints and its engines, built once."""
+    if getattr(a, "backend", "torch") != "trt":
+        from dflash_trt.runtime.backends.torch_backend import TorchBackend
+
+        return TorchBackend(target, drafter)
+    from dflash_trt.engines.build import ensure_engines
+    from dflash_trt.export.onnx_export import ensure_export
+    from dflash_trt.runtime.backends import make_backend
+    from dflash_trt.tools.generate import verify_widths
+
+    ks = verify_widths(a.gamma, drafter.cfg.block_size if drafter else None, True)
+    man = ensure_engines(ensure_export(a.model, a.drafter, ks=ks, sizes=sizes, dtype=dtype))
+    return make_backend("trt", manifest=man, device=dev)
+
+
+def _trt_executor():
+    from dflash_trt.runtime.backends.trt import graph_executor
+
+    return graph_executor
+
+
 def run(a) -> int:
     from dflash_trt.runtime.devices.cuda import CudaUnavailable, require_cuda
 
+    if getattr(a, "backend", "torch") == "trt":  # one line (exit 2) where engines cannot run, before any GPU work
+        from dflash_trt.engines.load import check_can_execute
+        from dflash_trt.runtime.load import UsageError
+
+        check_can_execute()
+        if a.model == RANDOM_0P9B:
+            raise UsageError(f"--backend trt builds engines from checkpoint dirs; '{RANDOM_0P9B}' has none on disk")
     try:
         require_cuda()
     except CudaUnavailable as e:
@@ -76,8 +106,9 @@ def run(a) -> int:
     temps = [float(t) for t in getattr(a, "temperatures", "").split(",") if t.strip()]
     sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=16, dkv_blocks=16 * 64 + 64,
                       ctx_window=1024, prefill_chunk=64)
-    rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg if drafter else None, sizes, device=dev,
-                 gate=Gate(min_rate=0.0))
+    be = _backend(a, target, drafter, sizes, dev, dname)
+    rt = Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes, device=dev, gate=Gate(min_rate=0.0),
+                 executor=None if isinstance(be, TorchBackend) else _trt_executor())
     rt.executor.on_capture = _progress
     prompts = _prompts(a, target.cfg.vocab_size)
     res = {"hardware": hardware("cuda"), "model": a.model, "drafter": a.drafter or (RANDOM_0P9B if random else None),
@@ -95,7 +126,7 @@ def run(a) -> int:
         dev.record(e1)
         dev.synchronize()
         res["prefill_tok_s"] = 512 / (dev.elapsed_ms(e0, e1) * 1e-3)
-        if rep == 1:  # per-K target step latency on this 512-row context
+        if rep == 1 and isinstance(rt.backend, TorchBackend):  # per-K target step latency, 512-row context
             lat = {}
             from dflash_trt.runtime import commit
 
@@ -104,7 +135,10 @@ def run(a) -> int:
                 lat[K] = step_latency_ms(rt, seq, K)
             res["step_latency_ms"], res["step16_over_step1"] = lat, lat[16] / lat[1]
         rt.release(seq)
-    res["floor_ms"], res["floor_tok_s"] = floor_tok_s(rt, 128, bw)
+    res.setdefault("step_latency_ms", {})  # trt: the torch target's step latency is not the engines'
+    res.setdefault("step16_over_step1", float("nan"))
+    res["floor_ms"], res["floor_tok_s"] = floor_tok_s(SimpleNamespace(backend=SimpleNamespace(target=target),
+                                                                      pools=rt.pools), 128, bw)
 
     rows = []
     for b in batches:

@@ -214,6 +214,10 @@ def compare(manifest, backends=("torch", "ort"), prompts=None, steps: int = 8, *
             raise ValueError(f"--{what} must be a positive integer, got {v!r}")
     if prompts is not None and not list(prompts):
         raise ValueError("no prompts given (the prompts file is empty)")
+    if "trt" in backends:  # one line where engines cannot run here, before any backend loads
+        from dflash_trt.engines.load import check_can_execute
+
+        check_can_execute()
     m = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
     if len(backends) < 2:
         raise ValueError("compare needs at least two backends")

@@ -29,7 +29,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set of mass >= p (1: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top token's (0: off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed gives the same tokens")
-    p.add_argument("--backend", default="torch", choices=["torch", "ort"])
+    p.add_argument("--backend", default="torch", choices=["torch", "ort", "trt"],
+                   help="trt: TensorRT engines on the GPU (TensorRT-RTX: CC 8.0/8.6/8.9/12.x; full TensorRT: Hopper)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (pools on the GPU, one CUDA graph per step)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model / KV dtype on cuda (default float32; CPU runs float32)")

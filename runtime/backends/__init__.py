@@ -1,7 +1,7 @@
 """Backends execute the graphs of the ABI (dflash_trt.abi): run(graph_name, inputs) -> outputs, numpy in/out.
 Each imports its framework lazily, so the runtime core stays free of torch/onnxruntime/tensorrt."""
 
-BACKENDS = ("torch", "ort")
+BACKENDS = ("torch", "ort", "trt")
 
 
 def make_backend(name: str, **kw):
@@ -14,4 +14,8 @@ def make_backend(name: str, **kw):
         from dflash_trt.runtime.backends.ort_backend import OrtBackend
 
         return OrtBackend(**kw)
+    if name == "trt":  # make_backend("trt", manifest=DIR or Manifest, device=CudaDevice): engines built
+        from dflash_trt.runtime.backends.trt import TrtBackend
+
+        return TrtBackend(**kw)
     raise ValueError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")

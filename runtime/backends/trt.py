@@ -1,0 +1,176 @@
+"""TensorRT backend: the manifest's engines (TensorRT or TensorRT-RTX + our plugins) on the runtime's pools.
+
+Only what a TensorRT-capable GPU executes lives here — contexts, set_input_shape / set_tensor_address from
+the binding plan (runtime/backends/trt_plan.py, computed and tested on CPU), execute_async_v3 on the runtime's
+stream. Engines load through engines/load.py (all its refusals), and the whole plan is checked against the
+engines and the runtime's pools before anything launches.
+
+The step itself is the torch backend's FusedSteps, unchanged: it drives the graphs through run_graph's module
+interface (target.step, drafter.ctx, drafter.block), which the two stand-ins below implement with engines. So
+the graph executor captures drafter_block -> target verify -> accept -> commit kernels -> drafter ctx rows in
+the same per-step CUDA graph, and the runtime loop and commit path are the ones every backend uses.
+`run(graph, numpy inputs)` is the same interface for the host executor and `dflash-trt compare`.
+
+The drafter block table of the engines is the ABI's static width (abi.PoolSizes.max_ctx_blocks), which has no
+room for the look-ahead rows of a step left in flight: `graph_executor(rt)` is the graph executor with steps
+run synchronously (inflight 0), the executor a Runtime over this backend takes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
+from dflash_trt.engines.load import EngineError, load_engine
+from dflash_trt.manifest import Manifest
+from dflash_trt.runtime.backends.trt_plan import PlanError, check_bound, runtime_plan
+
+
+class _Context:
+    """One execution context of one engine at one batch bucket; its outputs (and padded inputs) preallocated
+    and bound once."""
+
+    def __init__(self, engine, plan, dev):
+        self.plan, self.ctx = plan, engine.create_context()
+        for name, shape in plan.input_shapes.items():
+            if not self.ctx.set_input_shape(name, shape):
+                raise PlanError(f"engine {plan.graph}: TensorRT refused input {name} shape {list(shape)}")
+        zeros = lambda b: torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=dev.device)
+        self.outputs = {b.name: zeros(b) for b in plan.outputs}
+        self.padded = {b.name: zeros(b) for b in plan.inputs if b.pad_rows}
+        getattr(dev, "sync_all", lambda: None)()  # the zeros landed before the runtime stream uses them
+        for name, t in self.outputs.items():
+            self.bind(name, t)
+
+    def bind(self, name, t) -> None:
+        if not self.ctx.set_tensor_address(name, int(t.data_ptr())):
+            raise PlanError(f"engine {self.plan.graph}: TensorRT refused the address of {name}")
+
+
+class TrtBackend:
+    name = "trt"
+
+    def __init__(self, manifest, device=None, engines: dict | None = None):
+        """manifest: Manifest or its directory; device: the CudaDevice whose stream runs the engines (the
+        runtime's, set by fused_steps; one is made for `run` otherwise); engines: graph -> loaded engine
+        (default engines/load.load_engine for every graph; tests pass stand-ins)."""
+        self.manifest = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
+        self.kv_dtype, self.want_logits = self.manifest.kv_dtype, self.manifest.want_logits
+        self.engines = engines if engines is not None else {g: load_engine(self.manifest, g)
+                                                             for g in self.manifest.graphs}
+        self.plans = runtime_plan(self.manifest, self._ios())  # every mismatch refused before any context
+        self.device = device
+        self._contexts: dict = {}
+        self.launches = None  # a list -> the graph of every enqueue is appended (tests: launch order)
+
+    def _ios(self) -> dict:
+        return {g: e.io for g, e in self.engines.items()}
+
+    @property
+    def tcfg(self):
+        return self.manifest.target_config
+
+    @property
+    def dcfg(self):
+        return self.manifest.drafter_config
+
+    @property
+    def sizes(self):
+        return self.manifest.sizes
+
+    # ---- the GPU step (graph executor) ----------------------------------------------------------
+    def fused_steps(self, rt):
+        """The device-side steps over the engines, bound to this runtime's pools and stream."""
+        from dflash_trt.runtime.backends.torch_fused_step import FusedSteps
+
+        pools = {n: (tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in rt.pools.items()}
+        self.plans = runtime_plan(self.manifest, self._ios(), pools)  # the runtime's pools, not the manifest's
+        self.device = rt.device
+        return FusedSteps(_EngineTarget(self), _EngineDrafter(self) if self.dcfg is not None else None, rt)
+
+    def _context(self, graph: str, B: int) -> _Context:
+        c = self._contexts.get((graph, B))
+        if c is None:
+            plan = self.plans.get((graph, B))
+            if plan is None:
+                raise PlanError(f"engine {graph}: no binding plan for batch {B} (planned: "
+                                f"{sorted(b for g, b in self.plans if g == graph)})")
+            c = self._contexts[(graph, B)] = _Context(self.engines[graph], plan, self.device)
+        return c
+
+    def execute(self, graph: str, x: dict) -> dict:
+        """Bind the step's tensors `x` (ABI name -> device tensor) and enqueue `graph` on the runtime's stream;
+        returns its preallocated outputs (valid once the stream reaches them). Capturable."""
+        first = next(iter(self.manifest.io(graph)[0]))["name"]
+        c = self._context(graph, int(x[first].shape[0]))
+        names = [b.name for b in c.plan.inputs]
+        if sorted(x) != sorted(names):
+            raise PlanError(f"engine {graph}: the step hands inputs {sorted(x)}, the engine takes {names}")
+        for b in c.plan.inputs:
+            t = x[b.name]
+            check_bound(c.plan, b.name, t.shape, t.dtype)
+            if b.pad_rows:
+                c.padded[b.name][:, : t.shape[1]].copy_(t)
+                t = c.padded[b.name]
+            c.bind(b.name, t.contiguous())
+        if self.launches is not None:
+            self.launches.append(graph)
+        if not c.ctx.execute_async_v3(getattr(self.device, "stream_handle", 0)):
+            raise EngineError(f"engine {graph}: execute_async_v3 failed (see TensorRT's errors above)")
+        return dict(c.outputs)
+
+    # ---- numpy in/out (host executor, compare) -----------------------------------------------------
+    def run(self, graph: str, inputs: dict) -> dict:
+        if self.device is None:
+            from dflash_trt.runtime.devices.cuda import CudaDevice
+
+            self.device = CudaDevice()
+        dev = self.device
+        with dev.on_stream():
+            x = {k: torch.as_tensor(np.ascontiguousarray(v)).to(dev.device) for k, v in inputs.items()}
+            out = self.execute(graph, x)
+            return {k: v.detach().cpu().numpy().copy() for k, v in out.items()}
+
+
+def graph_executor(rt):
+    """The CUDA-graph step executor for a Runtime over TrtBackend (Runtime(..., executor=graph_executor))."""
+    from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
+
+    return GraphStepExecutor(rt, inflight=0)
+
+
+class _EngineTarget:
+    """run_graph's target interface (TargetModel.step) over the target engines."""
+
+    def __init__(self, be: TrtBackend):
+        self.be = be
+
+    def parameters(self):
+        yield torch.empty(0, device=self.be.device.device)  # FusedSteps reads the device from here
+
+    def step(self, *args, valid_len=None, want_logits=False):
+        graph = PREFILL if valid_len is not None else target_graph(int(args[0].shape[1]))
+        return _call(self.be, graph, args + ((valid_len,) if valid_len is not None else ()), want_logits)
+
+
+class _EngineDrafter:
+    """run_graph's drafter interface (Drafter.ctx / Drafter.block) over the drafter engines."""
+
+    def __init__(self, be: TrtBackend):
+        self.be, self.cfg = be, be.dcfg
+
+    def ctx(self, *args):
+        return _call(self.be, DRAFTER_CTX, args, False)
+
+    def block(self, *args, want_logits=False):
+        return _call(self.be, drafter_block_graph(int(args[0].shape[1]), self.cfg.block_size), args, want_logits)
+
+
+def _call(be: TrtBackend, graph: str, args: tuple, want_logits: bool) -> dict:
+    """Positional module arguments -> ABI names (run_graph passes them in the ABI's input order)."""
+    if want_logits and not be.want_logits:
+        raise PlanError(f"engine {graph}: logits requested, but the export has none (export with logits)")
+    ins = [t["name"] for t in be.manifest.io(graph)[0]]
+    if len(args) != len(ins):
+        raise PlanError(f"engine {graph}: {len(args)} inputs handed, the engine takes {ins}")
+    return be.execute(graph, dict(zip(ins, args)))
