@@ -7,7 +7,7 @@ of which the unused ones exit at once. Workspace (caller-allocated): plan ints [
 """
 from __future__ import annotations
 
-from dflash_trt.plugins.cuda_launch import I, P, get_function, launch
+from dflash_trt.plugins.cuda_launch import I as INT, P, get_function, launch
 from dflash_trt.plugins.moe import spec
 from dflash_trt.plugins.opspec import dtype_code, kernel_need
 
@@ -36,12 +36,12 @@ def moe_experts(x, topk_idx, topk_w, gate_up, down, out, plan, h, y_pair, *, N, 
     act_e, act_off, act_cnt, entries = plan, plan + 4 * M, plan + 8 * M, plan + 12 * M  # int32 byte offsets
     plan_args = [(act_e, P), (act_off, P), (act_cnt, P), (entries, P)]
     launch(get_function("moe", "moe_plan"), (1, 1, 1), (spec.PLAN_THREADS, 1, 1), 8 * E, stream,
-           [(topk_idx, P), (idx64, I), (Pn, I), (E, I), (M, I), *plan_args])
+           [(topk_idx, P), (idx64, INT), (Pn, INT), (E, INT), (M, INT), *plan_args])
     sfx = _SUFFIX[str(dtype).replace("torch.", "")]
     block = (spec.WARPS * 32, 1, 1)
     launch(get_function("moe", f"moe_gate_up_{sfx}"), (I // 16, M, 1), block, 0, stream,
-           [(gate_up, P), (x, P), (H, I), (I, I), (k, I), *plan_args, (h, P)])
+           [(gate_up, P), (x, P), (H, INT), (I, INT), (k, INT), *plan_args, (h, P)])
     launch(get_function("moe", f"moe_down_{sfx}"), (H // spec.ROWS, M, 1), block, 0, stream,
-           [(down, P), (h, P), (H, I), (I, I), (k, I), *plan_args, (y_pair, P)])
+           [(down, P), (h, P), (H, INT), (I, INT), (k, INT), *plan_args, (y_pair, P)])
     launch(get_function("moe", "moe_combine"), ((H + 255) // 256, N, 1), (256, 1, 1), 0, stream,
-           [(y_pair, P), (topk_idx, P), (idx64, I), (topk_w, P), (wdt, I), (H, I), (k, I), (E, I), (out, P), (dt, I)])
+           [(y_pair, P), (topk_idx, P), (idx64, INT), (topk_w, P), (wdt, INT), (H, INT), (k, INT), (E, INT), (out, P), (dt, INT)])
