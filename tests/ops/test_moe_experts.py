@@ -4,8 +4,8 @@ kernels against the fp64 reference on random shapes (the real Qwen3.6-35B-A3B pe
 hidden 2048, 256 experts, top-8, moe_intermediate 512; T in {1, 4, 16, 64}), the skewed routings (every token to
 the same experts; every pair to a distinct expert) and a CUDA-graph replay with routing changed in place.
 
-Tolerances (max|got-ref| / max|ref|, the fp64 reference fed the same rounded inputs): fp32 2e-5 (fp32 FMA over
-K <= 2048); bf16 / fp16 3e-2 (the kernel rounds h = silu(g)*u to the input dtype once before the down
+Tolerances (max|got-ref| / max|ref|, the fp64 reference fed the same rounded inputs): fp32 2e-6 (fp32 FMA over
+K <= 2048); bf16 / fp16 1e-2 (the kernel rounds h = silu(g)*u to the input dtype once before the down
 projection, as torch's bf16 path does at every op; fp32 accumulate everywhere)."""
 import pytest
 import torch
@@ -15,7 +15,7 @@ import op_helpers
 from dflash_trt.plugins.moe import reference, spec
 from dflash_trt.plugins.opspec import KernelError, ShapeError
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-2}
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # measured max: 2.8e-7, 3.6e-3, 5e-4
 REAL = dict(E=256, k=8, H=2048, I=512)  # Qwen3.6-35B-A3B per layer
 TINY = dict(E=4, k=2, H=64, I=32)       # tools/tiny.py TINY_MOE
 
@@ -169,3 +169,17 @@ def test_gpu_sparse_moe_block_matches_dense_path():
         ref = block(x)
         got = block.cuda()(x.cuda()).cpu()
     op_helpers.record_err("moe SparseMoE block fp32", got, ref, TOL[torch.float32])
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariant():
+    """A token's output does not depend on the other tokens of the call (each pair is its own mma column, the split-K
+    reduction and the k-combine run in a fixed order): bit-identical alone and among 16 tokens, so a verify step
+    and a decode step agree on the routed experts of the same row."""
+    from dflash_trt.plugins import torch_ops  # noqa: F401
+
+    x, idx, w, gu, dn = case(16, **REAL, dtype=torch.bfloat16, device="cuda", seed=11)
+    full = torch.ops.dflash.moe_experts(x, idx, w, gu, dn)
+    for n in (0, 7, 15):
+        one = torch.ops.dflash.moe_experts(x[n:n + 1], idx[n:n + 1], w[n:n + 1], gu, dn)
+        assert torch.equal(one[0], full[n]), n
