@@ -193,3 +193,9 @@ def test_bench_bad_inputs(capsys, tmp_path, pair, broken_weights, argv, match):
     subst = {"MISSING": str(tmp_path / "nope.txt"), "EMPTY": str(empty), "BROKEN": broken_weights,
              "DRAFTER": pair[1]}
     one_line(capsys, "bench", ["bench"] + [subst.get(x, x) for x in argv], match)
+
+
+def test_generate_compile_needs_cuda_torch(capsys, broken_weights):
+    """--compile is the torch backend's GPU steps: on CPU it is refused before any weight loads."""
+    one_line(capsys, "generate", ["generate", "--model", broken_weights, "--prompt", "hi", "--compile"],
+             "--compile compiles the torch backend's GPU steps: it needs --device cuda --backend torch")

@@ -106,8 +106,9 @@ def copy_bandwidth_gbs(dev, nbytes: int = 1 << 30, reps: int = 10) -> float:
     return 2 * nbytes * reps / (dev.elapsed_ms(e0, e1) * 1e-3) / 1e9
 
 
-def step_latency_ms(rt, seq, K: int, reps: int = 20) -> float:
-    """The target verify step alone at batch 1 on `seq`'s context, captured in a CUDA graph, replayed."""
+def step_latency_ms(rt, seq, K: int, reps: int = 20, compiled: bool = False) -> float:
+    """The target verify step alone at batch 1 on `seq`'s context, captured in a CUDA graph, replayed.
+    compiled: the step through Inductor first (as the runtime's compiled steps run it)."""
     import torch
 
     dev, t = rt.device, rt.backend.target
@@ -115,7 +116,12 @@ def step_latency_ms(rt, seq, K: int, reps: int = 20) -> float:
          "positions": seq.seq_len + torch.arange(K, device=dev.device)[None],
          "slot": torch.tensor([seq.slot], device=dev.device), "seq_len": torch.tensor([seq.seq_len], device=dev.device),
          "block_table": torch.as_tensor(seq.block_table()[None], device=dev.device)}
-    fn = lambda: t.step(**x, kv_pool=rt.pools["kv_pool"], gdn_pool=rt.pools["gdn_pool"], conv_pool=rt.pools["conv_pool"])
+    step = t.step
+    if compiled:
+        from dflash_trt.runtime.backends.torch_compile import compile_fn
+
+        step = compile_fn(t.step)
+    fn = lambda: step(**x, kv_pool=rt.pools["kv_pool"], gdn_pool=rt.pools["gdn_pool"], conv_pool=rt.pools["conv_pool"])
     replay = dev.capture(fn)
     if replay is None:
         raise RuntimeError(f"step K={K}: capture failed: {dev.capture_failures[-1]}")
@@ -257,6 +263,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", default="0.6,1.0", help="also decode sampling at these temperatures ('': skip)")
     p.add_argument("--hf-tokens", type=int, default=64, help="new tokens of the HF generate() baseline (0: skip)")
     p.add_argument("--batch1-prompts", type=int, default=8, help="batch 1 runs this many prompts one after another")
+    p.add_argument("--no-compile", action="store_true", help="run the captured steps without Inductor")
     p.add_argument("--profile", action="store_true", help="also break one decode / spec step down by kernel")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)

@@ -34,6 +34,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (pools on the GPU, one CUDA graph per step)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model / KV dtype on cuda (default float32; CPU runs float32)")
+    p.add_argument("--compile", action="store_true",
+                   help="cuda + torch: decode/spec steps through Inductor (~2x faster steps, 15-30 s compile per step shape)")
 
 
 def verify_widths(gamma: int | None, block_size: int | None, spec: bool) -> tuple:
@@ -63,6 +65,8 @@ def run(args) -> int:
     # everything a user can get wrong is checked before weights load, the prompt prefills or graphs export
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.compile and (args.device == "cpu" or args.backend != "torch"):
+        raise UsageError("--compile compiles the torch backend's GPU steps: it needs --device cuda --backend torch")
     sizes = run_sizes(args.max_seq_len)
     sp = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed).resolved()
     try:
@@ -77,7 +81,7 @@ def run(args) -> int:
             check_gamma(args.gamma, block)
     ks = verify_widths(args.gamma, block, not args.no_spec)
     rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
-                             dtype=args.dtype)
+                             dtype=args.dtype, compile_steps=args.compile)
     ids = codec.encode(text)
     try:
         rt.check_prompt(ids)
