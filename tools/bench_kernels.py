@@ -1,4 +1,5 @@
-"""`dflash-trt bench kernels`: GDN verify+fold (our NVRTC kernels) vs fla-core vs the HBM floor.
+"""`dflash-trt bench kernels`: GDN verify+fold (our NVRTC kernels) vs fla-core vs the HBM floor; then the
+paged-attention rows (tools/bench_attention.py: split-KV decode / verify / drafter block vs its bytes floor).
 
 Work per (B, K) on Qwen3-Next GDN shapes (Hk=16, Hv=32, dk=dv=128, bf16 q/k/v, fp32 state):
   ours = gdn_wy16 (K rows from the read-only state slot: O + fold data) then gdn_fold (n=K rows
@@ -137,6 +138,8 @@ def main(argv=None):
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--cg", default="1,2,4", help="extra: gdn column-group factors timed inside graphs (JSON)")
     p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--no-gdn", action="store_true", help="skip the GDN rows")
+    p.add_argument("--no-attn", action="store_true", help="skip the paged-attention rows (tools/bench_attention.py)")
     p.add_argument("--json", default="bench_kernels.json")
     a = p.parse_args(argv)
     import torch
@@ -159,7 +162,7 @@ def main(argv=None):
            f" | {'x fla(gr)':>9} | {'floor':>7} {'ours/floor':>10}")
     print(hdr)
     print("-" * len(hdr))
-    for B in [int(x) for x in a.bs.split(",")]:
+    for B in [] if a.no_gdn else [int(x) for x in a.bs.split(",")]:
         for K in [int(x) for x in a.ks.split(",")]:
             row = bench_one(B, K, a.iters, a.reps, a.replays, fla, cgs)
             row["floor_bytes"] = floor_bytes(B, K)
@@ -183,6 +186,9 @@ def main(argv=None):
     print("targets:", summary)
     out = {"gpu": name, "copy_bandwidth_Bps": bw, "shapes": {"Hk": HK, "Hv": HV, "dk": DK, "dv": DV},
            "rows": rows, "targets": summary}
+    if not a.no_attn:
+        from dflash_trt.tools import bench_attention
+        out["attention_rows"], out["attention_targets"] = bench_attention.run(bw)
     with open(a.json, "w") as fh:
         json.dump(out, fh, indent=1)
     print(f"wrote {a.json}")

@@ -1,122 +1,317 @@
-// Paged attention over a sequence's cached K/V pages + T new rows, and the KV page scatter.
+// Paged attention over a sequence's cached K/V pages + T new rows (split-KV, flash-decoding style),
+// and the KV page scatter.
 // kv_pool [L, 2, num_blocks, block_size, Hkv, HD]; block_table [B, max_blocks] (int32);
 // cached logical rows [kv_start[b], kv_len[b]) followed by the T new rows (k_new/v_new [B,T,Hkv,HD]).
-// One warp per query row (t, q-head); a CTA holds NWARP rows of one kv head (GQA: the K/V tile in
-// shared memory is shared by the q-heads of the group). Online softmax in fp32, exp2 domain.
-// window > 0 (sliding attention): query row t (key index Lc + t) sees key index j only if Lc + t - j < window;
-// window 0 means no lower bound, and then every index below is what it was before windows existed.
+// Key index j in [0, Lc + T): j < Lc is cached row kv_start + j, j >= Lc is new row j - Lc.
+// window > 0 (sliding attention): query row t (key index Lc + t) sees key j only if Lc + t - j < window.
+//
+// Pass 1, paged_attention_hd{HD}: grid (split, row group * Hkv + kv head, batch). A CTA owns R query rows
+// (t-major (t, q-head of the GQA group) pairs of one kv head) and the keys [split*S, split*S + S) of the
+// key index space, S = tiles_per_split * KT chosen on the host from shapes (spec.py). It streams its keys
+// through a 2-stage cp.async pipeline of KT-key K/V tiles (raw bytes, 16-byte chunks; read once per
+// split per kv head and row group) and keeps an online softmax in fp32, exp2 domain. With one split it
+// writes o; otherwise the unnormalised partial (acc, max, sum) of each row to the workspace.
+// Pass 2, paged_attention_combine: one CTA per output row merges the splits' partials.
+// Nothing on the host depends on data: empty splits (past kv_len, before a window, after the causal
+// limit of every row of the CTA) write an empty partial (m = -inf, l = 0) and the combine skips them.
 #include "common.cuh"
-// NWARP (warps = query rows per CTA) and KT (keys per tile, one per lane when scoring) come from
-// paged_attention/spec.py through NVRTC -D options: the launcher sizes grid and shared memory from them.
-#if !defined(NWARP) || !defined(KT)
-#error "NWARP and KT come from paged_attention/spec.py through NVRTC -D options"
+// NT (threads per CTA) and KT (keys per tile, one per lane when scoring) come from paged_attention/spec.py
+// through NVRTC -D options: the launcher sizes grid, shared memory and workspace from them.
+#if !defined(NT) || !defined(KT) || !defined(COMBINE_THREADS)
+#error "NT, KT and COMBINE_THREADS come from paged_attention/spec.py through NVRTC -D options"
 #endif
+#define NW (NT / 32)
 
-template <int HD>
-__device__ __forceinline__ void paged_attention_body(
-    const void* __restrict__ q, int q_dt, const void* __restrict__ k_new, const void* __restrict__ v_new,
-    int n_dt, const void* __restrict__ pool, int p_dt, int layer, int num_blocks, int block_size,
-    const int* __restrict__ block_table, int max_blocks, const int* __restrict__ kv_start,
-    const int* __restrict__ kv_len, void* __restrict__ o, int o_dt, int T, int Hq, int Hkv,
-    int causal, int window, float scale) {
-  constexpr int E = HD / 32, KS = HD + 1;
-  extern __shared__ float smem[];
-  float* Qs = smem;               // [NWARP][HD]
-  float* Ks = Qs + NWARP * HD;    // [KT][HD+1]
-  float* Vs = Ks + KT * KS;       // [KT][HD+1]
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-  const int b = blockIdx.z, hkv = blockIdx.y, G = Hq / Hkv;
-  const int r = blockIdx.x * NWARP + w;
-  const bool valid = r < G * T;
-  const int t = valid ? r / G : T - 1, hq = hkv * G + (valid ? r % G : 0);
-  const int ks0 = kv_start[b], Lc = kv_len[b] - ks0, Ltot = Lc + T;
-  const int t_last = min(T - 1, ((int)blockIdx.x * NWARP + NWARP - 1) / G);
-  const int cta_lim = causal ? Lc + t_last + 1 : Ltot;
-  const int lim = causal ? Lc + t + 1 : Ltot;
-  // first visible key of this row / of the CTA's first row (rows of a CTA are ordered by t, so it is the min)
-  const int lo = window > 0 ? max(0, Lc + t - window + 1) : 0;
-  const int cta_lo = window > 0 ? max(0, Lc + ((int)blockIdx.x * NWARP) / G - window + 1) : 0;
-  const float qscale = scale * 1.4426950408889634f;
-  const i64 qbase = (((i64)b * T + t) * Hq + hq) * HD;
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+// 8 consecutive elements of a shared-memory tile row (element e0, a multiple of 8) as floats.
+template <int TD>
+__device__ __forceinline__ void ld8s(const unsigned char* row, int e0, float* f) {
+  if (TD == DT_F32) {
+    const float4 a = *(const float4*)(row + e0 * 4), b = *(const float4*)(row + e0 * 4 + 16);
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  } else {
+    const uint4 u = *(const uint4*)(row + e0 * 2);
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-  for (int e = 0; e < E; ++e) Qs[w * HD + lane + 32 * e] = valid ? ldf(q, q_dt, qbase + lane + 32 * e) * qscale : 0.f;
-  const i64 vofs = (i64)num_blocks * block_size * Hkv * HD;
-  const i64 lbase = (i64)layer * 2 * vofs;
-  float m = -INFINITY, l = 0.f, acc[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) acc[e] = 0.f;
-  for (int j0 = cta_lo; j0 < cta_lim; j0 += KT) {
-    __syncthreads();
-    for (int e4 = tid * 4; e4 < KT * HD; e4 += NWARP * 32 * 4) {
-      const int j = e4 / HD, d = e4 % HD, jj = j0 + j;
-      float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
-      if (jj < cta_lim) {
-        if (jj < Lc) {
-          const int p = ks0 + jj;
-          const int blk = block_table[(i64)b * max_blocks + p / block_size];
-          const i64 a = lbase + (((i64)blk * block_size + p % block_size) * Hkv + hkv) * HD + d;
-          kv = ld4(pool, p_dt, a);
-          vv = ld4(pool, p_dt, a + vofs);
-        } else {
-          const i64 a = (((i64)b * T + (jj - Lc)) * Hkv + hkv) * HD + d;
-          kv = ld4(k_new, n_dt, a);
-          vv = ld4(v_new, n_dt, a);
-        }
+    for (int i = 0; i < 4; ++i) {
+      if (TD == DT_BF16) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      } else {
+        f[2 * i] = f16_to_f((u16)(w[i] & 0xffff));
+        f[2 * i + 1] = f16_to_f((u16)(w[i] >> 16));
       }
-      float* kd = Ks + j * KS + d;
-      float* vd = Vs + j * KS + d;
-      kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
-      vd[0] = vv.x; vd[1] = vv.y; vd[2] = vv.z; vd[3] = vv.w;
     }
-    __syncthreads();
-    // a tile with no visible key of this row is skipped whole: m stays -inf-free (lo <= Lc + t < lim)
-    if (!valid || j0 >= lim || j0 + KT <= lo) continue;
-    const int jj = j0 + lane;
-    const bool vis = jj >= lo && jj < lim;
-    float sc = -INFINITY;
-    if (vis) {
-      float dot = 0.f;
-      const float* kr = Ks + lane * KS;
-      const float* qr = Qs + w * HD;
-#pragma unroll 8
-      for (int d = 0; d < HD; ++d) dot += qr[d] * kr[d];
-      sc = dot;
-    }
-    const float m_new = fmaxf(m, warp_max(sc));  // finite: some key of [max(j0, lo), lim) is in this tile
-    const float p = vis ? exp2f(sc - m_new) : 0.f;
-    const float corr = exp2f(m - m_new);
-    l = l * corr + warp_sum(p);
-#pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] *= corr;
-    const int nk = min(KT, lim - j0);
-    for (int j = 0; j < nk; ++j) {
-      const float pj = __shfl_sync(0xffffffffu, p, j);
-      const float* vr = Vs + j * KS + lane;
-#pragma unroll
-      for (int e = 0; e < E; ++e) acc[e] += pj * vr[32 * e];
-    }
-    m = m_new;
-  }
-  if (valid) {
-    const float inv = 1.f / l;
-#pragma unroll
-    for (int e = 0; e < E; ++e) stf(o, o_dt, qbase + lane + 32 * e, acc[e] * inv);
   }
 }
 
-#define PAGED_ATTN(HD)                                                                            \
-  extern "C" __global__ void __launch_bounds__(NWARP * 32) paged_attention_hd##HD(               \
-      const void* q, int q_dt, const void* k_new, const void* v_new, int n_dt, const void* pool,  \
-      int p_dt, int layer, int num_blocks, int block_size, const int* block_table,                \
-      int max_blocks, const int* kv_start, const int* kv_len, void* o, int o_dt, int T, int Hq,   \
-      int Hkv, int causal, int window, float scale) {                                             \
-    paged_attention_body<HD>(q, q_dt, k_new, v_new, n_dt, pool, p_dt, layer, num_blocks,          \
-                             block_size, block_table, max_blocks, kv_start, kv_len, o, o_dt, T,   \
-                             Hq, Hkv, causal, window, scale);                                     \
+struct AttnArgs {
+  const void *q, *k_new, *v_new, *pool;
+  int q_dt, n_dt, p_dt, o_dt, layer, num_blocks, block_size, max_blocks, T, Hq, Hkv, causal, window, tiles;
+  const int *block_table, *kv_start, *kv_len;
+  void* o;
+  float* ws_acc;  // [B*T*Hq][nsplit][HD] unnormalised sums of p * v
+  float* ws_ml;   // [B*T*Hq][nsplit][2] (running max in the exp2 domain, sum of p)
+  float scale;
+};
+
+// TD: the dtype of the shared-memory tiles (the pool's; fp32 when k_new has another dtype than the pool).
+template <int HD, int TD>
+__device__ __forceinline__ void attn_split(const AttnArgs& a) {
+  constexpr int R = 32 * NT / HD;     // query rows per CTA (4 rows x 8 dims of acc per thread)
+  constexpr int RW = R / NW;          // rows per warp when scoring
+  constexpr int TPR = HD / 8;         // threads per row in P.V, 8 dims each
+  constexpr int RP = NT / TPR;        // rows per P.V pass
+  constexpr int RPT = R / RP;         // P.V rows per thread
+  constexpr int ES = TD == DT_F32 ? 4 : 2;
+  constexpr int CPR = HD * ES / 16;   // 16-byte chunks per K/V row
+  constexpr int RS = HD * ES + 16;    // padded tile row stride (bytes): 16-byte reads of 8 lanes hit 32 banks
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* Qs = (float*)smem;           // [R][HD], pre-scaled by scale * log2(e)
+  float* Ps = Qs + R * HD;            // [R][KT] probabilities of the current tile
+  float* Cs = Ps + R * KT;            // [R] rescale factor of the current tile, then the final sum
+  unsigned char* tiles = (unsigned char*)(Cs + R);  // [2 stages][K, V][KT][RS]
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int split = blockIdx.x, nsplit = gridDim.x, b = blockIdx.z;
+  const int hkv = blockIdx.y % a.Hkv, rg = blockIdx.y / a.Hkv;
+  const int G = a.Hq / a.Hkv, T = a.T;
+  const int r0 = rg * R, nr = min(R, G * T - r0);  // this CTA's rows: r0 + [0, nr) of the kv head's G*T
+  const int ks0 = a.kv_start[b], Lc = a.kv_len[b] - ks0, Ltot = Lc + T;
+  const int t_first = r0 / G, t_last = (r0 + nr - 1) / G;
+  const int cta_lim = a.causal ? Lc + t_last + 1 : Ltot;
+  const int cta_lo = a.window > 0 ? max(0, Lc + t_first - a.window + 1) : 0;
+  const int S = a.tiles * KT;
+  const int k0 = max(split * S, cta_lo);
+  const int k1 = split == nsplit - 1 ? cta_lim : min(split * S + S, cta_lim);  // the last split takes any rest
+  auto orow = [&](int r) { const int rr = r0 + r; return ((b * T + rr / G) * a.Hq + hkv * G + rr % G); };
+  if (k0 >= k1) {  // no key of this split is visible to any row of the CTA (never with one split)
+    for (int r = tid; r < nr; r += NT) {
+      float2* ml = (float2*)a.ws_ml + (i64)orow(r) * nsplit + split;
+      *ml = make_float2(-INFINITY, 0.f);
+    }
+    return;
+  }
+  const i64 vofs = (i64)a.num_blocks * a.block_size * a.Hkv * HD;  // K -> V in the pool
+  const i64 lbase = (i64)a.layer * 2 * vofs;
+  auto load_tile = [&](int stage, int j0, int j1) {
+    unsigned char* base = tiles + stage * 2 * KT * RS;
+    for (int c = tid; c < 2 * KT * CPR; c += NT) {
+      const int kv = c / (KT * CPR), rem = c % (KT * CPR), jl = rem / CPR, cc = rem % CPR, j = j0 + jl;
+      if (j >= j1) continue;
+      const void* src;
+      i64 e;
+      int sdt;
+      if (j < Lc) {
+        const int p = ks0 + j;
+        const int blk = a.block_table[(i64)b * a.max_blocks + p / a.block_size];
+        src = a.pool, sdt = a.p_dt;
+        e = lbase + kv * vofs + (((i64)blk * a.block_size + p % a.block_size) * a.Hkv + hkv) * HD;
+      } else {
+        src = kv ? a.v_new : a.k_new, sdt = a.n_dt;
+        e = (((i64)b * T + (j - Lc)) * a.Hkv + hkv) * HD;
+      }
+      unsigned char* dst = base + kv * KT * RS + jl * RS + cc * 16;
+      if (sdt == TD) cp_async16(dst, (const unsigned char*)src + e * ES + cc * 16);
+      else *(float4*)dst = ld4(src, sdt, e + cc * 4);  // TD is fp32 here: 4 elements per chunk
+    }
+  };
+  const int ntiles = (k1 - k0 + KT - 1) / KT;
+  load_tile(0, k0, min(k0 + KT, k1));
+  cp_commit();
+  const float qscale = a.scale * 1.4426950408889634f;
+  for (int e4 = tid * 4; e4 < nr * HD; e4 += NT * 4) {
+    const int r = e4 / HD, d = e4 % HD;
+    const float4 v = ld4(a.q, a.q_dt, (i64)orow(r) * HD + d);
+    *(float4*)(Qs + r * HD + d) = make_float4(v.x * qscale, v.y * qscale, v.z * qscale, v.w * qscale);
+  }
+  float m[RW], l[RW], acc[RPT][8];
+#pragma unroll
+  for (int i = 0; i < RW; ++i) m[i] = -INFINITY, l[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < RPT; ++i)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[i][e] = 0.f;
+  const int d0 = (tid % TPR) * 8, rsub = tid / TPR;
+  for (int it = 0; it < ntiles; ++it) {
+    const int j0 = k0 + it * KT, nk = min(KT, k1 - j0);
+    if (it + 1 < ntiles) load_tile((it + 1) & 1, j0 + KT, min(j0 + 2 * KT, k1));
+    cp_commit();
+    cp_wait1();
+    __syncthreads();
+    const unsigned char* Kt = tiles + (it & 1) * 2 * KT * RS;
+    const unsigned char* Vt = Kt + KT * RS;
+    // scores: warp w scores rows w + NW*i, lane = key
+    float dot[RW];
+#pragma unroll
+    for (int i = 0; i < RW; ++i) dot[i] = 0.f;
+#pragma unroll 4
+    for (int e0 = 0; e0 < HD; e0 += 8) {
+      float kf[8];
+      ld8s<TD>(Kt + lane * RS, e0, kf);
+#pragma unroll
+      for (int i = 0; i < RW; ++i) {
+        if (w + NW * i < nr) {
+          const float4 qa = *(const float4*)(Qs + (w + NW * i) * HD + e0);
+          const float4 qb = *(const float4*)(Qs + (w + NW * i) * HD + e0 + 4);
+          dot[i] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] + qb.y * kf[5] +
+                    qb.z * kf[6] + qb.w * kf[7];
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+      const int r = w + NW * i;
+      if (r >= nr) continue;
+      const int t = (r0 + r) / G, j = j0 + lane;
+      const int lim = a.causal ? Lc + t + 1 : Ltot;
+      const int lo = a.window > 0 ? Lc + t - a.window + 1 : 0;
+      const float s = lane < nk && j >= lo && j < lim ? dot[i] : -INFINITY;
+      const float m_new = fmaxf(m[i], warp_max(s));
+      const bool none = m_new == -INFINITY;  // no visible key for this row yet
+      const float p = none ? 0.f : exp2f(s - m_new);
+      const float corr = none ? 1.f : exp2f(m[i] - m_new);
+      l[i] = l[i] * corr + warp_sum(p);
+      m[i] = m_new;
+      Ps[r * KT + lane] = p;
+      if (lane == 0) Cs[r] = corr;
+    }
+    __syncthreads();
+    // P.V: thread owns dims d0..d0+7 of rows rsub + RP*i
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      if (rsub + RP * i < nr) {
+        const float c = Cs[rsub + RP * i];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[i][e] *= c;
+      }
+    }
+#pragma unroll 2
+    for (int jl = 0; jl < nk; ++jl) {
+      float vf[8];
+      ld8s<TD>(Vt + jl * RS, d0, vf);
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        if (rsub + RP * i < nr) {
+          const float p = Ps[(rsub + RP * i) * KT + jl];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[i][e] += p * vf[e];
+        }
+      }
+    }
+    __syncthreads();  // the next iteration's prefetch overwrites this stage
+  }
+#pragma unroll
+  for (int i = 0; i < RW; ++i) {
+    const int r = w + NW * i;
+    if (r < nr && lane == 0) {
+      Cs[r] = l[i];
+      if (nsplit > 1) ((float2*)a.ws_ml)[(i64)orow(r) * nsplit + split] = make_float2(m[i], l[i]);
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < RPT; ++i) {
+    const int r = rsub + RP * i;
+    if (r >= nr) continue;
+    if (nsplit == 1) {
+      const float inv = 1.f / Cs[r];
+      const i64 ob = (i64)orow(r) * HD + d0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) stf(a.o, a.o_dt, ob + e, acc[i][e] * inv);
+    } else {
+      float4* dst = (float4*)(a.ws_acc + ((i64)orow(r) * nsplit + split) * HD + d0);
+      dst[0] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      dst[1] = make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
+    }
+  }
+}
+
+template <int HD>
+__device__ __forceinline__ void attn_dispatch(const AttnArgs& a) {
+  const int td = a.p_dt == a.n_dt ? a.p_dt : DT_F32;
+  if (td == DT_BF16) attn_split<HD, DT_BF16>(a);
+  else if (td == DT_F16) attn_split<HD, DT_F16>(a);
+  else attn_split<HD, DT_F32>(a);
+}
+
+#define PAGED_ATTN(HD)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(NT) paged_attention_hd##HD(                             \
+      const void* q, int q_dt, const void* k_new, const void* v_new, int n_dt, const void* pool,        \
+      int p_dt, int layer, int num_blocks, int block_size, const int* block_table, int max_blocks,      \
+      const int* kv_start, const int* kv_len, void* o, int o_dt, int T, int Hq, int Hkv, int causal,    \
+      int window, float scale, float* ws_acc, float* ws_ml, int tiles) {                                \
+    AttnArgs a;                                                                                         \
+    a.q = q, a.k_new = k_new, a.v_new = v_new, a.pool = pool, a.q_dt = q_dt, a.n_dt = n_dt;             \
+    a.p_dt = p_dt, a.o_dt = o_dt, a.layer = layer, a.num_blocks = num_blocks;                           \
+    a.block_size = block_size, a.max_blocks = max_blocks, a.T = T, a.Hq = Hq, a.Hkv = Hkv;              \
+    a.causal = causal, a.window = window, a.tiles = tiles, a.block_table = block_table;                 \
+    a.kv_start = kv_start, a.kv_len = kv_len, a.o = o, a.ws_acc = ws_acc, a.ws_ml = ws_ml;              \
+    a.scale = scale;                                                                                    \
+    attn_dispatch<HD>(a);                                                                               \
   }
 PAGED_ATTN(64)
 PAGED_ATTN(128)
 PAGED_ATTN(256)
+
+// Pass 2: o[row] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits with l_s > 0 (every row
+// has one: its own key, or the new rows). grid (B*T*Hq); 128 threads = groups of hd/4 threads (4 dims each),
+// group g merges splits g, g + groups, ...; then the groups are summed in shared memory.
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) paged_attention_combine(
+    const float* __restrict__ ws_acc, const float* __restrict__ ws_ml, void* __restrict__ o, int o_dt,
+    int nsplit, int hd) {
+  __shared__ float red[COMBINE_THREADS * 4];
+  __shared__ float wmax[COMBINE_THREADS / 32], gsum[COMBINE_THREADS];
+  const int tid = threadIdx.x, row = blockIdx.x;
+  const float2* ml = (const float2*)ws_ml + (i64)row * nsplit;
+  float mx = -INFINITY;
+  for (int s = tid; s < nsplit; s += COMBINE_THREADS) {
+    const float2 v = ml[s];
+    if (v.y > 0.f) mx = fmaxf(mx, v.x);
+  }
+  mx = warp_max(mx);
+  if ((tid & 31) == 0) wmax[tid >> 5] = mx;
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < COMBINE_THREADS / 32; ++i) mx = fmaxf(mx, wmax[i]);
+  const int tpg = hd / 4, ng = COMBINE_THREADS / tpg, g = tid / tpg, d = (tid % tpg) * 4;
+  const float* accp = ws_acc + (i64)row * nsplit * hd + d;
+  float L = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s = g; s < nsplit; s += ng) {
+    const float2 v = ml[s];
+    if (v.y > 0.f) {  // empty splits wrote no acc
+      const float wt = exp2f(v.x - mx);
+      const float4 x = *(const float4*)(accp + (i64)s * hd);
+      L += wt * v.y;
+      acc.x += wt * x.x, acc.y += wt * x.y, acc.z += wt * x.z, acc.w += wt * x.w;
+    }
+  }
+  *(float4*)(red + g * hd + d) = acc;
+  gsum[tid] = L;
+  __syncthreads();
+  if (g == 0) {
+    float Lt = 0.f;
+    for (int i = 0; i < ng; ++i) Lt += gsum[i * tpg];
+    for (int i = 1; i < ng; ++i) {
+      const float4 x = *(const float4*)(red + i * hd + d);
+      acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+    }
+    const float inv = 1.f / Lt;
+    const i64 ob = (i64)row * hd + d;
+    stf(o, o_dt, ob, acc.x * inv), stf(o, o_dt, ob + 1, acc.y * inv);
+    stf(o, o_dt, ob + 2, acc.z * inv), stf(o, o_dt, ob + 3, acc.w * inv);
+  }
+}
 
 // Scatter rows t < n[b] of every layer to logical positions pos[b] + t of the sequence's pages:
 // rows [L, 2, B, T, Hkv, HD] (K then V) -> pool [L, 2, num_blocks, block_size, Hkv, HD].

@@ -6,7 +6,7 @@ and runs before any launch (KernelError). Index tensors (block_table, kv_start, 
 from __future__ import annotations
 
 from dflash_trt.plugins.cuda_launch import F, I, P, get_function, launch
-from dflash_trt.plugins.opspec import dtype_code
+from dflash_trt.plugins.opspec import dtype_code, kernel_need
 from dflash_trt.plugins.paged_attention import spec
 
 KV_WRITE_THREADS = 128
@@ -14,20 +14,33 @@ KV_WRITE_THREADS = 128
 
 def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, B, T, Hq, Hkv, hd, layer,
                     num_blocks, block_size, max_blocks, causal, scale, window=0, q_dtype="bfloat16", n_dtype=None,
-                    p_dtype=None, o_dtype=None, stream=0):
+                    p_dtype=None, o_dtype=None, workspace=0, stream=0):
     """o [B,T,Hq,hd] = attention of q over cached rows [kv_start, kv_len) in pages + T new rows
-    (window > 0: sliding, spec.py)."""
+    (window > 0: sliding, spec.py). Split-KV: `workspace` (device pointer, 16-byte aligned) holds
+    spec.workspace_bytes(B, T, Hq, Hkv, hd, max_blocks * block_size) bytes when that is not 0; the split pass
+    writes fp32 partials there and the combine pass merges them into o (two launches on `stream`)."""
     spec.check_dims(B, T, Hq, Hkv, hd, block_size)
+    max_rows = max_blocks * block_size
+    tiles, nsplit, groups = spec.split_plan(B, T, Hq, Hkv, hd, max_rows)
+    ws_bytes = spec.workspace_bytes(B, T, Hq, Hkv, hd, max_rows)
+    kernel_need(ws_bytes == 0 or (workspace and workspace % 16 == 0),
+                f"paged_attention: needs a 16-byte aligned workspace of {ws_bytes} bytes (got {workspace})")
+    kernel_need(all(int(p) % 16 == 0 for p in (q, k_new, v_new, pool)),
+                "paged_attention: q, k_new, v_new and the kv pool must be 16-byte aligned (vector loads)")
+    ws_acc = workspace if ws_bytes else 0
+    ws_ml = workspace + B * T * Hq * nsplit * hd * 4 if ws_bytes else 0
+    o_code = dtype_code(o_dtype or q_dtype, "attn o")
     args = [(q, P), (dtype_code(q_dtype, "attn q"), I), (k_new, P), (v_new, P),
             (dtype_code(n_dtype or q_dtype, "attn k/v"), I), (pool, P), (dtype_code(p_dtype or q_dtype, "attn kv pool"), I),
             (layer, I), (num_blocks, I), (block_size, I), (block_table, P), (max_blocks, I), (kv_start, P),
-            (kv_len, P), (o, P), (dtype_code(o_dtype or q_dtype, "attn o"), I), (T, I), (Hq, I), (Hkv, I),
-            (int(bool(causal)), I), (max(int(window), 0), I), (scale, F)]
-    G = Hq // Hkv
-    grid = ((G * T + spec.NWARP - 1) // spec.NWARP, Hkv, B)
-    smem = spec.smem_bytes(hd)
-    fn = get_function("paged_attention", f"paged_attention_hd{hd}", max_dynamic_smem=smem)
-    launch(fn, grid, (spec.NWARP * 32, 1, 1), smem, stream, args)
+            (kv_len, P), (o, P), (o_code, I), (T, I), (Hq, I), (Hkv, I),
+            (int(bool(causal)), I), (max(int(window), 0), I), (scale, F), (ws_acc, P), (ws_ml, P), (tiles, I)]
+    es = spec.tile_elem_bytes(p_dtype or q_dtype, n_dtype or q_dtype)
+    fn = get_function("paged_attention", f"paged_attention_hd{hd}", max_dynamic_smem=spec.smem_bytes(hd, 4))
+    launch(fn, (nsplit, Hkv * groups, B), (spec.NT, 1, 1), spec.smem_bytes(hd, es), stream, args)
+    if ws_bytes:
+        launch(get_function("paged_attention", "paged_attention_combine"), (B * T * Hq, 1, 1),
+               (spec.COMBINE_THREADS, 1, 1), 0, stream, [(ws_acc, P), (ws_ml, P), (o, P), (o_code, I), (nsplit, I), (hd, I)])
 
 
 def kv_write(pool, block_table, rows, pos, n, *, B, T, Hkv, hd, L, num_blocks, block_size, max_blocks,

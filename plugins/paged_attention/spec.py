@@ -20,12 +20,55 @@ import math
 from dflash_trt.plugins.opspec import FLOATS, INTS, Attr, OpSpec, Port, check_float_dtypes, kernel_need, need
 
 KERNEL_HD = (64, 128, 256)  # head dims the attention kernel is instantiated for
-NWARP, KT = 8, 32           # kernel tiling (warps per CTA = query rows per CTA, keys per smem tile)
+NT, KT = 128, 32            # kernel tiling: threads per CTA, keys per K/V tile (kernel.cu)
+# Split-KV plan: enough (key split x row group x kv head x batch) CTAs for about two waves of an H200's
+# 132 SMs, from shapes only (never from kv_len), so the grid and the workspace are fixed for a captured graph.
+SPLIT_CTAS = 256
+COMBINE_THREADS = 128
 
 
-def smem_bytes(hd: int) -> int:
-    """Dynamic shared memory of paged_attention_hd{hd}: Q rows + padded K and V tiles, fp32."""
-    return (NWARP * hd + 2 * KT * (hd + 1)) * 4
+def rows_per_cta(hd: int) -> int:
+    """Query rows (t, q-head) of one kv head per CTA: 4 rows x 8 dims of fp32 accumulator per thread."""
+    return 32 * NT // hd
+
+
+def tile_elem_bytes(p_dtype: str, n_dtype: str) -> int:
+    """Bytes per element of the shared-memory K/V tiles: the pool's dtype, fp32 when the new rows differ."""
+    return 4 if p_dtype != n_dtype or p_dtype == "float32" else 2
+
+
+def smem_bytes(hd: int, elem_bytes: int = 4) -> int:
+    """Dynamic shared memory of paged_attention_hd{hd}: Q rows, tile probabilities and rescale factors (fp32)
+    + 2 stages of K and V tiles with 16-byte padded rows. elem_bytes 4 is the largest (the launch attribute)."""
+    R = rows_per_cta(hd)
+    return R * (hd + KT + 1) * 4 + 2 * 2 * KT * (hd * elem_bytes + 16)
+
+
+def split_plan(B: int, T: int, Hq: int, Hkv: int, hd: int, max_rows: int) -> tuple:
+    """(tiles per split, number of splits, row groups) for at most max_rows cached rows (block table width x
+    block_size) + T new rows: about SPLIT_CTAS CTAs, at most ceil(SPLIT_CTAS / (B * Hkv * row groups)) splits
+    (the workspace bound below relies on it). Splits cover the cached rows; the last one also takes the
+    new rows and anything past max_rows. One split means no workspace and no combine pass."""
+    groups = -(-(Hq // Hkv) * T // rows_per_cta(hd))
+    want = min(-(-SPLIT_CTAS // (B * Hkv * groups)), max(1, -(-max_rows // KT)))
+    tiles = max(1, -(-max_rows // (want * KT)))
+    nsplit = max(1, -(-max_rows // (tiles * KT)))
+    return tiles, nsplit, groups
+
+
+def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, hd: int, max_rows: int) -> int:
+    """fp32 partials of the split pass for exactly these shapes: acc [B*T*Hq, nsplit, hd] then
+    (max, sum) [B*T*Hq, nsplit, 2]; 0 for one split."""
+    _, nsplit, _ = split_plan(B, T, Hq, Hkv, hd, max_rows)
+    return 0 if nsplit == 1 else B * T * Hq * nsplit * (hd + 2) * 4
+
+
+def workspace_bound(B: int, T: int, Hq: int, hd: int) -> int:
+    """>= workspace_bytes of every shape with B' <= B, T' <= T, Hq' <= Hq (any Hkv, max_rows, kernel head dim),
+    for a workspace sized once from a profile's max shapes: B*T*Hq*nsplit <= SPLIT_CTAS*R + B*T*Hq since
+    nsplit <= ceil(SPLIT_CTAS / (B*Hkv*groups)) and G*T <= R*groups."""
+    per_cta = max(rows_per_cta(h) * (h + 2) for h in KERNEL_HD)
+    return (SPLIT_CTAS * per_cta + B * T * Hq * (hd + 2)) * 4
 
 
 def check_dims(B, T, Hq, Hkv, hd, block_size) -> None:
@@ -78,7 +121,7 @@ SPEC = OpSpec(
     check_shapes=_check_shapes,
     check_kernel=_check_kernel,
     doc="T query rows attend a sequence's cached K/V pages plus the T new rows",
-    cuda_defines={"NWARP": NWARP, "KT": KT},
+    cuda_defines={"NT": NT, "KT": KT, "COMBINE_THREADS": COMBINE_THREADS},
 )
 INDEX_INPUTS = tuple(i for i, p in enumerate(SPEC.inputs) if p.group.startswith("i"))  # int32 in the kernel
 

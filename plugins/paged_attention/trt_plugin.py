@@ -1,12 +1,13 @@
 """TensorRT IPluginV3 of PagedAttention: signature, shape rules and kernel limits from spec.py; enqueue
 launches paged_attention (launch.py) on TensorRT's pointers and stream. The kernel reads int32 indices:
-int64 index inputs are narrowed into TensorRT's workspace first (no allocation, no sync)."""
+int64 index inputs are narrowed into TensorRT's workspace first (no allocation, no sync); the split-KV
+partials follow them in the same workspace, sized from the max profile shapes."""
 from __future__ import annotations
 
 import math
 
 from dflash_trt.plugins import trt_base
-from dflash_trt.plugins.paged_attention import launch
+from dflash_trt.plugins.paged_attention import launch, spec
 from dflash_trt.plugins.paged_attention.spec import INDEX_INPUTS, SPEC
 from dflash_trt.plugins.trt_base import WORKSPACE_ALIGN, DflashPlugin
 
@@ -26,7 +27,10 @@ class PagedAttentionPlugin(DflashPlugin):
         return out, off
 
     def workspace_bytes(self, dims, types):
-        return self._index_slots(dims, types)[1]
+        # split-KV partials after the narrowed index inputs; sized from the profile's max shapes, so the
+        # bound holds for every smaller runtime shape (spec.workspace_bound)
+        (B, T, Hq, hd) = dims[0]
+        return self._index_slots(dims, types)[1] + spec.workspace_bound(B, T, Hq, hd)
 
     def launch(self, d, it, ot, i, o, ws, stream):
         (B, T, Hq, hd), Hkv = d[0], d[1][2]
@@ -36,9 +40,10 @@ class PagedAttentionPlugin(DflashPlugin):
             trt_base.narrow_i64(ws + off, i[k], n, stream)
             idx[k] = ws + off
         bt, ks, kl = (idx[k] for k in INDEX_INPUTS)
+        part = ws + self._index_slots(d, it)[1]  # WORKSPACE_ALIGN-aligned
         scale = self.attrs["scale"] or hd ** -0.5
         launch.paged_attention(i[0], i[1], i[2], i[3], bt, ks, kl, o[0], B=B, T=T, Hq=Hq, Hkv=Hkv, hd=hd,
                                layer=self.attrs["layer"], num_blocks=NB, block_size=BS, max_blocks=d[4][1],
                                causal=bool(self.attrs["causal"]), scale=scale, window=int(self.attrs["window"]),
                                q_dtype=it[0], n_dtype=it[1],
-                               p_dtype=it[3], o_dtype=ot[0], stream=stream)
+                               p_dtype=it[3], o_dtype=ot[0], workspace=part, stream=stream)

@@ -225,3 +225,72 @@ def test_cuda_graph_replays_layer_batched_kv_write_with_new_n():
         graph.replay()
         torch.cuda.synchronize()
         assert np.array_equal(work.cpu().numpy(), want)
+
+
+# ------------------------------------------------------------------ GPU: the split-KV path (several key splits)
+def _split_case(B, T, Hq, Hkv, hd, ctx, kl, ks, dtype, n_dtype, seed):
+    """Pages for `ctx` rows per sequence (scattered, garbage in unused pages), kv_len kl, kv_start ks."""
+    gen = torch.Generator().manual_seed(seed)
+    BS = 16
+    MB = -(-ctx // BS)
+    NB = B * MB + 3
+    bt = torch.stack([torch.randperm(NB, generator=gen)[:MB] for _ in range(B)]).int()
+    pool = torch.randn(2, 2, NB, BS, Hkv, hd, generator=gen).to(dtype)
+    r = lambda *s, dt=dtype: torch.randn(*s, generator=gen).to(dt).to(DEV)  # noqa: E731
+    return (r(B, T, Hq, hd), r(B, T, Hkv, hd, dt=n_dtype), r(B, T, Hkv, hd, dt=n_dtype), pool.to(DEV), bt.to(DEV),
+            torch.tensor(ks, device=DEV), torch.tensor(kl, device=DEV))
+
+
+SPLIT_CASES = [  # B, T, Hq, Hkv, hd, ctx (block table width in rows), kv_len, kv_start, window
+    (1, 1, 16, 2, 128, 2048, [2000], [0], 0),        # one row spans ~64 splits
+    (1, 16, 16, 2, 128, 1024, [1000], [37], 0),       # verify block, offset start
+    (2, 16, 16, 2, 256, 1024, [0, 700], [0, 0], 0),   # kv_len 0: every cached split empty, only new rows
+    (4, 5, 8, 2, 64, 4096, [4000, 1, 2500, 64], [10, 0, 2400, 0], 50),  # window: most splits see no key
+    (16, 16, 16, 2, 128, 512, list(range(0, 512, 32)), [0] * 16, 0),   # B 16, T 16
+    (3, 2, 4, 4, 128, 3000, [2999, 3000, 5], [0, 1000, 0], 17),          # G = 1, window inside a page
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
+@pytest.mark.parametrize("dtypes", ["bf16", "f16", "f32", "f32 rows, bf16 pool"])
+def test_paged_attention_kernel_split_kv(case, dtypes):
+    """Several key splits + the combine pass == the float64 reference, causal (target) and non-causal (drafter)."""
+    from dflash_trt.plugins.paged_attention import spec
+    B, T, Hq, Hkv, hd, ctx, kl, ks, W = SPLIT_CASES[case]
+    dt, ndt = {"bf16": (torch.bfloat16,) * 2, "f16": (torch.float16,) * 2, "f32": (torch.float32,) * 2,
+               "f32 rows, bf16 pool": (torch.bfloat16, torch.float32)}[dtypes]
+    ins = _split_case(B, T, Hq, Hkv, hd, ctx, kl, ks, dt, ndt, seed=case)
+    assert spec.split_plan(B, T, Hq, Hkv, hd, ins[4].shape[1] * 16)[1] > 1  # the split path is what runs
+    tol = 2e-5 if dtypes == "f32" else 1.5e-2
+    for causal in (True, False):
+        o = torch.ops.dflash.paged_attention(*ins[:4], 1, *ins[4:], causal, hd ** -0.5, W)
+        want = paged_attention_ref(*(x.double() for x in ins[:4]), 1, *ins[4:], causal, hd ** -0.5, W)
+        assert o.dtype == ins[0].dtype and torch.isfinite(o).all()
+        record_err(f"paged_attention split hd{hd} {dtypes} {'causal' if causal else 'block'}", o, want, tol)
+
+
+@pytest.mark.gpu
+def test_paged_attention_split_kv_replays_in_cuda_graph():
+    """The split pass + combine, captured once (workspace from the graph's pool), replayed with new kv_len /
+    kv_start / q on the device == the reference each time."""
+    B, T, Hq, Hkv, hd, ctx = 2, 4, 16, 2, 128, 1500
+    q, kn, vn, pool, bt, ks, kl = _split_case(B, T, Hq, Hkv, hd, ctx, [900, 20], [0, 3], torch.bfloat16,
+                                              torch.bfloat16, seed=11)
+    run = lambda: torch.ops.dflash.paged_attention(q, kn, vn, pool, 1, bt, ks, kl, True, 0.1)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()  # module load outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for lens, starts in (([900, 20], [0, 3]), ([1500, 0], [1499, 0]), ([7, 1333], [0, 100])):
+        kl.copy_(torch.tensor(lens))
+        ks.copy_(torch.tensor(starts))
+        q.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = paged_attention_ref(q.double(), kn.double(), vn.double(), pool.double(), 1, bt, ks, kl, True, 0.1)
+        record_err("paged_attention split graph replay", out, want, 1.5e-2)

@@ -18,6 +18,7 @@ from dflash_trt.plugins.gdn import trt_plugin as gdn_plugin
 from dflash_trt.plugins.opspec import KernelError
 from dflash_trt.plugins.paged_attention import reference as attention_ref
 from dflash_trt.plugins.paged_attention import trt_plugin as attention_plugin
+from dflash_trt.plugins.paged_attention.spec import workspace_bound
 
 NP = {"float32": np.float32, "int32": np.int32, "int64": np.int64}
 
@@ -51,8 +52,9 @@ class FakeLaunch:
 
     def paged_attention(self, q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, B, T, Hq, Hkv, hd, layer,
                         num_blocks, block_size, max_blocks, causal, scale, window, q_dtype, n_dtype, p_dtype, o_dtype,
-                        stream):
+                        workspace, stream):
         self.calls.append(("attn", stream))
+        self.workspace = workspace  # split-KV partials: the tail of TensorRT's workspace
         L = self.L
         r = attention_ref.paged_attention_ref(
             view(q, (B, T, Hq, hd), q_dtype), view(k_new, (B, T, Hkv, hd), n_dtype), view(v_new, (B, T, Hkv, hd), n_dtype),
@@ -119,7 +121,9 @@ def test_attention_enqueue_plumbing(fake, idx, causal):
     ws = _enqueue(plugin, ins, outs)
     want = attention_ref.paged_attention_ref(*ins[:4], 2, bt, ins[5].long(), ins[6].long(), bool(causal), 0.3)
     torch.testing.assert_close(outs[0], want)
-    assert (ws.numel() > 1) == (idx == torch.int64)
+    partials = workspace_bound(B, T, Hq, hd)
+    assert (ws.numel() > partials) == (idx == torch.int64)
+    assert fake.workspace == ws.data_ptr() + ws.numel() - partials
 
 
 def test_runtime_shape_change_rejects_unsupported_kernel_shapes():
