@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import DrafterConfig
+from dflash_trt.export.fuse import fuse_linears, linears
 from dflash_trt.plugins import ops
 from dflash_trt.export.target import MLP, RMSNorm, apply_rope, rope_cos_sin
 
@@ -38,6 +39,8 @@ def embed_block(cfg: DrafterConfig, embed, ids, dtype):
 
 
 class DrafterAttention(nn.Module):
+    KV = ("k_proj", "v_proj")  # one GEMM once fused (export/fuse.py)
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -53,8 +56,9 @@ class DrafterAttention(nn.Module):
         """x [B,R,H] -> K (normed, RoPE'd), V [B,R,Hkv,hd] — used for ctx rows and for block rows alike."""
         B, R, _ = x.shape
         c = self.cfg
-        k = apply_rope(self.k_norm(self.k_proj(x).view(B, R, c.num_kv_heads, c.head_dim)), cos, sin)
-        return k, self.v_proj(x).view(B, R, c.num_kv_heads, c.head_dim)
+        k, v = linears(self, self.KV, x)
+        k = apply_rope(self.k_norm(k.view(B, R, c.num_kv_heads, c.head_dim)), cos, sin)
+        return k, v.view(B, R, c.num_kv_heads, c.head_dim)
 
 
 class DrafterLayer(nn.Module):
@@ -83,6 +87,13 @@ class Drafter(nn.Module):
         """Borrow the target's embedding and lm_head, and make the target emit this drafter's taps."""
         self._target = (target.embed_tokens, target.lm_head)
         target.tap_ids = list(self.cfg.target_layer_ids)
+        return self
+
+    def fuse_projections(self) -> "Drafter":
+        """k/v and gate/up as one GEMM each (export/fuse.py); the GPU torch backend calls it."""
+        for layer in self.layers:
+            fuse_linears(layer.self_attn, DrafterAttention.KV)
+            fuse_linears(layer.mlp, MLP.PROJECTIONS)
         return self
 
     def _rope(self, positions, dtype):

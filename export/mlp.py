@@ -10,10 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import TargetConfig
+from dflash_trt.export.fuse import linears
 from dflash_trt.plugins import ops
 
 
 class MLP(nn.Module):
+    PROJECTIONS = ("gate_proj", "up_proj")  # one GEMM once fused (export/fuse.py)
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
@@ -21,7 +24,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linears(self, self.PROJECTIONS, x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import TargetConfig
+from dflash_trt.export.fuse import fuse_linears, linears
 from dflash_trt.export.gdn_gates import gdn_gates
 from dflash_trt.export.mlp import MLP, SparseMoE
 from dflash_trt.plugins import ops
@@ -119,6 +120,8 @@ def gdn_chunk_dense(q, k, v, g, beta, state=None, chunk: int = 64):
 
 
 class GatedDeltaNet(nn.Module):
+    PROJECTIONS = {"split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "qkvz": ("in_proj_qkvz", "in_proj_ba")}
+
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.cfg = cfg
@@ -145,12 +148,14 @@ class GatedDeltaNet(nn.Module):
         Hk, Hv, dk, dv = c.lin_num_k_heads, c.lin_num_v_heads, c.lin_k_dim, c.lin_v_dim
         B, T, _ = x.shape
         if c.gdn_layout == "split":
-            return self.in_proj_qkv(x), self.in_proj_z(x).view(B, T, Hv, dv), self.in_proj_b(x), self.in_proj_a(x)
+            qkv, z, b, a = linears(self, self.PROJECTIONS["split"], x)
+            return qkv, z.view(B, T, Hv, dv), b, a
         # Qwen3-Next interleaves per key head: [q | k | v×r | z×r] and [b×r | a×r], r = Hv/Hk
         r = Hv // Hk
-        qkvz = self.in_proj_qkvz(x).view(B, T, Hk, 2 * dk + 2 * r * dv)
+        qkvz, ba = linears(self, self.PROJECTIONS["qkvz"], x)
+        qkvz = qkvz.view(B, T, Hk, 2 * dk + 2 * r * dv)
         q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
-        ba = self.in_proj_ba(x).view(B, T, Hk, 2 * r)
+        ba = ba.view(B, T, Hk, 2 * r)
         b, a = torch.split(ba, [r, r], dim=-1)
         cols = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         return cols, z.reshape(B, T, Hv, dv), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
@@ -206,11 +211,12 @@ class Attention(nn.Module):
         """x [B,T,H] -> q, gate [B,T,Hq,hd] and k, v [B,T,Hkv,hd]; q/k normed and RoPE'd (k as cached)."""
         c = self.cfg
         B, T, _ = x.shape
-        qg = self.q_proj(x).view(B, T, c.num_heads, 2 * c.head_dim)
+        qg, k, v = linears(self, ("q_proj", "k_proj", "v_proj"), x)
+        qg = qg.view(B, T, c.num_heads, 2 * c.head_dim)
         q, gate = qg[..., : c.head_dim], qg[..., c.head_dim :]
         q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim)), cos, sin)
-        return q, gate, k, self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        k = apply_rope(self.k_norm(k.view(B, T, c.num_kv_heads, c.head_dim)), cos, sin)
+        return q, gate, k, v.view(B, T, c.num_kv_heads, c.head_dim)
 
     def forward(self, x, cos, sin, kv_pool, pool_layer, block_table, seq_len):
         """Returns (y [B,T,H], k_rows, v_rows [B,T,Hkv,hd]) — rows post-norm, post-RoPE, as cached."""
@@ -266,6 +272,18 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def fuse_projections(self) -> "TargetModel":
+        """Projections sharing an input become one GEMM each (export/fuse.py); call once the model is on its
+        device. The GPU torch backend does; export and the CPU reference keep the separate layers."""
+        for layer in self.layers:
+            if layer.is_attention:
+                fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+            else:
+                fuse_linears(layer.linear_attn, GatedDeltaNet.PROJECTIONS[self.cfg.gdn_layout])
+            if isinstance(layer.mlp, MLP):
+                fuse_linears(layer.mlp, MLP.PROJECTIONS)
+        return self
 
     def _tap(self, i: int, h):
         """Tap id i = the residual stream after layer i, as HF's hidden_states[i+1]: for the last layer that is

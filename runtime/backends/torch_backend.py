@@ -30,10 +30,13 @@ class TorchBackend:
             raise ValueError(f"on CPU the runtime keeps pools in numpy; target dtype {self.kv_dtype} is not "
                              "supported there (load the target in float32)")
         self.compile_steps = bool(compile_steps) and self.device.type == "cuda"
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the GPU step: fewer, better-chosen GEMMs (same math)
             from dflash_trt.runtime.backends.torch_compile import prefer_cublaslt
 
             prefer_cublaslt(p.dtype)
+            target.fuse_projections()
+            if drafter is not None:
+                drafter.fuse_projections()
 
     def _in(self, v):
         if isinstance(v, torch.Tensor):

@@ -1,0 +1,42 @@
+"""Projections that share an input as ONE GEMM (issue 11 item 1): q/k/v, gate/up, the GDN in-projections.
+
+`fuse_linears(owner, names)` concatenates the weights of owner's Linear layers `names` into one non-persistent
+buffer and makes each layer's weight a view of its rows, so memory is not doubled and state_dict / parameter
+names stay the checkpoint's. `linears(owner, names, x)` is the forward every module calls: one F.linear over the
+buffer split by output width when the layers were fused, else each layer on its own (what ONNX export traces,
+so exported graphs keep the checkpoint's separate MatMuls). Same math either way: each output element is the
+same dot product; only the GEMM the library picks may differ. Fuse after the model is on its device (a later
+.to() copies the views apart: still correct, but the memory is then held twice).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BUFFER = "_fused_"  # buffer name prefix on the owner: _fused_<first layer name>
+
+
+def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> None:
+    """Idempotent; bias-free Linear layers only (every projection of these models)."""
+    attr = BUFFER + names[0]
+    if hasattr(owner, attr):
+        return
+    layers = [getattr(owner, n) for n in names]
+    if any(lin.bias is not None for lin in layers):
+        raise ValueError(f"fuse_linears: {names} must be bias-free")
+    w = torch.cat([lin.weight.detach() for lin in layers])
+    owner.register_buffer(attr, w, persistent=False)
+    off = 0
+    for lin in layers:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(w[off:off + rows], requires_grad=lin.weight.requires_grad)
+        off += rows
+
+
+def linears(owner: nn.Module, names: tuple[str, ...], x) -> list:
+    """[layer(x) for layer in names], as one GEMM when fuse_linears(owner, names) ran."""
+    w = getattr(owner, BUFFER + names[0], None)
+    if w is None:
+        return [getattr(owner, n)(x) for n in names]
+    return list(torch.split(F.linear(x, w), [getattr(owner, n).out_features for n in names], dim=-1))
