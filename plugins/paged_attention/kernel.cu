@@ -17,8 +17,8 @@
 #include "common.cuh"
 // NT (threads per CTA) and KT (keys per tile, one per lane when scoring) come from paged_attention/spec.py
 // through NVRTC -D options: the launcher sizes grid, shared memory and workspace from them.
-#if !defined(NT) || !defined(KT) || !defined(COMBINE_THREADS)
-#error "NT, KT and COMBINE_THREADS come from paged_attention/spec.py through NVRTC -D options"
+#if !defined(NT) || !defined(KT) || !defined(COMBINE_THREADS) || !defined(MAX_SPLITS)
+#error "NT, KT, COMBINE_THREADS and MAX_SPLITS come from paged_attention/spec.py through NVRTC -D options"
 #endif
 #define NW (NT / 32)
 
@@ -103,36 +103,61 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
   }
   const i64 vofs = (i64)a.num_blocks * a.block_size * a.Hkv * HD;  // K -> V in the pool
   const i64 lbase = (i64)a.layer * 2 * vofs;
+  // Tile loads: thread owns 16-byte chunk cc of keys jb + JSTEP*u; the page ids of all its keys are read
+  // first (independent loads, one round trip), then every cp.async of the tile is issued.
+  constexpr int JSTEP = NT / CPR, KPT = KT / JSTEP;
+  const int cc = tid % CPR, jb = tid / CPR;
   auto load_tile = [&](int stage, int j0, int j1) {
     unsigned char* base = tiles + stage * 2 * KT * RS;
-    for (int c = tid; c < 2 * KT * CPR; c += NT) {
-      const int kv = c / (KT * CPR), rem = c % (KT * CPR), jl = rem / CPR, cc = rem % CPR, j = j0 + jl;
+    int blk[KPT];
+#pragma unroll
+    for (int u = 0; u < KPT; ++u) {
+      const int j = j0 + jb + JSTEP * u, p = ks0 + j;
+      blk[u] = j < j1 && j < Lc ? a.block_table[(i64)b * a.max_blocks + p / a.block_size] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < KPT; ++u) {
+      const int jl = jb + JSTEP * u, j = j0 + jl;
       if (j >= j1) continue;
-      const void* src;
-      i64 e;
+      const void *ksrc, *vsrc;
+      i64 e, ve;
       int sdt;
       if (j < Lc) {
         const int p = ks0 + j;
-        const int blk = a.block_table[(i64)b * a.max_blocks + p / a.block_size];
-        src = a.pool, sdt = a.p_dt;
-        e = lbase + kv * vofs + (((i64)blk * a.block_size + p % a.block_size) * a.Hkv + hkv) * HD;
+        ksrc = vsrc = a.pool, sdt = a.p_dt;
+        e = lbase + (((i64)blk[u] * a.block_size + p % a.block_size) * a.Hkv + hkv) * HD;
+        ve = e + vofs;
       } else {
-        src = kv ? a.v_new : a.k_new, sdt = a.n_dt;
-        e = (((i64)b * T + (j - Lc)) * a.Hkv + hkv) * HD;
+        ksrc = a.k_new, vsrc = a.v_new, sdt = a.n_dt;
+        e = ve = (((i64)b * T + (j - Lc)) * a.Hkv + hkv) * HD;
       }
-      unsigned char* dst = base + kv * KT * RS + jl * RS + cc * 16;
-      if (sdt == TD) cp_async16(dst, (const unsigned char*)src + e * ES + cc * 16);
-      else *(float4*)dst = ld4(src, sdt, e + cc * 4);  // TD is fp32 here: 4 elements per chunk
+      unsigned char* dst = base + jl * RS + cc * 16;
+      if (sdt == TD) {
+        cp_async16(dst, (const unsigned char*)ksrc + e * ES + cc * 16);
+        cp_async16(dst + KT * RS, (const unsigned char*)vsrc + ve * ES + cc * 16);
+      } else {  // TD is fp32 here: 4 elements per chunk
+        *(float4*)dst = ld4(ksrc, sdt, e + cc * 4);
+        *(float4*)(dst + KT * RS) = ld4(vsrc, sdt, ve + cc * 4);
+      }
     }
   };
   const int ntiles = (k1 - k0 + KT - 1) / KT;
   load_tile(0, k0, min(k0 + KT, k1));
   cp_commit();
-  const float qscale = a.scale * 1.4426950408889634f;
-  for (int e4 = tid * 4; e4 < nr * HD; e4 += NT * 4) {
-    const int r = e4 / HD, d = e4 % HD;
-    const float4 v = ld4(a.q, a.q_dt, (i64)orow(r) * HD + d);
-    *(float4*)(Qs + r * HD + d) = make_float4(v.x * qscale, v.y * qscale, v.z * qscale, v.w * qscale);
+  {  // Q rows: all loads in flight together, then scaled into shared memory
+    constexpr int QPT = R * HD / (4 * NT);
+    const float qscale = a.scale * 1.4426950408889634f;
+    float4 qv[QPT];
+#pragma unroll
+    for (int u = 0; u < QPT; ++u) {
+      const int e4 = (tid + NT * u) * 4, r = e4 / HD, d = e4 % HD;
+      qv[u] = r < nr ? ld4(a.q, a.q_dt, (i64)orow(r) * HD + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < QPT; ++u) {
+      const float4 v = qv[u];
+      *(float4*)(Qs + (tid + NT * u) * 4) = make_float4(v.x * qscale, v.y * qscale, v.z * qscale, v.w * qscale);
+    }
   }
   float m[RW], l[RW], acc[RPT][8];
 #pragma unroll
@@ -264,18 +289,22 @@ PAGED_ATTN(128)
 PAGED_ATTN(256)
 
 // Pass 2: o[row] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits with l_s > 0 (every row
-// has one: its own key, or the new rows). grid (B*T*Hq); 128 threads = groups of hd/4 threads (4 dims each),
-// group g merges splits g, g + groups, ...; then the groups are summed in shared memory.
+// has one: its own key, or the new rows). grid (B*T*Hq); COMBINE_THREADS = groups of hd/4 threads (4 dims
+// each); group g merges splits g, g + groups, ... CB at a time (their loads in flight together), then the
+// groups are summed in shared memory. nsplit <= MAX_SPLITS (spec.py).
+#define CB 8
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) paged_attention_combine(
     const float* __restrict__ ws_acc, const float* __restrict__ ws_ml, void* __restrict__ o, int o_dt,
     int nsplit, int hd) {
   __shared__ float red[COMBINE_THREADS * 4];
+  __shared__ float2 mls[MAX_SPLITS];
   __shared__ float wmax[COMBINE_THREADS / 32], gsum[COMBINE_THREADS];
   const int tid = threadIdx.x, row = blockIdx.x;
   const float2* ml = (const float2*)ws_ml + (i64)row * nsplit;
   float mx = -INFINITY;
   for (int s = tid; s < nsplit; s += COMBINE_THREADS) {
     const float2 v = ml[s];
+    mls[s] = v;
     if (v.y > 0.f) mx = fmaxf(mx, v.x);
   }
   mx = warp_max(mx);
@@ -287,14 +316,21 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) paged_attention_co
   const float* accp = ws_acc + (i64)row * nsplit * hd + d;
   float L = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s = g; s < nsplit; s += ng) {
-    const float2 v = ml[s];
-    if (v.y > 0.f) {  // empty splits wrote no acc
-      const float wt = exp2f(v.x - mx);
-      const float4 x = *(const float4*)(accp + (i64)s * hd);
-      L += wt * v.y;
-      acc.x += wt * x.x, acc.y += wt * x.y, acc.z += wt * x.z, acc.w += wt * x.w;
+  for (int s0 = g; s0 < nsplit; s0 += CB * ng) {
+    float wt[CB];
+    float4 x[CB];
+#pragma unroll
+    for (int u = 0; u < CB; ++u) {
+      const int s = s0 + u * ng;
+      const float2 v = s < nsplit ? mls[s] : make_float2(-INFINITY, 0.f);
+      wt[u] = v.y > 0.f ? exp2f(v.x - mx) : 0.f;
+      L += wt[u] * v.y;
+      // empty splits wrote no acc
+      x[u] = wt[u] > 0.f ? *(const float4*)(accp + (i64)s * hd) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+#pragma unroll
+    for (int u = 0; u < CB; ++u)
+      acc.x += wt[u] * x[u].x, acc.y += wt[u] * x[u].y, acc.z += wt[u] * x[u].z, acc.w += wt[u] * x[u].w;
   }
   *(float4*)(red + g * hd + d) = acc;
   gsum[tid] = L;

@@ -23,6 +23,7 @@ def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, 
     max_rows = max_blocks * block_size
     tiles, nsplit, groups = spec.split_plan(B, T, Hq, Hkv, hd, max_rows)
     ws_bytes = spec.workspace_bytes(B, T, Hq, Hkv, hd, max_rows)
+    kernel_need(nsplit <= spec.MAX_SPLITS, f"paged_attention: {nsplit} splits > {spec.MAX_SPLITS}")
     kernel_need(ws_bytes == 0 or (workspace and workspace % 16 == 0),
                 f"paged_attention: needs a 16-byte aligned workspace of {ws_bytes} bytes (got {workspace})")
     kernel_need(all(int(p) % 16 == 0 for p in (q, k_new, v_new, pool)),

@@ -24,7 +24,8 @@ NT, KT = 128, 32            # kernel tiling: threads per CTA, keys per K/V tile 
 # Split-KV plan: enough (key split x row group x kv head x batch) CTAs for about two waves of an H200's
 # 132 SMs, from shapes only (never from kv_len), so the grid and the workspace are fixed for a captured graph.
 SPLIT_CTAS = 256
-COMBINE_THREADS = 128
+MAX_SPLITS = SPLIT_CTAS     # split_plan never plans more (the combine pass keeps (max, sum) of each in smem)
+COMBINE_THREADS = 256
 
 
 def rows_per_cta(hd: int) -> int:
@@ -52,7 +53,9 @@ def split_plan(B: int, T: int, Hq: int, Hkv: int, hd: int, max_rows: int) -> tup
     groups = -(-(Hq // Hkv) * T // rows_per_cta(hd))
     want = min(-(-SPLIT_CTAS // (B * Hkv * groups)), max(1, -(-max_rows // KT)))
     tiles = max(1, -(-max_rows // (want * KT)))
-    nsplit = max(1, -(-max_rows // (tiles * KT)))
+    if tiles > 1 and max_rows - want * (tiles - 1) * KT <= (tiles - 1) * KT:
+        tiles -= 1  # e.g. 8192 rows + a page: the last split takes one more tile rather than 1/3 fewer splits
+    nsplit = min(want, max(1, -(-max_rows // (tiles * KT))))
     return tiles, nsplit, groups
 
 
@@ -121,7 +124,7 @@ SPEC = OpSpec(
     check_shapes=_check_shapes,
     check_kernel=_check_kernel,
     doc="T query rows attend a sequence's cached K/V pages plus the T new rows",
-    cuda_defines={"NT": NT, "KT": KT, "COMBINE_THREADS": COMBINE_THREADS},
+    cuda_defines={"NT": NT, "KT": KT, "COMBINE_THREADS": COMBINE_THREADS, "MAX_SPLITS": MAX_SPLITS},
 )
 INDEX_INPUTS = tuple(i for i, p in enumerate(SPEC.inputs) if p.group.startswith("i"))  # int32 in the kernel
 
