@@ -23,6 +23,34 @@ def hardware(device: str = "cpu") -> str:
     return f"{name} ({os.cpu_count()} cores)"
 
 
+def graph_replay_ms(calls, replays: int, warm: int = 2):
+    """(outputs of `calls`, ms per replay) for a list of thunks captured in ONE torch CUDA graph: the first `warm`
+    run eagerly on a side stream (module loads, allocator), then the graph is replayed `warm` times before
+    `replays` timed replays between CUDA events. The kernel and e2e benches time every graph through this."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in calls[:warm]:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [f() for f in calls]
+    for _ in range(warm):
+        g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return outs, a.elapsed_time(b) / replays
+
+
 def bench_generate(argv) -> int:
     """Plain greedy vs DFlash on a prompt file: tokens/s, target launches, τ, speedup; checks identity."""
     from dflash_trt import load_runtime

@@ -12,6 +12,8 @@ Targets (issue 11): decode at 256 rows <= 10 us a call; decode at 8192 rows <= 1
 """
 from __future__ import annotations
 
+from dflash_trt.tools.bench import graph_replay_ms
+
 HQ, HKV, BS = 16, 2, 16
 COLD_BYTES = 192 << 20
 CASES = (  # name, hd, T, causal, cached rows
@@ -25,28 +27,7 @@ CASES = (  # name, hd, T, causal, cached rows
 
 def _graph_us(calls, replays):
     """us per call of `calls` (a list of thunks) captured in one CUDA graph, after warm-up."""
-    import torch
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in calls[:2]:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    for _ in range(2):
-        g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (replays * len(calls))
+    return graph_replay_ms(calls, replays)[1] * 1e3 / len(calls)
 
 
 def bench_case(name, hd, T, causal, rows, bw, replays=5):

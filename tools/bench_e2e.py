@@ -16,7 +16,6 @@ random 1-layer drafter; never written to disk).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -78,7 +77,6 @@ def build_random_pair(dtype, device):
 
 
 def load_pair(model, drafter_dir, dtype, device):
-    import torch
     from transformers import AutoModelForCausalLM
 
     from dflash_trt.export.checkpoint import load_drafter, load_target

@@ -18,6 +18,8 @@ import argparse
 import json
 import sys
 
+from dflash_trt.tools.bench import graph_replay_ms
+
 HK, HV, DK, DV = 16, 32, 128, 128
 
 
@@ -36,27 +38,8 @@ def _time_eager(fn, iters):
 
 
 def _time_graph(fn, reps, replays):
-    import torch
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (replays * reps)
+    """us per call of fn captured reps times in one CUDA graph."""
+    return graph_replay_ms([fn] * reps, replays, warm=3)[1] * 1e3 / reps
 
 
 def copy_bandwidth(nbytes=1 << 30):

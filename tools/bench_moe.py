@@ -23,6 +23,8 @@ import sys
 
 import numpy as np
 
+from dflash_trt.tools.bench import graph_replay_ms
+
 from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs, decode_run
 
 RANDOM_MOE = "random-moe-35b-a3b"
@@ -102,26 +104,9 @@ def step_bytes(target, pools, ctx_rows: int, K: int, distinct_per_layer: list[fl
 
 
 def _capture(fn, reps: int = 20):
-    """(outputs, mean replay ms) of `fn` captured in a torch CUDA graph on a side stream."""
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm (module loads, allocator)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    for _ in range(3):
-        g.replay()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return out, e0.elapsed_time(e1) / reps
+    """(outputs, mean replay ms) of `fn` captured in a torch CUDA graph."""
+    outs, ms = graph_replay_ms([fn], reps)
+    return outs[0], ms
 
 
 def distinct_experts(target, fn) -> list[int]:
