@@ -269,3 +269,20 @@ def diff_io(where: str, kind: str, got: list, exp: list, got_name: str = "graph"
         if g["dtype"] != e["dtype"]:
             raise ManifestError(f"{where}: {kind} {g['name']} dtype {g['dtype']} in {got_name}, {e['dtype']} in {exp_name}")
 
+
+class ManifestBacked:
+    """What a Runtime needs from a backend over an export (ort, trt): configs and pool sizes, from its manifest."""
+
+    manifest: Manifest
+
+    @property
+    def tcfg(self):
+        return self.manifest.target_config
+
+    @property
+    def dcfg(self):
+        return self.manifest.drafter_config
+
+    @property
+    def sizes(self):
+        return self.manifest.sizes

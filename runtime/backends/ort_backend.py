@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_trt.manifest import Manifest, ManifestError, diff_io
+from dflash_trt.manifest import Manifest, ManifestBacked, ManifestError, diff_io
 
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
                "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(double)": "float64"}
@@ -23,7 +23,7 @@ def default_providers() -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in have]
 
 
-class OrtBackend:
+class OrtBackend(ManifestBacked):
     name = "ort"
 
     def __init__(self, manifest, providers=None, threads: int | None = None, check_inputs: bool = True,
@@ -42,19 +42,6 @@ class OrtBackend:
 
             raise UsageError(f"{self.manifest.root}: a bfloat16 export cannot run on ONNX Runtime CPU (numpy has no "
                              f"bfloat16 pools); export with --dtype float32 (or float16), or use the trt backend")
-
-    # what a Runtime needs to be built over this backend
-    @property
-    def tcfg(self):
-        return self.manifest.target_config
-
-    @property
-    def dcfg(self):
-        return self.manifest.drafter_config
-
-    @property
-    def sizes(self):
-        return self.manifest.sizes
 
     @property
     def on_cuda(self) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
 from dflash_trt.engines.load import EngineError, load_engine
-from dflash_trt.manifest import Manifest
+from dflash_trt.manifest import Manifest, ManifestBacked
 from dflash_trt.runtime.backends.trt_plan import PlanError, check_bound, runtime_plan
 
 
@@ -47,7 +47,7 @@ class _Context:
             raise PlanError(f"engine {self.plan.graph}: TensorRT refused the address of {name}")
 
 
-class TrtBackend:
+class TrtBackend(ManifestBacked):
     name = "trt"
 
     def __init__(self, manifest, device=None, engines: dict | None = None):
@@ -65,18 +65,6 @@ class TrtBackend:
 
     def _ios(self) -> dict:
         return {g: e.io for g, e in self.engines.items()}
-
-    @property
-    def tcfg(self):
-        return self.manifest.target_config
-
-    @property
-    def dcfg(self):
-        return self.manifest.drafter_config
-
-    @property
-    def sizes(self):
-        return self.manifest.sizes
 
     # ---- the GPU step (graph executor) ----------------------------------------------------------
     def fused_steps(self, rt):
