@@ -127,8 +127,10 @@ def _mix(x):
 def uniform(seed, position, purpose: int):
     """Uniforms in [0, 1) (float32, 24 bits) keyed by (seed, absolute position, purpose); broadcasting int64
     tensors. A pure function of its keys: same on every device and run."""
+    import torch  # lazily, as everywhere here: the runtime core imports this module without torch
+
     h = _mix(_mix(_mix(seed) ^ position) ^ purpose)
-    return _srl(h, 40).to(__import__("torch").float32) * (2.0 ** -24)
+    return _srl(h, 40).to(torch.float32) * (2.0 ** -24)
 
 
 # ---- distributions ------------------------------------------------------------------------------

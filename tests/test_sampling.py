@@ -13,6 +13,8 @@ import torch
 
 from dflash_trt.runtime import sampling as S
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 V, GAMMA, N = 5, 2, 20000
 BASE = 7  # absolute position of the first context token
 
@@ -156,13 +158,6 @@ def counts(first3):
 
 
 # ---- tests ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small tensors: one intra-op thread (two threads on a loaded 2-core runner were many times slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_uniform_is_splitmix64_keyed_by_seed_position_purpose():

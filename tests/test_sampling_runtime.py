@@ -18,19 +18,14 @@ from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.runtime.sampling import SamplingError
 from dflash_trt.tools.tiny import KERNEL_SHAPES, make_tiny_pair
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 VOCAB = 16
 SIZES = PoolSizes(kv_blocks=320, page_size=4, max_seq_len=64, max_seqs=16, dkv_blocks=320, prefill_chunk=16)
 PROMPT = [3, 9, 1, 4, 7]
 SAMPLE = dict(temperature=1.0, top_k=4)  # support <= 4 per position: <= 64 cells for 3 tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread (two threads on a loaded 2-core runner were 20-30x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -33,19 +33,21 @@ def _no_grad(fn):
     return run
 
 
-def compile_fn(fn):
-    """fn through Inductor: whole graph (a graph break would split the step), static shapes per key."""
+def compile_fn(fn, backend: str = "inductor"):
+    """fn through Inductor: whole graph (a graph break would split the step), static shapes per key.
+    backend: a torch.compile backend ("aot_eager" traces exactly as Inductor does without generating code:
+    the CPU test of the tracing)."""
     cfg = torch._dynamo.config
     for name in ("cache_size_limit", "recompile_limit"):  # each key is a recompile of the same code object
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
-    return torch.compile(_no_grad(fn), fullgraph=True, dynamic=False)
+    return torch.compile(_no_grad(fn), fullgraph=True, dynamic=False, backend=backend)
 
 
-def compile_steps(steps) -> None:
+def compile_steps(steps, backend: str = "inductor") -> None:
     """Replace steps.decode / steps.spec by their compiled versions (in place)."""
     for name in COMPILED:
-        setattr(steps, name, compile_fn(getattr(steps, name)))
+        setattr(steps, name, compile_fn(getattr(steps, name), backend))
 
 
 def prefer_cublaslt(dtype) -> bool:

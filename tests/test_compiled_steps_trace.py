@@ -1,0 +1,54 @@
+"""The compiled GPU steps' tracing, on CPU: torch.compile(fullgraph=True) of the fused decode and spec steps
+(runtime/backends/torch_compile.py) with the aot_eager backend — Dynamo + AOTAutograd, our dflash:: ops opaque
+through their fake impls, exactly what Inductor receives, without generating code. A graph break or an op
+without a usable fake impl fails here; the compiled steps' tokens (greedy and sampled) equal the uncompiled
+steps'. (The Inductor code itself runs on the GPU: tests/test_gpu_compiled_steps.py.)"""
+import numpy as np
+import pytest
+import torch
+
+from dflash_trt.abi import PoolSizes
+from dflash_trt.export.checkpoint import load_drafter, load_target
+from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
+from dflash_trt.runtime.backends.torch_backend import TorchBackend
+from dflash_trt.runtime.backends.torch_compile import compile_steps
+from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
+from dflash_trt.runtime.gating import Gate
+from dflash_trt.runtime.runtime import Runtime
+from dflash_trt.tools.tiny import make_tiny_pair
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+SIZES = PoolSizes(kv_blocks=96, page_size=4, max_seq_len=96, max_seqs=2, dkv_blocks=96, prefill_chunk=16)
+N_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tdir, ddir = make_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=5)
+    target = load_target(tdir)
+    return target, load_drafter(ddir, target)
+
+
+def _runtime(pair):
+    t, d = pair
+    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, SIZES, device=TorchCpuDevice(), gate=Gate(min_rate=0.0),
+                   executor=lambda rt: GraphStepExecutor(rt, inflight=1))
+
+
+def _runs(rt, prompt):
+    return [rt.generate(prompt, N_NEW, gamma=g, spec=s, **kw)[0] for g, s, kw in
+            ((None, False, {}), (3, True, {}), (3, True, dict(temperature=1.0, top_k=8, seed=11)))]
+
+
+def test_compiled_steps_trace_whole_and_match_uncompiled(pair):
+    prompt = [int(x) for x in np.random.default_rng(2).integers(0, 250, 9)]
+    want = _runs(_runtime(pair), prompt)
+    rt = _runtime(pair)
+    compile_steps(rt.executor.steps, backend="aot_eager")
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    got = _runs(rt, prompt)
+    assert got == want
+    # decode K=1, spec K=4 greedy, spec K=4 sampled: one whole graph each (fullgraph: no breaks)
+    assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
