@@ -52,3 +52,20 @@ def test_compiled_steps_trace_whole_and_match_uncompiled(pair):
     # decode K=1, spec K=4 greedy, spec K=4 sampled: one whole graph each (fullgraph: no breaks)
     assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_failed_compile_falls_back_to_eager_with_correct_tokens(pair):
+    """A backend that fails: each step runs uncompiled, the reason is kept, the tokens are the uncompiled ones."""
+    def broken(gm, example_inputs):
+        raise RuntimeError("forced compile failure")
+
+    prompt = [int(x) for x in np.random.default_rng(3).integers(0, 250, 7)]
+    want = _runs(_runtime(pair), prompt)
+    rt = _runtime(pair)
+    compile_steps(rt.executor.steps, backend=broken)
+    with pytest.warns(UserWarning, match="fell back to eager"):
+        got = _runs(rt, prompt)
+    assert got == want
+    for name in ("decode", "spec"):
+        step = getattr(rt.executor.steps, name)
+        assert step.compiled is None and "forced compile failure" in " ".join(step.failures), step.failures

@@ -17,6 +17,7 @@ BLAS preference is process-wide: `prefer_cublaslt` sets it when the GPU runtime 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -33,21 +34,40 @@ def _no_grad(fn):
     return run
 
 
-def compile_fn(fn, backend: str = "inductor"):
-    """fn through Inductor: whole graph (a graph break would split the step), static shapes per key.
+class CompiledStep:
+    """fn through torch.compile: whole graph (a graph break would split the step), static shapes per key.
+    A compile that fails (Dynamo cannot trace, the backend fails) is not the request's fault: that step runs
+    uncompiled from then on, the reason kept in `failures` and warned once — the compile-time twin of the
+    capture's brick guard. Errors the step itself raises pass through.
     backend: a torch.compile backend ("aot_eager" traces exactly as Inductor does without generating code:
     the CPU test of the tracing)."""
-    cfg = torch._dynamo.config
-    for name in ("cache_size_limit", "recompile_limit"):  # each key is a recompile of the same code object
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
-    return torch.compile(_no_grad(fn), fullgraph=True, dynamic=False, backend=backend)
+
+    def __init__(self, fn, backend: str = "inductor"):
+        cfg = torch._dynamo.config
+        for name in ("cache_size_limit", "recompile_limit"):  # each key is a recompile of the same code object
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+        self.fn = _no_grad(fn)
+        self.compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, backend=backend)
+        self.failures: list[str] = []
+
+    def __call__(self, *args, **kwargs):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:  # traced before anything ran: safe to rerun
+                head = [x.strip() for x in str(e).splitlines() if x.strip()][:2]  # "backend raised:" + why
+                line = " ".join(head) or type(e).__name__
+                self.failures.append(line)
+                self.compiled = None
+                warnings.warn(f"compiled step {getattr(self.fn, '__name__', '?')} fell back to eager: {line}")
+        return self.fn(*args, **kwargs)
 
 
 def compile_steps(steps, backend: str = "inductor") -> None:
     """Replace steps.decode / steps.spec by their compiled versions (in place)."""
     for name in COMPILED:
-        setattr(steps, name, compile_fn(getattr(steps, name), backend))
+        setattr(steps, name, CompiledStep(getattr(steps, name), backend))
 
 
 def prefer_cublaslt(dtype) -> bool:
