@@ -147,8 +147,14 @@ def test_workspace_for_int64_indices():
     shapes = [s.shape for s in attn_inputs(3, 4, MB=100).values()]
     d64 = [C.dynamic_desc(s, "float32" if i < 4 else "int64") for i, s in enumerate(shapes)]
     d32 = [C.dynamic_desc(s, "float32" if i < 4 else "int32") for i, s in enumerate(shapes)]
-    assert a.get_workspace_size(d64, []) == 1280 + 256 + 256  # 300 int32 = 1200 B -> 5 x 256; 3 -> 256; 3 -> 256
-    assert a.get_workspace_size(d32, []) == 0
+    # int64 indices narrowed first: 300 int32 = 1200 B -> 5 x 256; 3 -> 256; 3 -> 256; int32 ones need no room
+    assert a.get_workspace_size(d64, []) - a.get_workspace_size(d32, []) == 1280 + 256 + 256
+    # then the split-KV partials: at least what these exact shapes need (their bound, from the shapes alone)
+    from dflash_trt.plugins.paged_attention import spec as attn_spec
+
+    q, k = shapes[0], shapes[1]
+    exact = attn_spec.workspace_bytes(q[0], q[1], q[2], k[2], q[3], shapes[4][1] * shapes[3][3])
+    assert a.get_workspace_size(d32, []) == attn_spec.workspace_bound(*q) >= exact
 
 
 def test_serialization_round_trip_through_creator():
