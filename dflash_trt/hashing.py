@@ -13,6 +13,7 @@ import json
 import os
 
 from dflash_trt.config import cache_root
+from dflash_trt.files import write_json
 
 _MEMO: dict = {}
 _KEEP = 1024  # file states remembered on disk (oldest dropped first)
@@ -53,10 +54,6 @@ def _read(path: str) -> dict:
 
 def _write(path: str, data: dict) -> None:
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
+        write_json(path, data, indent=None)
     except OSError:
         pass

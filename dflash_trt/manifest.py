@@ -12,12 +12,12 @@ names what differs. numpy/json only (the runtime core imports this).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, fields
 
 import numpy as np
 
+from dflash_trt.files import write_json
 from dflash_trt.abi import (DRAFTER_CTX, MAX_K, PREFILL, PoolSizes, drafter_block_graph, drafter_block_lens,
                             graph_io, parse_target_graph, pool_specs, target_graph)
 from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, read_json
@@ -81,11 +81,7 @@ class Manifest:
 
     def save(self, root: str) -> str:
         os.makedirs(root, exist_ok=True)
-        path = os.path.join(root, FILENAME)
-        tmp = f"{path}.tmp{os.getpid()}.{os.urandom(4).hex()}"  # unique: concurrent writers never share it
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1)
-        os.replace(tmp, path)
+        path = write_json(os.path.join(root, FILENAME), self.data)
         self.root = root
         return path
 

@@ -3,11 +3,12 @@ a ratio against a baseline measured in the same run; each can write JSON."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
+
+from dflash_trt.files import write_json
 
 
 def hardware(device: str = "cpu") -> str:
@@ -108,7 +109,7 @@ def bench_generate(argv) -> int:
           f"{summary['median_plain_tok_s']:.1f} tok/s, dflash {summary['median_dflash_tok_s']:.1f} tok/s, "
           f"speedup {summary['speedup']:.2f}x, identical={summary['all_identical']}")
     if a.json:
-        json.dump(dict(summary=summary, rows=rows), open(a.json, "w"), indent=1)
+        write_json(a.json, dict(summary=summary, rows=rows))
     return 0 if summary["all_identical"] else 1
 
 

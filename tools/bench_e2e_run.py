@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from dflash_trt.files import write_json
 from dflash_trt.tools.bench_e2e import (RANDOM_0P9B, TARGETS, build_random_pair, copy_bandwidth_gbs, decode_run,
                                         floor_tok_s, hf_tok_s, kernel_profile, load_pair, step_latency_ms)
 
@@ -167,8 +168,7 @@ def run(a) -> int:
     res["targets"] = targets(res, random)
     print_table(res)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.json, res)
     return 0
 
 

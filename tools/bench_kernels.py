@@ -15,9 +15,9 @@ per graph; launch overhead excluded). Prints a table with the GPU name and write
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from dflash_trt.files import write_json
 from dflash_trt.tools.bench import graph_replay_ms
 
 HK, HV, DK, DV = 16, 32, 128, 128
@@ -172,8 +172,7 @@ def main(argv=None):
     if not a.no_attn:
         from dflash_trt.tools import bench_attention
         out["attention_rows"], out["attention_targets"] = bench_attention.run(bw)
-    with open(a.json, "w") as fh:
-        json.dump(out, fh, indent=1)
+    write_json(a.json, out)
     print(f"wrote {a.json}")
     return 0
 

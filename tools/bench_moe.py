@@ -18,11 +18,11 @@ Target: plain step(K=1) <= 2x its bytes floor.
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import numpy as np
 
+from dflash_trt.files import write_json
 from dflash_trt.tools.bench import graph_replay_ms
 
 from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs, decode_run
@@ -239,8 +239,7 @@ def run(a) -> int:
                                                                                  r1 <= TARGET_FLOOR_RATIO)}
     print_table(res)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.json, res)
     return 0
 
 
