@@ -118,8 +118,9 @@ class PoolSizes:
 
     @property
     def max_ctx_blocks(self) -> int:
-        """Width of a drafter block table (the graphs' static dim)."""
-        return ctx_block_table_width(self.ctx_window, self.page_size, self.max_append)
+        """Width of a drafter block table (the graphs' static dim): a window, one append, and the MAX_K rows
+        of one step left in flight (the GPU executors plan step t+1 while step t runs)."""
+        return ctx_block_table_width(self.ctx_window, self.page_size, self.max_append + MAX_K)
 
     @property
     def max_append(self) -> int:

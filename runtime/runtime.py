@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash_trt.abi import PoolSizes, ctx_block_table_width, pool_specs
+from dflash_trt.abi import MAX_K, PoolSizes, ctx_block_table_width, pool_specs
 from dflash_trt.runtime import commit, snapshot
 from dflash_trt.runtime.batching import BUCKETS, DECODE, SPEC, StepPlan, pad_rows
 from dflash_trt.runtime.ctx import CtxWindow
@@ -30,7 +30,7 @@ from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.runtime.scheduler import FAILED, Request, Scheduler
 from dflash_trt.runtime.sequence import Sequence, SequenceError, token_ids
 
-LOOKAHEAD_ROWS = 16  # the widest verify step: the extra ctx rows reserved while one step is in flight
+LOOKAHEAD_ROWS = MAX_K  # the widest verify step: the extra ctx rows reserved while one step is in flight
 
 
 class CapacityError(ValueError):
@@ -106,8 +106,9 @@ class Runtime:
             self.executor = executor(self)
         else:
             self.executor = _default_executor(self, backend, self.device)
-        # a ctx window also holds the rows reserved for the steps in flight (ONNX graphs: the ABI width)
-        self.ctx_append = sizes.max_append + LOOKAHEAD_ROWS * self.executor.max_inflight
+        # a ctx window also holds the rows reserved for the steps in flight; room for one is always kept, so
+        # every executor with at most one step in flight uses the exported graphs' width (abi.max_ctx_blocks)
+        self.ctx_append = sizes.max_append + LOOKAHEAD_ROWS * max(1, self.executor.max_inflight)
         self.ctx_blocks = ctx_block_table_width(sizes.ctx_window, sizes.page_size, self.ctx_append)
         self.scheduler: Scheduler | None = None
 

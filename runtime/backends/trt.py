@@ -11,9 +11,10 @@ the graph executor captures drafter_block -> target verify -> accept -> commit k
 the same per-step CUDA graph, and the runtime loop and commit path are the ones every backend uses.
 `run(graph, numpy inputs)` is the same interface for the host executor and `dflash-trt compare`.
 
-The drafter block table of the engines is the ABI's static width (abi.PoolSizes.max_ctx_blocks), which has no
-room for the look-ahead rows of a step left in flight: `graph_executor(rt)` is the graph executor with steps
-run synchronously (inflight 0), the executor a Runtime over this backend takes.
+The drafter block table of the engines is the ABI's static width (abi.PoolSizes.max_ctx_blocks), which keeps
+room for the look-ahead rows of one step left in flight: `graph_executor(rt)` is the graph executor with one
+step in flight (the host plans step t+1 while the engines run step t), the executor a Runtime over this backend
+takes.
 """
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def graph_executor(rt):
     """The CUDA-graph step executor for a Runtime over TrtBackend (Runtime(..., executor=graph_executor))."""
     from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
 
-    return GraphStepExecutor(rt, inflight=0)
+    return GraphStepExecutor(rt, inflight=1)  # at most one: the engines' ctx table width has room for one
 
 
 class _EngineTarget:
