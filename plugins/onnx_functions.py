@@ -14,13 +14,16 @@ from dflash_trt.plugins.conv import onnx_body as conv_body
 from dflash_trt.plugins.conv.spec import SPEC as CONV
 from dflash_trt.plugins.gdn import onnx_body as gdn_body
 from dflash_trt.plugins.gdn.spec import SPEC as GDN
+from dflash_trt.plugins.moe import onnx_body as moe_body
+from dflash_trt.plugins.moe.spec import SPEC as MOE
 from dflash_trt.plugins.onnx_builder import Body
 from dflash_trt.plugins.opspec import DOMAIN, OP_VERSION, PLUGIN_ATTRS
 from dflash_trt.plugins.paged_attention import onnx_body as attention_body
 from dflash_trt.plugins.paged_attention.spec import SPEC as ATTENTION
 
-SPECS = {s.name: s for s in (GDN, CONV, ATTENTION)}
-_BODIES = {GDN.name: gdn_body.body, CONV.name: conv_body.body, ATTENTION.name: attention_body.body}
+SPECS = {s.name: s for s in (GDN, CONV, ATTENTION, MOE)}
+_BODIES = {GDN.name: gdn_body.body, CONV.name: conv_body.body, ATTENTION.name: attention_body.body,
+           MOE.name: moe_body.body}
 
 
 def make_function(op: str, opset: int) -> onnx.FunctionProto:

@@ -15,6 +15,7 @@ from dflash_trt.plugins.conv.spec import SPEC as CONV
 from dflash_trt.plugins.gdn import reference as gdn_ref
 from dflash_trt.plugins.gdn.spec import SPEC as GDN
 from dflash_trt.plugins.moe import reference as moe_ref
+from dflash_trt.plugins.moe.spec import SPEC as MOE
 from dflash_trt.plugins.opspec import OP_VERSION, PLUGIN_ATTRS
 from dflash_trt.plugins.paged_attention import reference as attention_ref
 from dflash_trt.plugins.paged_attention.spec import SPEC as ATTENTION
@@ -95,10 +96,11 @@ def paged_attention(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_l
 
 def moe_experts(x, topk_idx, topk_w, gate_up, down):
     """MoeExperts: routed SwiGLU experts given the routing (plugins/moe/spec.py). CUDA tensors: the grouped-GEMM
-    kernels (each selected expert's weights read once per call). Export and CPU: the dense-combine reference,
-    traced as standard ONNX ops (no dflash:: node: ORT and TensorRT run plain MatMuls on it)."""
-    if not _exporting():
-        dflash = _cuda_ops(x)
-        if dflash is not None:
-            return dflash.moe_experts(x, topk_idx, topk_w, gate_up, down)
+    kernels (each selected expert's weights read once per call). Under export: one dflash::MoeExperts node (its
+    body the dense combine for ORT; the same kernels as a TensorRT plugin). CPU: the dense-combine reference."""
+    if _exporting():
+        return _node(MOE, (x, topk_idx, topk_w, gate_up, down), {})[0]
+    dflash = _cuda_ops(x)
+    if dflash is not None:
+        return dflash.moe_experts(x, topk_idx, topk_w, gate_up, down)
     return moe_ref.moe_experts(x, topk_idx, topk_w, gate_up, down)

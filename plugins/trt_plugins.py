@@ -9,13 +9,15 @@ from __future__ import annotations
 from dflash_trt.plugins import trt_compat as C
 from dflash_trt.plugins.conv.trt_plugin import CausalConvVerifyPlugin
 from dflash_trt.plugins.gdn.trt_plugin import GdnChunkWY16Plugin
+from dflash_trt.plugins.moe.trt_plugin import MoeExpertsPlugin
 from dflash_trt.plugins.paged_attention.trt_plugin import PagedAttentionPlugin
 from dflash_trt.plugins.trt_base import KERNEL_WARNINGS, NAMESPACE, SHAPE_ERRORS, VERSION, DflashPluginCreator
 
 __all__ = ["PLUGINS", "PLUGIN_VERSIONS", "NAMESPACE", "KERNEL_WARNINGS", "SHAPE_ERRORS", "creators", "register",
            "unregister", "registered_names"]
 
-PLUGINS = {cls.SPEC.name: cls for cls in (GdnChunkWY16Plugin, CausalConvVerifyPlugin, PagedAttentionPlugin)}
+PLUGINS = {cls.SPEC.name: cls for cls in (GdnChunkWY16Plugin, CausalConvVerifyPlugin, PagedAttentionPlugin,
+                                          MoeExpertsPlugin)}
 PLUGIN_VERSIONS = {name: VERSION for name in PLUGINS}
 
 _registered: dict = {}  # name -> creator; kept alive here (TensorRT holds only a pointer)

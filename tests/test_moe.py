@@ -141,8 +141,9 @@ def test_lossless_spec_on_torch(moe_pair, gamma):
 
 
 def test_ort_graphs_and_lossless_on_ort(moe_pair, tmp_path):
-    """The exported MoE target graphs (standard ONNX ops) on ORT == torch (fp32 <= 1e-4) on random valid inputs,
-    and plain / spec decoding on ORT == torch plain greedy."""
+    """The exported MoE target graphs (each sparse block's experts one dflash::MoeExperts node, run by ORT through
+    its function body) on ORT == torch (fp32 <= 1e-4) on random valid inputs, and plain / spec decoding on ORT ==
+    torch plain greedy."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     from test_onnx_export import random_feeds
@@ -155,6 +156,13 @@ def test_ort_graphs_and_lossless_on_ort(moe_pair, tmp_path):
     out = str(tmp_path / "export")
     export_graphs(tdir, ddir, out, (1, 4), sizes, progress=None)
     ort, tb = make_backend("ort", manifest=out), TorchBackend(target, drafter, want_logits=True)
+    import onnx
+
+    moe_layers = sum(isinstance(layer.mlp, SparseMoE) for layer in target.layers)
+    for graph in ("target_k4", "target_prefill"):
+        m = onnx.load(ort.manifest.graph_path(graph), load_external_data=False)
+        assert sum(n.op_type == "MoeExperts" and n.domain == "dflash" for n in m.graph.node) == moe_layers
+        assert "MoeExperts" in {f.name for f in m.functions}
     for graph in ("target_k4", "target_prefill"):
         feeds = random_feeds(ort.manifest, graph)
         got, ref = ort.run(graph, feeds), tb.run(graph, feeds)

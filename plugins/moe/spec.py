@@ -4,8 +4,8 @@ MoeExperts(x, topk_idx, topk_w, gate_up, down) -> y
   x [N,H] (float dtype); topk_idx [N,k] int32/int64 expert ids (distinct per row; ids outside [0,E) drop the pair);
   topk_w [N,k] float routing weights; gate_up [E,2I,H] (gate rows first), down [E,H,I] in x's dtype.
   y[n] = sum_j topk_w[n,j] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])), e = topk_idx[n,j]; y in x's dtype.
-It is a torch op only (dflash::moe_experts): the ONNX graph keeps the block as standard ops (export/mlp.py),
-so ORT and TensorRT see plain MatMuls.
+Under ONNX export it is one `dflash::MoeExperts` node whose function body (onnx_body.py) is the dense combine, so
+ORT runs it anywhere; TensorRT runs the plugin (trt_plugin.py: these kernels, scratch in its workspace).
 
 The CUDA kernels (kernel.cu), all launched on one stream, static grids (CUDA-graph safe, no host sync):
   moe_plan       one CTA: per-expert counts -> offsets, the list of active experts (slot j -> expert, offset,

@@ -61,6 +61,17 @@ def test_cpu_op_is_the_reference():
     torch.testing.assert_close(torch.ops.dflash.moe_experts(*args), per_pair(*args), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("N,routing,idx_dtype", [(1, "random", torch.int64), (6, "random", torch.int32),
+                                                 (5, "same", torch.int64), (3, "distinct", torch.int64)])
+def test_onnx_body_is_the_per_expert_loop(N, routing, idx_dtype):
+    """The dflash::MoeExperts function body (what ORT runs) against HF's per-expert loop, int32 and int64 ids."""
+    pytest.importorskip("onnxruntime")
+    x, idx, w, gu, dn = case(N, 8, 2, 32, 16, routing=routing, seed=N)
+    feeds = dict(x=x.numpy(), topk_idx=idx.to(idx_dtype).numpy(), topk_w=w.numpy(), gate_up=gu.numpy(), down=dn.numpy())
+    got = torch.from_numpy(op_helpers.run_op("MoeExperts", feeds)["y"])
+    torch.testing.assert_close(got, per_pair(x, idx, w, gu, dn), rtol=1e-5, atol=1e-6)
+
+
 def test_bad_shapes_and_limits_named():
     from dflash_trt.plugins import torch_ops  # noqa: F401
 

@@ -94,6 +94,23 @@ def test_attention_shapes_types(B, K, idx):
     assert types == [C.trt.LayerType.PLUGIN_V3] and outs == [("o", (B, K, 4, 64), "float32")] and plan is not None
 
 
+@pytest.mark.parametrize("N,idx", [(1, np.int64), (6, np.int32)])
+def test_moe_experts_shapes_types_and_workspace(N, idx):
+    """MoeExperts parses to our plugin (not its dense body); its workspace holds the routing plan (int32: 3
+    slots + N*k pairs, slots = min(E, N*k)), h [N*k, I] in x's dtype and y_pair [N*k, H] fp32, each 256-aligned."""
+    E, k, H, I = 8, 2, 64, 32  # noqa: E741
+    rng = np.random.default_rng(N)
+    ins = {"x": _rand(N, H), "topk_idx": np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(idx),
+           "topk_w": _rand(N, k), "gate_up": _rand(E, 2 * I, H), "down": _rand(E, H, I)}
+    types, outs, plan = _build("MoeExperts", ins)
+    assert types == [C.trt.LayerType.PLUGIN_V3] and outs == [("y", (N, H), "float32")] and plan is not None
+    a = P.PLUGINS["MoeExperts"]()
+    descs = [C.dynamic_desc(v.shape, str(v.dtype)) for v in ins.values()]
+    align = lambda n: -(-n // 256) * 256  # noqa: E731
+    pairs = N * k
+    assert a.get_workspace_size(descs, []) == align(4 * (3 * min(E, pairs) + pairs)) + align(pairs * I * 4) + pairs * H * 4
+
+
 def test_attention_layer_out_of_range_is_a_shape_error():
     P.SHAPE_ERRORS.clear()
     _build("PagedAttention", attn_inputs(1, 2), {"layer": 5, "causal": 1, "scale": 0.5})
