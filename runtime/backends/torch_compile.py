@@ -10,9 +10,9 @@ target step K=1 2.37 -> 1.37 ms, K=16 2.75 -> 1.52 ms, 827 -> 314 kernels. GEMMs
 Cost: one compile per step key (kind, K, batch bucket), 15-30 s each on first use, done during the warm-up
 before the capture. Prefill is not compiled (its chunk runs once per 64 prompt tokens).
 
-fp32 targets: cuBLAS's heuristics pick split-K kernels of ~37 us for the [16 x 256] x [256 x 768] fp32 GEMMs of a
-verify step (30 of them made the trained pair's spec step 1.9 ms); cuBLASLt picks ~3 us ones (0.78 ms). torch's
-BLAS preference is process-wide: `prefer_cublaslt` sets it when the GPU runtime computes in fp32 and says so.
+fp32 targets: cuBLAS's heuristics pick kernels of ~37 us for the [16 x 256] x [256 x 768] fp32 GEMMs of a verify
+step (30 of them made the trained pair's compiled spec step 1.91 ms); preferring cuBLASLt, the same step measured
+0.78 ms. torch's BLAS preference is process-wide: `prefer_cublaslt` sets it when the GPU runtime computes in fp32.
 """
 from __future__ import annotations
 
