@@ -281,8 +281,8 @@ class TargetModel(nn.Module):
                 fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
             else:
                 fuse_linears(layer.linear_attn, GatedDeltaNet.PROJECTIONS[self.cfg.gdn_layout])
-            if isinstance(layer.mlp, MLP):
-                fuse_linears(layer.mlp, MLP.PROJECTIONS)
+            mlp = layer.mlp.shared_expert if isinstance(layer.mlp, SparseMoE) else layer.mlp
+            fuse_linears(mlp, MLP.PROJECTIONS)
         return self
 
     def _tap(self, i: int, h):

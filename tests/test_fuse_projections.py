@@ -7,12 +7,13 @@ import torch
 from dflash_trt.config import DrafterConfig, TargetConfig
 from dflash_trt.export.drafter import Drafter
 from dflash_trt.export.target import TargetModel
-from dflash_trt.tools.tiny import _randomize, tiny_drafter_config, tiny_target_config
+from dflash_trt.export.mlp import SparseMoE
+from dflash_trt.tools.tiny import TINY_MOE, _randomize, tiny_drafter_config, tiny_target_config
 
 
-def _pair(model_type):
+def _pair(model_type, **over):
     gen = torch.Generator().manual_seed(3)
-    tc = tiny_target_config(layers=4, model_type=model_type)
+    tc = tiny_target_config(layers=4, model_type=model_type, **over)
     t = TargetModel(TargetConfig.from_dict(tc))
     _randomize(t, gen)
     d = Drafter(DrafterConfig.from_dict(tiny_drafter_config(tc)), tc["hidden_size"])
@@ -28,9 +29,11 @@ def _run(t, d, ids):
     return out["logits"], out["ctx_hidden"], ctx
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
-def test_fused_projections_same_outputs_and_no_copy(model_type):
-    t, d = _pair(model_type)
+@pytest.mark.parametrize("model_type,moe", [("qwen3_5_text", False), ("qwen3_next", False), ("qwen3_next", True)])
+def test_fused_projections_same_outputs_and_no_copy(model_type, moe):
+    """Dense MLPs and, in sparse-MoE layers, the shared expert's gate/up are fused the same way."""
+    t, d = _pair(model_type, **(TINY_MOE if moe else {}))
+    assert any(isinstance(layer.mlp, SparseMoE) for layer in t.layers) == moe
     assert t.cfg.gdn_layout == ("split" if model_type == "qwen3_5_text" else "qkvz")
     ids = torch.randint(0, t.cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
     before_sd = {k: v.clone() for k, v in {**t.state_dict(), **{"d." + k: v for k, v in d.state_dict().items()}}.items()}
