@@ -1,0 +1,60 @@
+"""`bench e2e`'s report half on CPU (its measurements need a GPU): the issue targets computed from a run's
+figures — hit / miss at the thresholds the issues name — and the table printing every row kind, so a long GPU
+run cannot die in its last line. Figures here are hand-written run results, not outputs of the code."""
+from dflash_trt.tools.bench_e2e_run import print_table, targets
+
+
+def _row(batch, plain, dflash=None, tau=1.0, idle=(1.0, 2.0), temps=()):
+    r = {"batch": batch, "plain": {"tok_s": plain, "tau": 1.0, "idle_pct": idle[0], "failed": []}}
+    if dflash is not None:
+        r["dflash"] = {"tok_s": dflash, "tau": tau, "idle_pct": idle[1], "failed": []}
+        r["identical"], r["n_seqs"] = 8, 8
+    for T in temps:
+        r[f"plain_T{T:g}"] = {"tok_s": plain / 2, "tau": 1.0, "idle_pct": 0.0, "failed": []}
+        r[f"dflash_T{T:g}"] = {"tok_s": dflash / 2, "tau": tau - 0.5, "idle_pct": 0.0, "failed": []}
+    return r
+
+
+def _res(model, rows, compiled=None, profile=None, hf=10.0):
+    res = {"model": model, "dtype": "bfloat16", "hardware": "NVIDIA H200", "copy_bandwidth_GBps": 4268.0,
+           "floor_ms": 0.44, "floor_tok_s": 2272.0, "prefill_tok_s": 9000.0, "hf_tok_s": hf,
+           "step_latency_ms": {1: 2.368, 16: 2.755}, "step16_over_step1": 2.755 / 2.368, "rows": rows,
+           "eager_keys": [], "layers": 12, "compiled": compiled is not None}
+    if compiled:
+        res["step_latency_compiled_ms"], res["step16_over_step1"] = compiled, compiled[16] / compiled[1]
+    if profile:
+        res["profile"] = profile
+    return res
+
+
+def test_random_model_targets_and_table(capsys):
+    prof = {"decode_k1": {"kernels": 168, "busy_ms": 0.9, "top": [("gemv", 0.5, 40)]},
+            "spec_k16": {"kernels": 400, "busy_ms": 1.2, "top": [("gemm", 0.6, 40)]}}
+    res = _res("random-0.9b", [_row(1, 700.0, 1400.0, 3.0, temps=(0.6, 1.0)), _row(16, 6000.0, 9800.0, 3.0)],
+               compiled={1: 0.6, 16: 0.8}, profile=prof)
+    t = targets(res, random=True)
+    assert t["0.9B plain decode batch 1 >= 400 tok/s"] == (700.0, 400.0, True)
+    assert t["0.9B plain >= 30x HF generate()"][2] and t["0.9B plain >= 50x HF generate()"][2]  # 70x
+    assert t["0.9B step(K=1) <= 1.5x floor"][2] is True  # 0.6 / 0.44 = 1.36
+    assert t["0.9B step(16)/step(1) <= 1.25"][2] is False  # 0.8 / 0.6 = 1.33
+    assert t["kernels per layer <= 15 (decode_k1)"] == (14.0, 15.0, True)  # 168 / 12 layers
+    assert not any("spec_k16" in k for k in t)  # a spec step also runs drafter layers: not counted per layer
+    assert t["batch 16 aggregate DFlash >= 8x batch 1"] == (7.0, 8.0, False)
+    assert t["GPU idle between steps <= 5% (worst row)"] == (2.0, 5.0, True)
+    res["targets"] = t
+    print_table(res)
+    out = capsys.readouterr().out
+    assert "compiled steps" in out and "compiled target step (Inductor, CUDA graph): K=1:0.600 K=16:0.800 ms" in out
+    assert "sampled T=0.6 batch 1" in out and "-> MISS" in out and "-> HIT" in out
+
+
+def test_trained_pair_targets_without_compile(capsys):
+    res = _res("models/target", [_row(1, 2000.0, 5400.0, 3.8, idle=(1.0, 6.5))], hf=None)
+    t = targets(res, random=False)
+    assert t["trained pair DFlash >= 2.5x plain, batch 1"] == (2.7, 2.5, True)
+    assert t["trained pair DFlash >= 3x plain, batch 1"] == (2.7, 3.0, False)
+    assert t["GPU idle between steps <= 5% (worst row)"] == (6.5, 5.0, False)
+    assert not any(k.startswith("0.9B") for k in t)
+    res["targets"] = t
+    print_table(res)
+    assert "compiled target step" not in capsys.readouterr().out
