@@ -19,6 +19,11 @@ from dflash_trt.plugins.opspec import DOMAIN, OP_VERSION, ShapeError
 
 NAMESPACE, VERSION = DOMAIN, str(OP_VERSION)
 WORKSPACE_ALIGN = 256
+
+
+def ws_align(nbytes: int) -> int:
+    """nbytes rounded up to WORKSPACE_ALIGN: where the next part of a plugin's workspace starts."""
+    return -(-int(nbytes) // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 # Found while building, (op, message); read and cleared by engines/build.py. configure_plugin never
 # raises into TensorRT (an exception there can abort the whole process): it records instead.
 KERNEL_WARNINGS: list = []  # shapes/dtypes the CUDA kernels cannot run (engine still builds)

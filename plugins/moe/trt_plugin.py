@@ -6,11 +6,7 @@ from __future__ import annotations
 
 from dflash_trt.plugins.moe import launch
 from dflash_trt.plugins.moe.spec import SPEC
-from dflash_trt.plugins.trt_base import WORKSPACE_ALIGN, DflashPlugin
-
-
-def _align(n: int) -> int:
-    return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+from dflash_trt.plugins.trt_base import DflashPlugin, ws_align
 
 
 class MoeExpertsPlugin(DflashPlugin):
@@ -22,7 +18,7 @@ class MoeExpertsPlugin(DflashPlugin):
         (N, H), (_, k), (E, I2, _) = dims[0], dims[1], dims[3]
         I = I2 // 2  # noqa: E741
         h_item = 4 if types[0] == "float32" else 2
-        return (_align(4 * launch.workspace_ints(N, k, E)), _align(N * k * I * h_item), N * k * H * 4,
+        return (ws_align(4 * launch.workspace_ints(N, k, E)), ws_align(N * k * I * h_item), N * k * H * 4,
                 (N, k, E, H, I))
 
     def workspace_bytes(self, dims, types):

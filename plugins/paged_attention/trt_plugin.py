@@ -9,7 +9,7 @@ import math
 from dflash_trt.plugins import trt_base
 from dflash_trt.plugins.paged_attention import launch, spec
 from dflash_trt.plugins.paged_attention.spec import INDEX_INPUTS, SPEC
-from dflash_trt.plugins.trt_base import WORKSPACE_ALIGN, DflashPlugin
+from dflash_trt.plugins.trt_base import DflashPlugin, ws_align
 
 
 class PagedAttentionPlugin(DflashPlugin):
@@ -23,7 +23,7 @@ class PagedAttentionPlugin(DflashPlugin):
             if types[idx] == "int64":
                 n = math.prod(dims[idx])
                 out.append((idx, n, off))
-                off += -(-4 * n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+                off += ws_align(4 * n)
         return out, off
 
     def workspace_bytes(self, dims, types):
