@@ -36,8 +36,9 @@ def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, 
             (layer, I), (num_blocks, I), (block_size, I), (block_table, P), (max_blocks, I), (kv_start, P),
             (kv_len, P), (o, P), (o_code, I), (T, I), (Hq, I), (Hkv, I),
             (int(bool(causal)), I), (max(int(window), 0), I), (scale, F), (ws_acc, P), (ws_ml, P), (tiles, I)]
-    es = spec.tile_elem_bytes(p_dtype or q_dtype, n_dtype or q_dtype)
-    fn = get_function("paged_attention", f"paged_attention_hd{hd}", max_dynamic_smem=spec.smem_bytes(hd, 4))
+    pd, nd = p_dtype or q_dtype, n_dtype or q_dtype
+    es = spec.tile_elem_bytes(pd, nd)
+    fn = get_function("paged_attention", spec.kernel_name(hd, pd, nd), max_dynamic_smem=spec.smem_bytes(hd, es))
     launch(fn, (nsplit, Hkv * groups, B), (spec.NT, 1, 1), spec.smem_bytes(hd, es), stream, args)
     if ws_bytes:
         launch(get_function("paged_attention", "paged_attention_combine"), (B * T * Hq, 1, 1),

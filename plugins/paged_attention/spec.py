@@ -33,13 +33,26 @@ def rows_per_cta(hd: int) -> int:
     return 32 * NT // hd
 
 
+TILE_SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}  # kernel entry per tile dtype
+
+
+def tile_dtype(p_dtype: str, n_dtype: str) -> str:
+    """The dtype of the shared-memory K/V tiles: the pool's, fp32 when the new rows have another dtype."""
+    p_dtype, n_dtype = (str(d).replace("torch.", "") for d in (p_dtype, n_dtype))
+    return p_dtype if p_dtype == n_dtype else "float32"
+
+
 def tile_elem_bytes(p_dtype: str, n_dtype: str) -> int:
-    """Bytes per element of the shared-memory K/V tiles: the pool's dtype, fp32 when the new rows differ."""
-    return 4 if p_dtype != n_dtype or p_dtype == "float32" else 2
+    return 4 if tile_dtype(p_dtype, n_dtype) == "float32" else 2
+
+
+def kernel_name(hd: int, p_dtype: str, n_dtype: str) -> str:
+    """The split pass's entry: paged_attention_hd{hd}_{tile dtype} (kernel.cu)."""
+    return f"paged_attention_hd{hd}_{TILE_SUFFIX[tile_dtype(p_dtype, n_dtype)]}"
 
 
 def smem_bytes(hd: int, elem_bytes: int = 4) -> int:
-    """Dynamic shared memory of paged_attention_hd{hd}: Q rows, tile probabilities and rescale factors (fp32)
+    """Dynamic shared memory of the split pass at head dim hd: Q rows, tile probabilities and rescale factors (fp32)
     + 2 stages of K and V tiles with 16-byte padded rows. elem_bytes 4 is the largest (the launch attribute)."""
     R = rows_per_cta(hd)
     return R * (hd + KT + 1) * 4 + 2 * 2 * KT * (hd * elem_bytes + 16)

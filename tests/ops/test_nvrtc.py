@@ -15,8 +15,8 @@ ENTRIES = {
             for r in (4, 8, 16)]
     + ["gdn_fold_dk128_cg1", "gdn_fold_dk128_cg2", "gdn_fold_dk64_cg1", "gdn_fold_dk64_cg2"],
     "conv": ["conv_verify", "conv_roll"],
-    "paged_attention": ["paged_attention_hd64", "paged_attention_hd128", "paged_attention_hd256",
-                        "paged_attention_combine", "kv_write"],
+    "paged_attention": [f"paged_attention_hd{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "f16", "f32")]
+    + ["paged_attention_combine", "kv_write"],
     "moe": ["moe_plan", "moe_combine"] + [f"moe_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16", "f32")],
 }
 
@@ -53,7 +53,8 @@ def test_specs_list_the_instantiated_kernels():
     assert set(re.findall(r"\.entry (\w+)\(", ptx)) == want
     assert set(gdn_spec.WY16_CG) == set(gdn_spec.KERNEL_DK) == set(gdn_spec.FOLD_CG)
     ptx = nvrtc.compile_source("paged_attention", "compute_90").decode()
-    assert set(re.findall(r"\.entry (\w+)\(", ptx)) == {f"paged_attention_hd{h}" for h in attention_spec.KERNEL_HD} | {
+    assert set(re.findall(r"\.entry (\w+)\(", ptx)) == {attention_spec.kernel_name(h, d, d) for h in attention_spec.KERNEL_HD
+                                                          for d in attention_spec.TILE_SUFFIX} | {
         "paged_attention_combine", "kv_write"}
 
 
