@@ -262,8 +262,8 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
 }
 
 // One entry per (head dim, tile dtype): the launcher picks the tile dtype (spec.tile_dtype). One kernel that
-// branched over the three dtypes at run time was 3x the code (530 KB of SASS for hd64 vs 177 KB now) and, with the per-row branches of the inner loops, 1.5-1.8x slower
-// per call on the H200: the per-tile loop no longer fit the instruction cache.
+// branched over the three dtypes at run time was 3x the code (530 KB of SASS for hd64, 177 KB an entry now)
+// and, with per-row branches in the score and P.V loops, 1.5-1.8x slower per call on the H200.
 #define PAGED_ATTN(HD, TDN, TD)                                                                         \
   extern "C" __global__ void __launch_bounds__(NT) paged_attention_hd##HD##_##TDN(                     \
       const void* q, int q_dt, const void* k_new, const void* v_new, int n_dt, const void* pool,        \
