@@ -58,3 +58,16 @@ def test_trained_pair_targets_without_compile(capsys):
     res["targets"] = t
     print_table(res)
     assert "compiled target step" not in capsys.readouterr().out
+
+
+def test_speedup_terms_explain_the_ratio(capsys):
+    """DFlash/plain = tokens per launch x plain step / spec step (hand-written run figures: 2.8 x 0.333 / 0.75)."""
+    r = _row(1, 3000.0, 3700.0, 3.1)
+    r["plain"].update(tokens_per_launch=1.0, step_ms=0.333)
+    r["dflash"].update(tokens_per_launch=2.8, step_ms=0.75)
+    res = _res("models/target", [r], hf=None)
+    res["targets"] = targets(res, random=False)
+    print_table(res)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("batch 1: DFlash/plain"))
+    assert "1.23x = 2.80 tokens per spec launch (plain 1.00)" in line and "= 1.24x in GPU time" in line

@@ -135,6 +135,12 @@ def step_latency_ms(rt, seq, K: int, reps: int = 20, compiled: bool = False) -> 
     return dev.elapsed_ms(e0, e1) / reps
 
 
+def step_ms(dev, trace) -> float:
+    """Mean GPU time of one launch (its input copy, graph and read-back), from the trace's events."""
+    dev.synchronize()
+    return float(np.mean([dev.elapsed_ms(t0, t1) for t0, t1 in trace]))
+
+
 def idle_pct(dev, trace) -> float:
     """GPU idle between consecutive steps, as a share of the traced wall time on the GPU."""
     if len(trace) < 2:
@@ -163,6 +169,8 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
     acc = [a for r in reqs for a in r.accepted]
     new = sum(len(r.tokens) - 1 for r in reqs)
     return {"tokens": [r.tokens for r in reqs], "tok_s": new / secs, "tau": 1 + float(np.mean(acc)) if acc else 1.0,
+            "accepted": [int(a) for a in acc], "new_tokens": new, "launches": len(tr) if tr else None,
+            "step_ms": step_ms(dev, tr) if tr else None,
             "steps": max(r.steps for r in reqs), "idle_pct": idle_pct(dev, tr) if tr else None,
             "failed": [str(r.error) for r in reqs if r.error is not None]}
 
