@@ -71,3 +71,21 @@ def test_speedup_terms_explain_the_ratio(capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("batch 1: DFlash/plain"))
     assert "1.23x = 2.80 tokens per spec launch (plain 1.00)" in line and "= 1.24x in GPU time" in line
+
+
+def test_decode_pools_every_prompt(monkeypatch):
+    """_decode over prompts run one after another: tok/s over the summed time, tau over every step, step ms
+    weighted by launches (hand-written per-prompt figures; decode_run itself needs a GPU trace)."""
+    from types import SimpleNamespace
+
+    from dflash_trt.tools import bench_e2e_run as R
+
+    runs = iter([{"tokens": [[0] * 9]}, {"tokens": [[0] * 9], "new_tokens": 8, "tok_s": 4.0, "accepted": [3, 3],
+                                          "launches": 3, "step_ms": 1.0, "idle_pct": 1.0, "failed": []},
+                 {"tokens": [[0] * 5], "new_tokens": 4, "tok_s": 1.0, "accepted": [0, 0, 0, 1], "launches": 5,
+                  "step_ms": 2.0, "idle_pct": 3.0, "failed": []}])
+    monkeypatch.setattr(R, "decode_run", lambda *a, **k: next(runs))
+    out = R._decode(None, [[1], [2]], 1, SimpleNamespace(gamma=15, batch1_prompts=2, max_new_tokens=8), spec=True)
+    assert out["tok_s"] == 12 / 6.0  # 8 tokens in 2 s + 4 tokens in 4 s
+    assert out["tau"] == 1 + 7 / 6 and out["tokens_per_launch"] == 12 / 8
+    assert out["step_ms"] == (3 * 1.0 + 5 * 2.0) / 8 and out["idle_pct"] == 2.0
