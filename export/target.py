@@ -291,14 +291,7 @@ class TargetModel(nn.Module):
         return self.norm(h) if i == len(self.layers) - 1 else h
 
     def logits(self, h):
-        """fp32 logits [..., vocab]. bf16/fp16 weights on CUDA: straight from the GEMM's fp32 accumulator
-        (aten mm.dtype) instead of rounding them to bf16 first. A bf16 logit near 16 moves by up to 0.06 in that
-        rounding, and a verify row and the decode row of the same position could round apart: alone that gave
-        a top-10 KL of 2e-3 between them (issue 10). CPU, export (ONNX / TensorRT) and fp32: the plain Linear."""
-        x, w = self.norm(h), self.lm_head.weight
-        if x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and not torch.onnx.is_in_onnx_export():
-            return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-        return self.lm_head(x).float()
+        return self.lm_head(self.norm(h)).float()
 
     def forward_full(self, input_ids, want_logits=True):
         """Whole sequences [B,T] from empty state, no cache: the dense oracle path (tests, training)."""
