@@ -89,3 +89,51 @@ def test_decode_pools_every_prompt(monkeypatch):
     assert out["tok_s"] == 12 / 6.0  # 8 tokens in 2 s + 4 tokens in 4 s
     assert out["tau"] == 1 + 7 / 6 and out["tokens_per_launch"] == 12 / 8
     assert out["step_ms"] == (3 * 1.0 + 5 * 2.0) / 8 and out["idle_pct"] == 2.0
+
+
+def test_decode_run_traces_every_launch(tmp_path):
+    """decode_run's own figures on CPU (the fused step executor runs eagerly there), with a device whose events
+    are host clock reads: one trace pair per launch, tokens and accepted counts from the requests."""
+    import time
+
+    import numpy as np
+
+    from dflash_trt.abi import PoolSizes
+    from dflash_trt.export.checkpoint import load_drafter, load_target
+    from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+    from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
+    from dflash_trt.runtime.gating import Gate
+    from dflash_trt.runtime.runtime import Runtime
+    from dflash_trt.tools.bench_e2e import decode_run
+    from dflash_trt.tools.tiny import make_tiny_pair
+
+    class ClockedCpu(TorchCpuDevice):
+        def new_event(self, timing=False):
+            return [None]
+
+        def record(self, event):
+            if event is not None:
+                event[0] = time.perf_counter()
+
+        @staticmethod
+        def elapsed_ms(a, b):
+            return (b[0] - a[0]) * 1e3
+
+    tdir, ddir = make_tiny_pair(str(tmp_path), seed=5)
+    t = load_target(tdir)
+    d = load_drafter(ddir, t)
+    sizes = PoolSizes(kv_blocks=96, page_size=4, max_seq_len=96, max_seqs=2, dkv_blocks=96, prefill_chunk=16)
+    rt = Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, device=ClockedCpu(), gate=Gate(min_rate=0.0),
+                 executor=lambda rt: GraphStepExecutor(rt, inflight=1))
+    launches = []
+    launch = rt.executor.launch
+    rt.executor.launch = lambda plan: launches.append(plan.K) or launch(plan)
+    prompts = [[int(x) for x in np.random.default_rng(i).integers(0, 250, 7)] for i in (1, 2)]
+    for spec in (False, True):
+        launches.clear()
+        r = decode_run(rt, prompts, 12, 3 if spec else None, spec, trace=True)
+        assert r["launches"] == len(launches) > 0 and set(launches) == {4 if spec else 1}
+        assert r["new_tokens"] == sum(len(x) - 1 for x in r["tokens"]) == 2 * 11
+        assert r["step_ms"] > 0 and r["idle_pct"] >= 0
+        assert (len(r["accepted"]) > 0) == spec and all(0 <= a <= 3 for a in r["accepted"])

@@ -169,7 +169,7 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
     acc = [a for r in reqs for a in r.accepted]
     new = sum(len(r.tokens) - 1 for r in reqs)
     return {"tokens": [r.tokens for r in reqs], "tok_s": new / secs, "tau": 1 + float(np.mean(acc)) if acc else 1.0,
-            "accepted": [int(a) for a in acc], "new_tokens": new, "launches": len(tr) if tr else None,
+            "accepted": [int(a) for a in acc], "new_tokens": new, "launches": len(tr) if tr is not None else None,
             "step_ms": step_ms(dev, tr) if tr else None,
             "steps": max(r.steps for r in reqs), "idle_pct": idle_pct(dev, tr) if tr else None,
             "failed": [str(r.error) for r in reqs if r.error is not None]}

@@ -50,8 +50,8 @@ def _decode(rt, prompts, batch, a, spec, temperature: float = 0.0):
     # pooled over every prompt's steps: tau = mean tokens a spec step commits; tokens per launch also counts
     # the launches whose tokens were cut (max tokens) or dropped (a step in flight when its request ended)
     return {"tok_s": new / secs, "tau": 1 + float(np.mean(acc)) if acc else 1.0,
-            "tokens_per_launch": new / launches,
-            "step_ms": sum(r["step_ms"] * r["launches"] for r in runs) / launches,
+            "tokens_per_launch": new / launches if launches else 0.0,
+            "step_ms": sum(r["step_ms"] * r["launches"] for r in runs if r["launches"]) / launches if launches else 0.0,
             "idle_pct": float(np.mean([r["idle_pct"] for r in runs if r["idle_pct"] is not None] or [0.0])),
             "tokens": [t for r in runs for t in r["tokens"]], "failed": [f for r in runs for f in r["failed"]]}
 
@@ -244,7 +244,7 @@ def print_table(res) -> None:
         idle = f"{p['idle_pct']:.1f}/{d['idle_pct']:.1f}" if d else f"{p['idle_pct']:.1f}/-"
         print(f"{r['batch']:>5} {p['tok_s']:>12.1f} {dtxt} {idle:>19}")
     for r in res["rows"]:
-        if r.get("dflash") and "step_ms" in r["dflash"]:
+        if r.get("dflash") and r["dflash"].get("step_ms") and r["plain"].get("step_ms"):
             print(speedup_terms(r))
     for r in res["rows"]:
         for k in [k for k in r if k.startswith("plain_T")]:
