@@ -18,6 +18,7 @@ import time
 import warnings
 
 from dflash_trt.abi import parse_ks, parse_target_graph
+from dflash_trt.files import entry_lock, write_bytes
 from dflash_trt.hashing import sha256_files
 from dflash_trt.manifest import Manifest, ManifestError, diff_io
 from dflash_trt.plugins import trt_compat as C
@@ -82,10 +83,7 @@ def build_one(man: Manifest, name: str, *, builder, ccs, plugins=True, batch=Non
     out_dir = out_dir or os.path.join(man.root, ENGINE_DIR)
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name + ".engine")
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(plan)
-    os.replace(tmp, path)
+    write_bytes(path, plan)
     warns = sorted({f"{op}: {msg}" for op, msg in trt_plugins.KERNEL_WARNINGS})
     return {
         "record_version": RECORD_VERSION,
@@ -153,8 +151,7 @@ def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=
             progress(f"    warning: the dflash CUDA kernels cannot run this engine's plugin shapes: {w}")
     tc_file = None
     if cache is not None and timing_cache_path:
-        with open(timing_cache_path, "wb") as f:
-            f.write(memoryview(cache.serialize()))
+        write_bytes(timing_cache_path, cache.serialize())
         tc_file = os.path.abspath(timing_cache_path)
     elif timing_cache_path:
         progress("timing cache: not used by TensorRT-RTX (it picks kernels when the engine loads); nothing saved")
@@ -173,15 +170,25 @@ def ensure_engines(manifest_dir: str, graphs=None, progress=print) -> Manifest:
     others. The trt backend's front doors call this after the export (the cache entry gains its engines)."""
     from dflash_trt.engines.load import EngineError, check_engine
 
-    man = Manifest.load(manifest_dir)
-    need = []
-    for g in graphs or man.graphs:
+    def missing():
+        man = Manifest.load(manifest_dir)
+        need = []
+        for g in graphs or man.graphs:
+            try:
+                check_engine(man, g, allow_unsupported_shapes=True)  # kernel-shape refusals stay with load_engine
+            except EngineError:
+                need.append(g)
+        return need
+
+    if missing():  # under the entry's lock: concurrent front doors build once, the others wait and reuse
+        root = Manifest.load(manifest_dir).root
         try:
-            check_engine(man, g, allow_unsupported_shapes=True)  # kernel-shape refusals stay with load_engine
-        except EngineError:
-            need.append(g)
-    if need:
-        build_engines(manifest_dir, graphs=need, progress=progress)
+            with entry_lock(root, progress or print, "building engines in"):
+                need = missing()
+                if need:
+                    build_engines(manifest_dir, graphs=need, progress=progress)
+        except OSError as e:
+            raise BuildError(f"cannot write engines into {root}: {e.strerror or e}") from None
     return Manifest.load(manifest_dir)
 
 

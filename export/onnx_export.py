@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import importlib
 import io
@@ -29,6 +28,7 @@ from dataclasses import asdict
 
 from dflash_trt.abi import DEFAULT_KS, PoolSizes, graph_io, parse_ks
 from dflash_trt.config import cache_root
+from dflash_trt.files import entry_lock
 from dflash_trt.export.graphs import run_graph
 from dflash_trt.manifest import Manifest, ManifestError, diff_io, expected_graphs
 
@@ -239,15 +239,10 @@ def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None
     where = f"the export cache {root} (set DFLASH_TRT_CACHE to use another directory)"
     try:
         os.makedirs(root, exist_ok=True)
-        lock = open(out + ".lock", "a")
+        open(out + ".lock", "a").close()  # entry_lock's file: a read-only cache fails here, in one line
     except OSError as e:
         raise ExportError(f"cannot write {where}: {e.strerror}") from None
-    with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            progress(f"waiting for another process exporting into {out} ...")
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    with entry_lock(out, progress, "exporting into"):
         if _valid_entry(out, progress):  # the other process finished it
             return out
         _remove_dead_leftovers(out)
