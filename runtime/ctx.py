@@ -129,8 +129,10 @@ class CtxWindow:
             raise RuntimeError("finish_append without a matching plan_append (no pages)")
         if n == 0:
             return
-        prev = self._pos[-1] if self._pos.size else pos[0] - 1
-        if np.any(np.diff(np.concatenate([[prev], pos])) != 1):
+        prev = int(self._pos[-1]) if self._pos.size else int(pos[0]) - 1
+        # contiguous from prev + 1 <=> first and last fit and every step is 1 (numpy only past the ends)
+        if (int(pos[0]) != prev + 1 or int(pos[-1]) != prev + n
+                or (n > 2 and not np.array_equal(pos, np.arange(prev + 1, prev + n + 1)))):
             raise ValueError(
                 f"ctx positions must be contiguous: last {int(prev)}, got {pos.tolist()}"
             )
