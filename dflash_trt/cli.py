@@ -12,7 +12,7 @@ COMMANDS = {
 }
 # subcommands that parse their own argv: module with main(argv) -> int
 PASSTHROUGH = {
-    "bench": ("dflash_trt.tools.bench", "benchmarks (kernels, generate, e2e)"),
+    "bench": ("dflash_trt.tools.bench", "benchmarks (kernels, generate, e2e, host)"),
     "export": ("dflash_trt.export.onnx_export", "export ONNX graphs per K + manifest"),
     "compare": ("dflash_trt.tools.compare", "compare backends (polygraphy, top-k KL)"),
     "build": ("dflash_trt.engines.build", "build TensorRT engines per K"),

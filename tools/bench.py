@@ -1,4 +1,4 @@
-"""`dflash-trt bench {kernels,generate,e2e}`: benchmarks print absolute numbers with the hardware named and
+"""`dflash-trt bench {kernels,generate,e2e,host}`: benchmarks print absolute numbers with the hardware named and
 a ratio against a baseline measured in the same run; each can write JSON."""
 from __future__ import annotations
 
@@ -115,9 +115,13 @@ def bench_generate(argv) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("kernels", "generate", "e2e"):
-        print("usage: dflash-trt bench {kernels,generate,e2e} [options]  (see --help of each)", file=sys.stderr)
+    if not argv or argv[0] not in ("kernels", "generate", "e2e", "host"):
+        print("usage: dflash-trt bench {kernels,generate,e2e,host} [options]  (see --help of each)", file=sys.stderr)
         return 2
+    if argv[0] == "host":
+        from dflash_trt.tools import bench_host
+
+        return int(bench_host.main(argv[1:]) or 0)
     if argv[0] == "kernels":
         from dflash_trt.tools import bench_kernels
 

@@ -1,0 +1,103 @@
+"""`dflash-trt bench host`: the runtime's host side alone, on the CPU. One scheduler step in Python (plan, page
+reservation, step tables, staging fill, collect, commit bookkeeping, emit) at batch 1 / 4 / 16, plain and DFlash,
+with the device's step replaced by a stand-in that writes plausible results (n = accepted + 1) and does nothing
+else. On a GPU this host time overlaps the step in flight; once it exceeds the device's step time it sets the
+pace (bench e2e's idle% then rises). The ratio printed is host(batch B) / host(batch 1) of the same run."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from dflash_trt.files import write_json
+
+
+class StandInSteps:
+    """The fused steps' interface (runtime/backends/torch_fused_step.py) writing results only: tokens 7, n = 1 for
+    a plain step and min(accepted + 1, K) for a spec step; prefill's first token 7."""
+
+    def __init__(self, state, accepted: int):
+        self.state, self.accepted = state, accepted
+
+    def prefill(self, b) -> None:
+        b["result"][:, 0] = 7
+        b["result"][:, 1] = b["valid"]
+
+    def _result(self, b, K: int, n_live: int) -> None:
+        r = b["result"]
+        r[:, :K] = 7
+        r[:, K] = b["live"] * n_live
+        r[:, K + 1:] = 0
+
+    def decode(self, b) -> None:
+        self._result(b, 1, 1)
+
+    def spec(self, b, gamma: int) -> None:
+        self._result(b, gamma + 1, min(self.accepted + 1, gamma + 1))
+
+
+def host_us_per_step(rt, batch: int, spec: bool, gamma: int, new_tokens: int, prompt_len: int = 40) -> tuple:
+    """(us per scheduler step, steps) decoding `batch` requests of `new_tokens` after their admission."""
+    rng = np.random.default_rng(batch)
+    for _ in range(batch):
+        rt.add_request([int(t) for t in rng.integers(0, rt.tcfg.vocab_size - 1, prompt_len)], new_tokens,
+                       gamma=gamma if spec else None, spec=spec)
+    sch = rt.scheduler
+    sch.admit()
+    steps, t0 = 0, time.perf_counter()
+    while sch.has_work:
+        sch.step()
+        steps += 1
+    return (time.perf_counter() - t0) / steps * 1e6, steps
+
+
+def main(argv=None) -> int:
+    from dflash_trt.abi import PoolSizes
+    from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+    from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
+    from dflash_trt.runtime.gating import Gate
+    from dflash_trt.runtime.load import UsageError
+    from dflash_trt.runtime.runtime import Runtime
+    from dflash_trt.export.checkpoint import load_drafter, load_target
+    from dflash_trt.tools.bench import hardware
+    from dflash_trt.tools.demo import default_pair
+
+    p = argparse.ArgumentParser(prog="dflash-trt bench host", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="target checkpoint dir (default: the demo pair)")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint dir")
+    p.add_argument("--batch", default="1,4,16")
+    p.add_argument("--gamma", type=int, default=15)
+    p.add_argument("--accepted", type=int, default=3, help="drafts the stand-in accepts per spec step")
+    p.add_argument("--max-new-tokens", type=int, default=129)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    batches = [int(b) for b in a.batch.split(",")]
+    if not all(1 <= b <= 16 for b in batches) or a.max_new_tokens < 2 or not 0 <= a.accepted <= a.gamma:
+        raise UsageError("--batch values must be in 1..16, --max-new-tokens >= 2, 0 <= --accepted <= --gamma")
+    tdir, ddir = (a.model, a.drafter) if a.model else default_pair()[:2]
+    target = load_target(tdir)
+    drafter = load_drafter(ddir, target) if ddir else None
+    sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=16, dkv_blocks=16 * 64 + 64,
+                      ctx_window=1024, prefill_chunk=64)
+    rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg if drafter else None, sizes,
+                 device=TorchCpuDevice(), gate=Gate(min_rate=0.0), executor=lambda rt: GraphStepExecutor(rt, inflight=1))
+    rt.executor.steps = StandInSteps(rt.executor.steps.state, a.accepted)
+    hw = hardware("cpu")
+    print(f"bench host: scheduler step, device work stood in (spec accepts {a.accepted} of {a.gamma}); {hw}")
+    rows = []
+    for spec in ([False, True] if drafter is not None else [False]):
+        host_us_per_step(rt, 1, spec, a.gamma, 16)  # warm-up (buffers of the bucket)
+        base = None
+        for b in batches:
+            host_us_per_step(rt, b, spec, a.gamma, 16)
+            us, steps = host_us_per_step(rt, b, spec, a.gamma, a.max_new_tokens)
+            base = us if base is None else base
+            rows.append({"kind": "dflash" if spec else "plain", "batch": b, "host_us_per_step": us, "steps": steps,
+                         "over_first_batch": us / base})
+            print(f"  {rows[-1]['kind']:<6} batch {b:2d}: {us:8.1f} us a step ({us / b:6.1f} per sequence; "
+                  f"{us / base:.2f}x batch {batches[0]}), {steps} steps")
+    if a.json:
+        write_json(a.json, {"hardware": hw, "rows": rows, "gamma": a.gamma, "accepted": a.accepted})
+    return 0
