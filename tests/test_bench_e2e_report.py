@@ -137,3 +137,42 @@ def test_decode_run_traces_every_launch(tmp_path):
         assert r["new_tokens"] == sum(len(x) - 1 for x in r["tokens"]) == 2 * 11
         assert r["step_ms"] > 0 and r["idle_pct"] >= 0
         assert (len(r["accepted"]) > 0) == spec and all(0 <= a <= 3 for a in r["accepted"])
+
+
+def test_kernel_profile_keeps_pools_consistent(tmp_path, monkeypatch):
+    """bench e2e --profile launches each key's step several times on one sequence (the device advances its rows):
+    every write stays in that sequence's reserved pages and everything is given back (CPU: eager steps, no
+    CUDA kernels to count)."""
+    from dflash_trt.abi import PoolSizes
+    from dflash_trt.export.checkpoint import load_drafter, load_target
+    from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+    from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
+    from dflash_trt.runtime.gating import Gate
+    from dflash_trt.runtime.runtime import Runtime
+    from dflash_trt.tools.bench_e2e import kernel_profile
+    from dflash_trt.tools.tiny import make_tiny_pair
+
+    tdir, ddir = make_tiny_pair(str(tmp_path), seed=5)
+    t = load_target(tdir)
+    d = load_drafter(ddir, t)
+    sizes = PoolSizes(kv_blocks=96, page_size=4, max_seq_len=96, max_seqs=2, dkv_blocks=96, prefill_chunk=16)
+    rt = Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, device=TorchCpuDevice(), gate=Gate(min_rate=0.0),
+                 executor=lambda rt: GraphStepExecutor(rt, inflight=1))
+    import torch
+
+    class CpuActivities:  # a CPU-only torch has no CUDA activity to profile: count its CPU ops instead
+        CUDA = torch.profiler.ProfilerActivity.CPU
+
+    monkeypatch.setattr(torch.profiler, "ProfilerActivity", CpuActivities)
+    held = {"kv_pool": rt.kv_alloc.alloc(2), "dkv_pool": rt.dkv_alloc.alloc(2)}  # another sequence's pages 0, 1
+    for name, pages in held.items():
+        rt.pools[name][:, :, pages] = 7.0
+    out = kernel_profile(rt, list(range(3, 12)), keys=(("decode", 1), ("spec", 4)), replays=3)
+    assert set(out) == {"decode_k1", "spec_k4"}
+    for name, pages in held.items():  # a row past the reservation would land in page 0 (block-table padding)
+        assert bool((rt.pools[name][:, :, pages] == 7.0).all()), name
+    rt.kv_alloc.free(held["kv_pool"])
+    rt.dkv_alloc.free(held["dkv_pool"])
+    assert rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.slots.num_free == rt.slots.num_total
+    assert rt.dkv_alloc.num_free == rt.dkv_alloc.num_total

@@ -264,7 +264,7 @@ def print_table(res) -> None:
     if res["eager_keys"]:
         print(f"eager (capture failed): {res['eager_keys']}")
     for key, pr in res.get("profile", {}).items():
-        print(f"profile {key} (one launch outside the graph, batch 1): {pr['kernels']} kernels, {pr['busy_ms']:.3f} ms busy; top: " +
+        print(f"profile {key} (per launch of its CUDA graph, batch 1): {pr['kernels']} kernels, {pr['busy_ms']:.3f} ms busy; top: " +
               "; ".join(f"{n} {ms:.3f} ms x{c}" for n, ms, c in pr["top"]))
     for name, (v, thr, hit) in res["targets"].items():
         print(f"target {name}: {v:.2f} vs {thr:g} -> {'HIT' if hit else 'MISS'}")
