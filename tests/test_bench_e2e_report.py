@@ -176,3 +176,10 @@ def test_kernel_profile_keeps_pools_consistent(tmp_path, monkeypatch):
     rt.dkv_alloc.free(held["dkv_pool"])
     assert rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.slots.num_free == rt.slots.num_total
     assert rt.dkv_alloc.num_free == rt.dkv_alloc.num_total
+
+
+def test_step_ks():
+    from dflash_trt.tools.bench_e2e import parse_step_ks
+
+    assert parse_step_ks("16, 4,1,4") == [1, 4, 16]
+    assert parse_step_ks(",".join(map(str, range(1, 17)))) == list(range(1, 17))

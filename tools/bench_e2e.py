@@ -235,6 +235,19 @@ def floor_tok_s(rt, ctx_rows: int, bw_gbs: float) -> tuple[float, float]:
     return ms, 1000.0 / ms
 
 
+def parse_step_ks(text: str) -> list[int]:
+    """--step-ks: the verify widths of the per-K step latency sweep, sorted; 1 and 16 always (the targets' ratio)."""
+    try:
+        ks = sorted({int(k) for k in text.split(",") if k.strip()})
+    except ValueError:
+        ks = []
+    if not ks or not set(ks) <= set(range(1, 17)) or not {1, 16} <= set(ks):
+        from dflash_trt.runtime.load import UsageError
+
+        raise UsageError(f"--step-ks wants comma-separated K in 1..16 including 1 and 16, got {text!r}")
+    return ks
+
+
 def check_args(a) -> None:
     """Bad values refused in one line (UsageError) before any model loads or any GPU work starts."""
     from dflash_trt.runtime.batching import BUCKETS
@@ -256,6 +269,7 @@ def check_args(a) -> None:
         temps = [-1.0]
     if any(not t > 0 for t in temps):
         raise UsageError(f"--temperatures wants comma-separated temperatures > 0 (or ''), got {a.temperatures!r}")
+    parse_step_ks(a.step_ks)
     if a.dtype is not None and a.dtype not in DTYPES:
         raise UsageError(f"--dtype {a.dtype!r} not supported ({', '.join(DTYPES)})")
 
@@ -274,6 +288,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", default="0.6,1.0", help="also decode sampling at these temperatures ('': skip)")
     p.add_argument("--hf-tokens", type=int, default=64, help="new tokens of the HF generate() baseline (0: skip)")
     p.add_argument("--batch1-prompts", type=int, default=8, help="batch 1 runs this many prompts one after another")
+    p.add_argument("--step-ks", default=",".join(map(str, range(1, 17))),
+                   help="verify widths of the per-K target step latency sweep (default 1..16; 1 and 16 always)")
     p.add_argument("--no-compile", action="store_true", help="run the captured steps without Inductor")
     p.add_argument("--profile", action="store_true", help="also break one decode / spec step down by kernel")
     p.add_argument("--json", help="write the results here")

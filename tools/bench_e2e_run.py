@@ -11,7 +11,8 @@ import numpy as np
 
 from dflash_trt.files import write_json
 from dflash_trt.tools.bench_e2e import (RANDOM_0P9B, TARGETS, build_random_pair, copy_bandwidth_gbs, decode_run,
-                                        floor_tok_s, hf_tok_s, kernel_profile, load_pair, step_latency_ms)
+                                        floor_tok_s, hf_tok_s, kernel_profile, load_pair, parse_step_ks,
+                                        step_latency_ms)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,7 +138,7 @@ def run(a) -> int:
             from dflash_trt.runtime import commit
 
             commit.reserve(seq, 16, rt.kv_alloc, sizes.page_size)
-            for K in range(1, 17):
+            for K in parse_step_ks(a.step_ks):
                 lat[K] = step_latency_ms(rt, seq, K)
             res["step_latency_ms"], res["step16_over_step1"] = lat, lat[16] / lat[1]
             if rt.backend.compile_steps:  # the compiled step at the two widths the targets name
