@@ -91,6 +91,24 @@ def test_decode_pools_every_prompt(monkeypatch):
     assert out["step_ms"] == (3 * 1.0 + 5 * 2.0) / 8 and out["idle_pct"] == 2.0
 
 
+def _tiny_runtime(tmp_path, device):
+    """A tiny random pair on `device` (a CPU device: steps run eagerly) behind the fused step executor."""
+    from dflash_trt.abi import PoolSizes
+    from dflash_trt.export.checkpoint import load_drafter, load_target
+    from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+    from dflash_trt.runtime.gating import Gate
+    from dflash_trt.runtime.runtime import Runtime
+    from dflash_trt.tools.tiny import make_tiny_pair
+
+    tdir, ddir = make_tiny_pair(str(tmp_path), seed=5)
+    t = load_target(tdir)
+    d = load_drafter(ddir, t)
+    sizes = PoolSizes(kv_blocks=96, page_size=4, max_seq_len=96, max_seqs=2, dkv_blocks=96, prefill_chunk=16)
+    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, device=device, gate=Gate(min_rate=0.0),
+                   executor=lambda rt: GraphStepExecutor(rt, inflight=1))
+
+
 def test_decode_run_traces_every_launch(tmp_path):
     """decode_run's own figures on CPU (the fused step executor runs eagerly there), with a device whose events
     are host clock reads: one trace pair per launch, tokens and accepted counts from the requests."""
@@ -98,15 +116,8 @@ def test_decode_run_traces_every_launch(tmp_path):
 
     import numpy as np
 
-    from dflash_trt.abi import PoolSizes
-    from dflash_trt.export.checkpoint import load_drafter, load_target
-    from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
-    from dflash_trt.runtime.backends.torch_backend import TorchBackend
     from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
-    from dflash_trt.runtime.gating import Gate
-    from dflash_trt.runtime.runtime import Runtime
     from dflash_trt.tools.bench_e2e import decode_run
-    from dflash_trt.tools.tiny import make_tiny_pair
 
     class ClockedCpu(TorchCpuDevice):
         def new_event(self, timing=False):
@@ -120,12 +131,7 @@ def test_decode_run_traces_every_launch(tmp_path):
         def elapsed_ms(a, b):
             return (b[0] - a[0]) * 1e3
 
-    tdir, ddir = make_tiny_pair(str(tmp_path), seed=5)
-    t = load_target(tdir)
-    d = load_drafter(ddir, t)
-    sizes = PoolSizes(kv_blocks=96, page_size=4, max_seq_len=96, max_seqs=2, dkv_blocks=96, prefill_chunk=16)
-    rt = Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, device=ClockedCpu(), gate=Gate(min_rate=0.0),
-                 executor=lambda rt: GraphStepExecutor(rt, inflight=1))
+    rt = _tiny_runtime(tmp_path, ClockedCpu())
     launches = []
     launch = rt.executor.launch
     rt.executor.launch = lambda plan: launches.append(plan.K) or launch(plan)
@@ -143,23 +149,12 @@ def test_kernel_profile_keeps_pools_consistent(tmp_path, monkeypatch):
     """bench e2e --profile launches each key's step several times on one sequence (the device advances its rows):
     every write stays in that sequence's reserved pages and everything is given back (CPU: eager steps, no
     CUDA kernels to count)."""
-    from dflash_trt.abi import PoolSizes
-    from dflash_trt.export.checkpoint import load_drafter, load_target
-    from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
-    from dflash_trt.runtime.backends.torch_backend import TorchBackend
-    from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
-    from dflash_trt.runtime.gating import Gate
-    from dflash_trt.runtime.runtime import Runtime
-    from dflash_trt.tools.bench_e2e import kernel_profile
-    from dflash_trt.tools.tiny import make_tiny_pair
-
-    tdir, ddir = make_tiny_pair(str(tmp_path), seed=5)
-    t = load_target(tdir)
-    d = load_drafter(ddir, t)
-    sizes = PoolSizes(kv_blocks=96, page_size=4, max_seq_len=96, max_seqs=2, dkv_blocks=96, prefill_chunk=16)
-    rt = Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, device=TorchCpuDevice(), gate=Gate(min_rate=0.0),
-                 executor=lambda rt: GraphStepExecutor(rt, inflight=1))
     import torch
+
+    from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
+    from dflash_trt.tools.bench_e2e import kernel_profile
+
+    rt = _tiny_runtime(tmp_path, TorchCpuDevice())
 
     class CpuActivities:  # a CPU-only torch has no CUDA activity to profile: count its CPU ops instead
         CUDA = torch.profiler.ProfilerActivity.CPU
