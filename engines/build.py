@@ -170,8 +170,7 @@ def ensure_engines(manifest_dir: str, graphs=None, progress=print) -> Manifest:
     others. The trt backend's front doors call this after the export (the cache entry gains its engines)."""
     from dflash_trt.engines.load import EngineError, check_engine
 
-    def missing():
-        man = Manifest.load(manifest_dir)
+    def missing(man):
         need = []
         for g in graphs or man.graphs:
             try:
@@ -180,16 +179,17 @@ def ensure_engines(manifest_dir: str, graphs=None, progress=print) -> Manifest:
                 need.append(g)
         return need
 
-    if missing():  # under the entry's lock: concurrent front doors build once, the others wait and reuse
-        root = Manifest.load(manifest_dir).root
+    man = Manifest.load(manifest_dir)
+    if missing(man):  # under the entry's lock: concurrent front doors build once, the others wait and reuse
         try:
-            with entry_lock(root, progress or print, "building engines in"):
-                need = missing()
+            with entry_lock(man.root, progress or print, "building engines in"):
+                need = missing(Manifest.load(manifest_dir))  # what another process built meanwhile is kept
                 if need:
                     build_engines(manifest_dir, graphs=need, progress=progress)
         except OSError as e:
-            raise BuildError(f"cannot write engines into {root}: {e.strerror or e}") from None
-    return Manifest.load(manifest_dir)
+            raise BuildError(f"cannot write engines into {man.root}: {e.strerror or e}") from None
+        man = Manifest.load(manifest_dir)
+    return man
 
 
 def main(argv=None) -> int:
