@@ -5,9 +5,10 @@
 // Key index j in [0, Lc + T): j < Lc is cached row kv_start + j, j >= Lc is new row j - Lc.
 // window > 0 (sliding attention): query row t (key index Lc + t) sees key j only if Lc + t - j < window.
 //
-// Pass 1, paged_attention_hd{HD}_{bf16|f16|f32} (the K/V tile dtype): grid (split, row group * Hkv + kv head, batch). A CTA owns R query rows
-// (t-major (t, q-head of the GQA group) pairs of one kv head) and the keys [split*S, split*S + S) of the
-// key index space, S = tiles_per_split * KT chosen on the host from shapes (spec.py). It streams its keys
+// Pass 1, paged_attention_hd{HD}_{bf16|f16|f32} (the K/V tile dtype): grid (split, row group * Hkv + kv head,
+// batch). A CTA owns R query rows (t-major (t, q-head of the GQA group) pairs of one kv head) and the keys
+// [split*S, split*S + S) of the key index space, S = tiles_per_split * KT chosen on the host from shapes
+// (spec.py). It streams its keys
 // through a 2-stage cp.async pipeline of KT-key K/V tiles (raw bytes, 16-byte chunks; read once per
 // split per kv head and row group) and keeps an online softmax in fp32, exp2 domain. With one split it
 // writes o; otherwise the unnormalised partial (acc, max, sum) of each row to the workspace.
@@ -185,12 +186,10 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
       ld8s<TD>(Kt + lane * RS, e0, kf);
 #pragma unroll
       for (int i = 0; i < RW; ++i) {  // every row, also those >= nr (zero Q, never stored): no branch
-        {
-          const float4 qa = *(const float4*)(Qs + (w + NW * i) * HD + e0);
-          const float4 qb = *(const float4*)(Qs + (w + NW * i) * HD + e0 + 4);
-          dot[i] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] + qb.y * kf[5] +
-                    qb.z * kf[6] + qb.w * kf[7];
-        }
+        const float4 qa = *(const float4*)(Qs + (w + NW * i) * HD + e0);
+        const float4 qb = *(const float4*)(Qs + (w + NW * i) * HD + e0 + 4);
+        dot[i] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] + qb.y * kf[5] +
+                  qb.z * kf[6] + qb.w * kf[7];
       }
     }
 #pragma unroll
@@ -226,11 +225,9 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
       ld8s<TD>(Vt + jl * RS, d0, vf);
 #pragma unroll
       for (int i = 0; i < RPT; ++i) {  // every row, as above
-        {
-          const float p = Ps[(rsub + RP * i) * KT + jl];
+        const float p = Ps[(rsub + RP * i) * KT + jl];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[i][e] += p * vf[e];
-        }
+        for (int e = 0; e < 8; ++e) acc[i][e] += p * vf[e];
       }
     }
     __syncthreads();  // the next iteration's prefetch overwrites this stage
