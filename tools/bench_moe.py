@@ -2,13 +2,15 @@
 Qwen3.6-35B-A3B and fewer layers (built in memory in bf16 on the GPU, never saved) and a random 1-layer drafter.
 
   copy bandwidth        device-to-device copy measured in this run (bench_e2e.copy_bandwidth_gbs)
-  step(K), K = 1..16    the target verify step alone at batch 1 on a 512-row context, captured in a CUDA graph and
-                        replayed, with random token ids (identical ids would route identically); for each K the
+  step(K), K in --step-ks  the target verify step alone at batch 1 on a 512-row context, as the runtime's compiled
+                        steps run it (Inductor, our kernels opaque; --no-compile: eager) captured in a CUDA graph
+                        and replayed, with random token ids (identical ids would route identically); for each K the
                         distinct experts the step selects (mean over MoE layers and over DRAWS random id draws)
   floor(K)              bytes the step must read / copy bandwidth: every non-expert weight (attention/GDN,
                         routers, shared experts, norms, lm_head), the K embedding rows, the DISTINCT experts that
                         step selects, and the sequence's state (GDN + conv slot, the KV rows of the context)
-  MoE block alone       one SparseMoE layer at T tokens (captured): routed kernels vs the distinct-expert floor
+  MoE block alone       one SparseMoE layer at T tokens (captured, compiled as the step): routed kernels vs the
+                        distinct-expert floor
   plain vs DFlash       plain decode tok/s measured (batch 1); the DFlash step time measured on the real spec step
                         graph with the random drafter (gate off, so every step is a spec step of K = gamma+1), then
                         tok/s = mean(accepted + 1 over ACCEPTED) / spec-step time: the random drafter's τ (≈1)
@@ -25,7 +27,7 @@ import numpy as np
 from dflash_trt.files import write_json
 from dflash_trt.tools.bench import graph_replay_ms
 
-from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs, decode_run
+from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs, decode_run, parse_step_ks
 
 RANDOM_MOE = "random-moe-35b-a3b"
 LAYERS = 8  # 6 GDN + 2 attention (3:1); the real model has 40
@@ -109,6 +111,15 @@ def _capture(fn, reps: int = 20):
     return outs[0], ms
 
 
+def _compiled(fn, compiled: bool):
+    """fn through Inductor as the runtime's compiled steps run it (torch_compile.CompiledStep), or fn itself."""
+    if not compiled:
+        return fn
+    from dflash_trt.runtime.backends.torch_compile import CompiledStep
+
+    return CompiledStep(fn)
+
+
 def distinct_experts(target, fn) -> list[int]:
     """Run `fn` once eagerly; the number of distinct experts each MoE layer selected."""
     seen, hooks = [], []
@@ -124,14 +135,15 @@ def distinct_experts(target, fn) -> list[int]:
     return seen
 
 
-def verify_steps(rt, seq, ctx_rows: int, bw: float) -> dict:
+def verify_steps(rt, seq, ctx_rows: int, bw: float, ks, compiled: bool) -> dict:
     """{K: {ms, floor_ms, ratio, distinct (timed draw, mean over layers), distinct_mean (DRAWS draws)}}."""
     import torch
 
     t, dev = rt.backend.target, rt.device.device
     gen = torch.Generator(device=dev).manual_seed(1)
+    step = _compiled(t.step, compiled)  # one compiled function, one static-shape entry per K
     out = {}
-    for K in range(1, 17):
+    for K in ks:
         def inputs():
             return {"input_ids": torch.randint(0, t.cfg.vocab_size, (1, K), device=dev, generator=gen),
                     "positions": seq.seq_len + torch.arange(K, device=dev)[None],
@@ -143,14 +155,14 @@ def verify_steps(rt, seq, ctx_rows: int, bw: float) -> dict:
             for _ in range(DRAWS):
                 x = inputs()
                 draws.append(distinct_experts(t, lambda: t.step(**x, **pools)))
-            _, ms = _capture(lambda: t.step(**x, **pools))  # the last draw is the timed one
+            _, ms = _capture(lambda: step(**x, **pools))  # the last draw is the timed one
         floor = step_bytes(t, rt.pools, ctx_rows, K, draws[-1]) / (bw * 1e9) * 1e3
         out[K] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor, "distinct": float(np.mean(draws[-1])),
                   "distinct_mean": float(np.mean(draws))}
     return out
 
 
-def moe_block(target, bw: float, tokens=(1, 4, 16, 64)) -> dict:
+def moe_block(target, bw: float, compiled: bool, tokens=(1, 4, 16, 64)) -> dict:
     """One SparseMoE layer alone at T tokens (captured): the whole block and the routed-experts op, against the
     floor of the block's bytes (router + shared expert + the distinct experts selected)."""
     import torch
@@ -158,6 +170,7 @@ def moe_block(target, bw: float, tokens=(1, 4, 16, 64)) -> dict:
     from dflash_trt.plugins import ops
 
     block = next(layer.mlp for layer in target.layers if hasattr(layer.mlp, "experts"))
+    run_block = _compiled(block.forward, compiled)
     eb = _expert_bytes(target)
     other = sum(p.numel() * p.element_size() for n, p in block.named_parameters() if not n.startswith("experts."))
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -169,7 +182,7 @@ def moe_block(target, bw: float, tokens=(1, 4, 16, 64)) -> dict:
             d = int(idx.unique().numel())
             ex = block.experts
             _, ms_experts = _capture(lambda: ops.moe_experts(x, idx, w, ex.gate_up_proj, ex.down_proj))
-            _, ms_block = _capture(lambda: block(x))
+            _, ms_block = _capture(lambda: run_block(x))
             out[T] = {"distinct": d, "experts_us": ms_experts * 1e3, "experts_floor_us": d * eb / (bw * 1e9) * 1e6,
                       "block_us": ms_block * 1e3, "block_floor_us": (d * eb + other) / (bw * 1e9) * 1e6}
     return out
@@ -215,8 +228,9 @@ def run(a) -> int:
     target, drafter = build_random_moe(getattr(torch, dname), dev.device)
     sizes = PoolSizes(max_seq_len=1024, kv_blocks=4 * 64 + 64, page_size=16, max_seqs=4, dkv_blocks=4 * 64 + 64,
                       ctx_window=1024, prefill_chunk=64)
-    rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, sizes, device=dev, gate=Gate(min_rate=0.0))
-    res = {"hardware": hardware("cuda"), "model": RANDOM_MOE, "layers": LAYERS, "dtype": dname,
+    compiled = not a.no_compile
+    rt = Runtime(TorchBackend(target, drafter, compile_steps=compiled), target.cfg, drafter.cfg, sizes, device=dev, gate=Gate(min_rate=0.0))
+    res = {"hardware": hardware("cuda"), "model": RANDOM_MOE, "layers": LAYERS, "dtype": dname, "compiled": compiled,
            "weights_GB": sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9,
            "expert_MB": _expert_bytes(target) / 1e6}
     res["copy_bandwidth_GBps"] = bw = copy_bandwidth_gbs(dev)
@@ -226,11 +240,11 @@ def run(a) -> int:
     rt.prefill(seq)
     dev.synchronize()
     commit.reserve(seq, 16, rt.kv_alloc, sizes.page_size)
-    res["steps"] = steps = verify_steps(rt, seq, ctx, bw)
+    res["steps"] = steps = verify_steps(rt, seq, ctx, bw, parse_step_ks(a.step_ks), compiled)
     commit.finish(seq, 0, rt.kv_alloc, sizes.page_size)
     rt.release(seq)
     res["step16_over_step1"] = steps[16]["ms"] / steps[1]["ms"]
-    res["moe_block"] = moe_block(target, bw)
+    res["moe_block"] = moe_block(target, bw, compiled)
     prompt = [int(t) for t in rng.integers(0, target.cfg.vocab_size - 1, 48)]
     res["decode"] = spec_vs_plain(rt, prompt, a.max_new_tokens, a.gamma or 15, steps[1]["ms"])
     res["step1_split"] = step1_split(res, sum(hasattr(layer.mlp, "experts") for layer in target.layers))
@@ -253,7 +267,8 @@ def step1_split(res, moe_layers: int) -> dict:
 
 
 def print_table(res) -> None:
-    print(f"bench e2e: {res['model']} ({res['layers']} layers, {res['dtype']}, {res['weights_GB']:.1f} GB, "
+    print(f"bench e2e: {res['model']} ({res['layers']} layers, {res['dtype']}"
+          f"{', compiled steps' if res.get('compiled') else ''}, {res['weights_GB']:.1f} GB, "
           f"{res['expert_MB']:.2f} MB/expert) on {res['hardware']}; device copy {res['copy_bandwidth_GBps']:.0f} GB/s")
     print(f"{'K':>3} {'step ms':>8} {'floor ms':>9} {'ratio':>6} {'distinct/layer':>15} {'(mean of draws)':>16}")
     for K, s in res["steps"].items():
