@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import DrafterConfig
-from dflash_trt.export.fuse import fuse_linears, linears
+from dflash_trt.export.fuse import Linear, fuse_linears, linears
 from dflash_trt.plugins import ops
-from dflash_trt.export.target import MLP, RMSNorm, apply_rope, rope_cos_sin
+from dflash_trt.export.target import MLP, RMSNorm, apply_rope, argmax_last, rope_cos_sin
 
 
 def final_logits(cfg: DrafterConfig, logits):
@@ -45,10 +45,10 @@ class DrafterAttention(nn.Module):
         super().__init__()
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
-        self.q_proj = nn.Linear(H, nh * hd, bias=False)
-        self.k_proj = nn.Linear(H, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(H, nkv * hd, bias=False)
-        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.q_proj = Linear(H, nh * hd, bias=False)
+        self.k_proj = Linear(H, nkv * hd, bias=False)
+        self.v_proj = Linear(H, nkv * hd, bias=False)
+        self.o_proj = Linear(nh * hd, H, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centred=False)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centred=False)
 
@@ -77,7 +77,7 @@ class Drafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         n_taps = len(cfg.target_layer_ids)
-        self.fc = nn.Linear(n_taps * target_hidden, cfg.hidden_size, bias=False)
+        self.fc = Linear(n_taps * target_hidden, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False)
@@ -127,7 +127,7 @@ class Drafter(nn.Module):
             h = h + att.o_proj(o.reshape(B, Bs, cfg.num_heads * cfg.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         logits = final_logits(cfg, lm_head(self.norm(h).to(lm_head.weight.dtype)).float())
-        out = {"drafts": logits[:, 1:].argmax(-1)}
+        out = {"drafts": argmax_last(logits[:, 1:])}
         if want_logits:
             out["logits"] = logits
         return out

@@ -7,6 +7,10 @@ buffer split by output width when the layers were fused, else each layer on its 
 so exported graphs keep the checkpoint's separate MatMuls). Same math either way: each output element is the
 same dot product; only the GEMM the library picks may differ. Fuse after the model is on its device (a later
 .to() copies the views apart: still correct, but the memory is then held twice).
+
+`linear(x, w)` is every projection's GEMM: on CUDA, a 16-bit x of at most four rows (a decode step) goes to our
+weight-streaming kernel (plugins/gemv), the rest to F.linear (cuBLAS; what ONNX export traces on the CPU).
+`Linear` is nn.Linear through it (same parameters and state_dict names).
 """
 from __future__ import annotations
 
@@ -14,7 +18,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trt.plugins import torch_ops  # noqa: F401  (registers torch.ops.dflash.gemv)
+from dflash_trt.plugins.gemv import spec as gemv_spec
+
 BUFFER = "_fused_"  # buffer name prefix on the owner: _fused_<first layer name>
+
+
+def linear(x, w):
+    """x @ w.T. Inference only (no autograd through the kernel): training steps keep F.linear."""
+    if x.is_cuda and not torch.is_grad_enabled() and gemv_spec.usable(x.numel() // x.shape[-1], x.shape[-1],
+                                                                        str(x.dtype)[6:]) and w.dtype == x.dtype:
+        return torch.ops.dflash.gemv(x, w)
+    return F.linear(x, w)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward is `linear` (bias-free, as every projection of these models)."""
+
+    def forward(self, x):
+        if self.bias is not None:
+            return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight)
 
 
 def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> None:
@@ -39,4 +63,4 @@ def linears(owner: nn.Module, names: tuple[str, ...], x) -> list:
     w = getattr(owner, BUFFER + names[0], None)
     if w is None:
         return [getattr(owner, n)(x) for n in names]
-    return list(torch.split(F.linear(x, w), [getattr(owner, n).out_features for n in names], dim=-1))
+    return list(torch.split(linear(x, w), [getattr(owner, n).out_features for n in names], dim=-1))

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import TargetConfig
-from dflash_trt.export.fuse import linears
-from dflash_trt.plugins import ops
+from dflash_trt.export.fuse import Linear, linear, linears
+from dflash_trt.plugins import ops, torch_ops  # noqa: F401  (torch_ops registers torch.ops.dflash.moe_route)
+from dflash_trt.plugins.moe import reference as moe_ref
 
 
 class MLP(nn.Module):
@@ -19,9 +20,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         gate, up = linears(self, self.PROJECTIONS, x)
@@ -54,24 +55,30 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Module()
-        self.gate.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))  # router
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # router
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+
+    GATES = ("gate", "shared_expert_gate")  # both read x: one GEMM once fused (TargetModel.fuse_projections)
 
     def route(self, x):
         """x [N,H] -> (topk_idx [N,k] int64, topk_w [N,k] in x's dtype)."""
-        logits = F.linear(x, self.gate.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return idx, top.to(logits.dtype)
+        return self.top_k_of(linear(x, self.gate.weight))
+
+    def top_k_of(self, logits):
+        """Router logits [N,E] -> (topk_idx, topk_w). CUDA inference: one kernel per call
+        (dflash::moe_route; torch's softmax + topk cost two sort kernels per layer). CPU, ONNX export and autograd
+        (the kernel has no backward; training keeps the router's gradient): the standard ops of reference.route,
+        the same math (equal probabilities aside, which the kernel gives to the lowest expert id)."""
+        if logits.is_cuda and not torch.is_grad_enabled() and not torch.onnx.is_in_onnx_export():
+            return torch.ops.dflash.moe_route(logits, self.top_k, bool(self.norm_topk_prob))
+        return moe_ref.route(logits, self.top_k, self.norm_topk_prob)
 
     def forward(self, x):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        routed = self.experts(xf, *self.route(xf))
-        shared = torch.sigmoid(self.shared_expert_gate(xf)) * self.shared_expert(xf)
+        logits, shared_gate = linears(self, self.GATES, xf)
+        routed = self.experts(xf, *self.top_k_of(logits))
+        shared = torch.sigmoid(shared_gate) * self.shared_expert(xf)
         return (routed + shared).reshape(shape)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import TargetConfig
-from dflash_trt.export.fuse import fuse_linears, linears
+from dflash_trt.export.fuse import Linear, fuse_linears, linears
 from dflash_trt.export.gdn_gates import gdn_gates
 from dflash_trt.export.mlp import MLP, SparseMoE
 from dflash_trt.plugins import ops
@@ -65,6 +65,27 @@ def apply_rope(x, cos, sin):
     rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
     xr = xr * cos[:, :, None] + rot * sin[:, :, None]
     return torch.cat([xr, xp], dim=-1)
+
+
+ARGMAX_SPLIT = 4096  # a CUDA argmax over more columns than this runs in two stages
+
+
+def argmax_last(logits):
+    """logits.argmax(-1), the first index among equal maxima. On CUDA, a large vocabulary is reduced in two stages
+    (per 4096-column chunk, then over chunks): Inductor gives a one-row argmax one thread block, which took 50 us
+    for a 248k vocabulary on the H200. Same index either way: the first chunk holding the max, its first index."""
+    if not logits.is_cuda or logits.shape[-1] <= 2 * ARGMAX_SPLIT:
+        return logits.argmax(-1)
+    return argmax_chunked(logits)
+
+
+def argmax_chunked(logits):
+    V = logits.shape[-1]
+    n = -(-V // ARGMAX_SPLIT)
+    x = F.pad(logits, (0, n * ARGMAX_SPLIT - V), value=float("-inf")).unflatten(-1, (n, ARGMAX_SPLIT))
+    best, idx = x.max(-1)
+    chunk = best.argmax(-1, keepdim=True)
+    return (chunk * ARGMAX_SPLIT + idx.gather(-1, chunk)).squeeze(-1)
 
 
 def gdn_chunk_dense(q, k, v, g, beta, state=None, chunk: int = 64):
@@ -128,19 +149,19 @@ class GatedDeltaNet(nn.Module):
         Hk, Hv, dk, dv = cfg.lin_num_k_heads, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
         H, C = cfg.hidden_size, cfg.conv_dim
         if cfg.gdn_layout == "qkvz":
-            self.in_proj_qkvz = nn.Linear(H, 2 * Hk * dk + 2 * Hv * dv, bias=False)
-            self.in_proj_ba = nn.Linear(H, 2 * Hv, bias=False)
+            self.in_proj_qkvz = Linear(H, 2 * Hk * dk + 2 * Hv * dv, bias=False)
+            self.in_proj_ba = Linear(H, 2 * Hv, bias=False)
         else:
-            self.in_proj_qkv = nn.Linear(H, C, bias=False)
-            self.in_proj_z = nn.Linear(H, Hv * dv, bias=False)
-            self.in_proj_b = nn.Linear(H, Hv, bias=False)
-            self.in_proj_a = nn.Linear(H, Hv, bias=False)
+            self.in_proj_qkv = Linear(H, C, bias=False)
+            self.in_proj_z = Linear(H, Hv * dv, bias=False)
+            self.in_proj_b = Linear(H, Hv, bias=False)
+            self.in_proj_a = Linear(H, Hv, bias=False)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.zeros(C, 1, cfg.conv_kernel))  # HF Conv1d layout
         self.dt_bias = nn.Parameter(torch.ones(Hv))
         self.A_log = nn.Parameter(torch.zeros(Hv))
         self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(Hv * dv, H, bias=False)
+        self.out_proj = Linear(Hv * dv, H, bias=False)
 
     def project(self, x):
         """x [B,T,H] -> pre-conv columns [B,T,C] ([q|k|v], all heads), z [B,T,Hv,dv], b, a [B,T,Hv]."""
@@ -200,10 +221,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(H, nh * hd * 2, bias=False)  # [query | gate] per head
-        self.k_proj = nn.Linear(H, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(H, nkv * hd, bias=False)
-        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.q_proj = Linear(H, nh * hd * 2, bias=False)  # [query | gate] per head
+        self.k_proj = Linear(H, nkv * hd, bias=False)
+        self.v_proj = Linear(H, nkv * hd, bias=False)
+        self.o_proj = Linear(nh * hd, H, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
@@ -269,7 +290,7 @@ class TargetModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, i) for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -281,7 +302,10 @@ class TargetModel(nn.Module):
                 fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
             else:
                 fuse_linears(layer.linear_attn, GatedDeltaNet.PROJECTIONS[self.cfg.gdn_layout])
-            mlp = layer.mlp.shared_expert if isinstance(layer.mlp, SparseMoE) else layer.mlp
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoE):
+                fuse_linears(mlp, SparseMoE.GATES)
+                mlp = mlp.shared_expert
             fuse_linears(mlp, MLP.PROJECTIONS)
         return self
 
@@ -359,7 +383,7 @@ class TargetModel(nn.Module):
                 taps[i] = self._tap(i, h)
         logits = self.logits(h)
         out = {
-            "argmax": logits.argmax(-1),
+            "argmax": argmax_last(logits),
             "kv_rows": torch.stack(kv_rows) if kv_rows else None,
             "conv_cols": torch.stack(cols_all) if cols_all else None,
             "ctx_hidden": torch.cat([taps[t] for t in self.tap_ids], dim=-1) if self.tap_ids else None,

@@ -31,7 +31,8 @@ def _run(t, d, ids):
 
 @pytest.mark.parametrize("model_type,moe", [("qwen3_5_text", False), ("qwen3_next", False), ("qwen3_next", True)])
 def test_fused_projections_same_outputs_and_no_copy(model_type, moe):
-    """Dense MLPs and, in sparse-MoE layers, the shared expert's gate/up are fused the same way."""
+    """Dense MLPs and, in sparse-MoE layers, the shared expert's gate/up and the router + shared-expert gate are
+    fused the same way."""
     t, d = _pair(model_type, **(TINY_MOE if moe else {}))
     assert any(isinstance(layer.mlp, SparseMoE) for layer in t.layers) == moe
     assert t.cfg.gdn_layout == ("split" if model_type == "qwen3_5_text" else "qkvz")
@@ -50,8 +51,9 @@ def test_fused_projections_same_outputs_and_no_copy(model_type, moe):
     assert (len(list(t.parameters())), len(list(d.parameters()))) == n_params
     fused = [(m, n, b) for m in list(t.modules()) + list(d.modules()) for n, b in m.named_buffers(recurse=False)
              if n.startswith("_fused_")]
-    layers = len(t.layers)
-    assert len(fused) == 2 * layers + 2 * len(d.layers)  # mixer + MLP per target layer; k/v + MLP per drafter layer
+    layers, sparse = len(t.layers), sum(isinstance(layer.mlp, SparseMoE) for layer in t.layers)
+    # mixer + MLP per target layer (+ router/shared gate per sparse layer); k/v + MLP per drafter layer
+    assert len(fused) == 2 * layers + sparse + 2 * len(d.layers)
     for m, n, buf in fused:  # every fused layer's weight is rows of the buffer, not a copy
         first = n[len("_fused_"):]
         w = getattr(m, first).weight

@@ -1,35 +1,31 @@
 // Depthwise causal conv kernels (GDN short conv). x [B,T,C]; conv state [*, C, W-1] (pool indexed
-// by slot[b] when slot != null, else by b); weight [C, W]. One thread per (b, channel).
+// by slot[b] when slot != null, else by b); weight [C, W].
 #include "common.cuh"
 #ifndef MAXW
 #error "MAXW (the widest conv kernel) comes from conv/spec.py through NVRTC -D options"
 #endif
 
-// y[b,t,c] = silu(sum_w weight[c,w] * col[t+w]), col = [state (W-1 cols) | x_1..x_T].
+// y[b,t,c] = silu(sum_w weight[c,w] * col[t+w]), col = [state (W-1 cols) | x_1..x_T]. One thread per
+// (b, t, c): its W loads are independent (a thread walking t serially made a 16-row verify latency-bound).
 extern "C" __global__ void conv_verify(const void* __restrict__ x, int x_dt,
                                        const void* __restrict__ state, int s_dt,
                                        const int* __restrict__ slot,
                                        const void* __restrict__ weight, int w_dt,
                                        void* __restrict__ y, int y_dt, int T, int C, int W) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y, b = blockIdx.z;
   if (c >= C) return;
   const i64 sl = slot ? (i64)slot[b] : (i64)b;
-  float win[MAXW], wt[MAXW];
+  float acc = 0.f;
 #pragma unroll
   for (int j = 0; j < MAXW; ++j) {
-    wt[j] = j < W ? ldf(weight, w_dt, (i64)c * W + j) : 0.f;
-    win[j] = (j < W - 1 && sl >= 0) ? ldf(state, s_dt, (sl * C + c) * (W - 1) + j) : 0.f;
+    if (j >= W) break;
+    const int src = t + j;  // column index in [state | x]
+    float v = 0.f;
+    if (src >= W - 1) v = ldf(x, x_dt, ((i64)b * T + src - (W - 1)) * C + c);
+    else if (sl >= 0) v = ldf(state, s_dt, (sl * C + c) * (W - 1) + src);
+    acc += ldf(weight, w_dt, (i64)c * W + j) * v;
   }
-  for (int t = 0; t < T; ++t) {
-    const i64 idx = ((i64)b * T + t) * C + c;
-    win[W - 1] = ldf(x, x_dt, idx);  // W <= MAXW checked by the launcher
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < MAXW; ++j) acc += wt[j] * win[j];
-    stf(y, y_dt, idx, acc / (1.f + expf(-acc)));
-#pragma unroll
-    for (int j = 0; j < MAXW - 1; ++j) win[j] = win[j + 1];
-  }
+  stf(y, y_dt, ((i64)b * T + t) * C + c, acc / (1.f + expf(-acc)));
 }
 
 // In place, every layer l in one launch: pool[l, slot[b]] = last W-1 columns of

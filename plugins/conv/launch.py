@@ -10,7 +10,7 @@ from dflash_trt.plugins.conv import spec
 from dflash_trt.plugins.cuda_launch import I, P, get_function, launch
 from dflash_trt.plugins.opspec import dtype_code, kernel_need
 
-THREADS = 128  # channels per CTA (one thread per channel)
+THREADS = 128  # channels per CTA (conv_verify: one thread per (row, channel); conv_roll: per channel)
 
 
 def conv_verify(x, state, slot, weight, y, *, B, T, C, W, x_dtype="bfloat16", s_dtype="bfloat16",
@@ -20,7 +20,7 @@ def conv_verify(x, state, slot, weight, y, *, B, T, C, W, x_dtype="bfloat16", s_
     args = [(x, P), (dtype_code(x_dtype, "conv x"), I), (state, P), (dtype_code(s_dtype, "conv state"), I),
             (slot or 0, P), (weight, P), (dtype_code(w_dtype, "conv weight"), I), (y, P),
             (dtype_code(y_dtype or x_dtype, "conv y"), I), (T, I), (C, I), (W, I)]
-    launch(get_function("conv", "conv_verify"), ((C + THREADS - 1) // THREADS, B, 1), (THREADS, 1, 1), 0, stream, args)
+    launch(get_function("conv", "conv_verify"), ((C + THREADS - 1) // THREADS, T, B), (THREADS, 1, 1), 0, stream, args)
 
 
 def conv_roll(pool, slot, x, n, *, B, T, C, W, L=1, num_slots=0, s_dtype="bfloat16", x_dtype="bfloat16", stream=0):

@@ -17,7 +17,8 @@ KERNEL_MAX_W = 8  # the kernel keeps a W-column window in registers (MAXW in ker
 def check_dims(B, T, C, W) -> None:
     """The kernels' shape limits (launchers and the plugin)."""
     kernel_need(2 <= W <= KERNEL_MAX_W, f"conv: kernel width W={W} not in [2, {KERNEL_MAX_W}]")
-    kernel_need(B > 0 and T > 0 and C > 0, f"conv: need B, T, C >= 1 (got {B}, {T}, {C})")
+    kernel_need(0 < B <= 65535 and 0 < T <= 65535 and C > 0, f"conv: need 1 <= B, T <= 65535 (the grid) and C >= 1 "
+                f"(got {B}, {T}, {C})")
 
 
 def _output_shapes(ins):

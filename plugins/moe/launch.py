@@ -3,7 +3,8 @@
 One call = four launches on `stream` with grids fixed by the shapes alone (CUDA-graph safe, no host sync):
 plan (1 CTA) -> gate_up (I/16 x M) -> down (H/32 x M) -> combine (H/256 x N), M = min(E, N*k) expert slots
 of which the unused ones exit at once. Workspace (caller-allocated): plan ints [3M + P], h [P, I] in x's dtype
-(fp32 for fp32), y_pair [P, H] fp32, P = N*k. Every check reads spec.py and runs before any launch.
+(fp32 for fp32), y_pair [P, H] fp32, P = N*k. The router's top-k (moe_route) is one launch of N CTAs, no
+workspace. Every check reads spec.py and runs before any launch.
 """
 from __future__ import annotations
 
@@ -45,3 +46,13 @@ def moe_experts(x, topk_idx, topk_w, gate_up, down, out, plan, h, y_pair, *, N, 
            [(down, P), (h, P), (H, INT), (I, INT), (k, INT), *plan_args, (y_pair, P)])
     launch(get_function("moe", "moe_combine"), ((H + 255) // 256, N, 1), (256, 1, 1), 0, stream,
            [(y_pair, P), (topk_idx, P), (idx64, INT), (topk_w, P), (wdt, INT), (H, INT), (k, INT), (E, INT), (out, P), (dt, INT)])
+
+
+def moe_route(logits, idx, w, *, N, E, k, norm, l_dtype, w_dtype, stream=0):
+    """idx [N,k] int64, w [N,k] <- reference.route(logits [N,E], k, norm); all contiguous."""
+    spec.check_route(N, E, k)
+    ldt = dtype_code(l_dtype, "moe_route logits")
+    wdt = dtype_code(w_dtype, "moe_route topk_w")
+    launch(get_function("moe", "moe_route"), (N, 1, 1), (spec.route_threads(E), 1, 1), 4 * (E + k), stream,
+           [(logits, P), (ldt, INT), (N, INT), (E, INT), (k, INT), (int(bool(norm)), INT), (idx, P), (w, P),
+            (wdt, INT)])

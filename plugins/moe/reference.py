@@ -1,7 +1,12 @@
-"""MoeExperts reference math (the oracle of the kernels and the CPU / ONNX path): dense combine.
+"""MoE reference math (the oracle of the kernels and the CPU / ONNX path): the router's top-k (route) and
+MoeExperts as a dense combine (moe_experts).
 
-Every expert runs on every token as one batched matmul over E, then the routing weights (scattered into an [N,E]
-combine matrix, 0 where not selected) mix them. All shapes are static and independent of the routing (no
+route is HF's Qwen3-Next / Qwen3.5-MoE routing in the standard ops ONNX export traces (Softmax, TopK, ReduceSum,
+Div, Cast); on CUDA the kernel moe_route computes the same (ties, which torch.topk leaves unspecified, go to the
+lowest expert id there).
+
+moe_experts: every expert runs on every token as one batched matmul over E, then the routing weights (scattered
+into an [N,E] combine matrix, 0 where not selected) mix them. All shapes are static and independent of the routing (no
 nonzero / boolean indexing / .item()), so it traces to plain ONNX (ScatterElements, MatMul) and runs anywhere;
 unselected experts add exactly 0·y. It costs E/top_k times the routed FLOPs and reads every expert per call,
 which is why CUDA tensors go to the grouped kernels instead (kernel.cu). Per (token, expert) the ops are HF's:
@@ -11,6 +16,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def route(logits, k: int, norm: bool):
+    """Router logits [N,E] -> (topk_idx [N,k] int64, topk_w [N,k] in logits' dtype): softmax in fp32, the k largest
+    probabilities (descending), renormalised in fp32 to sum 1 when `norm` (norm_topk_prob), cast to logits' dtype."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, idx = torch.topk(probs, k, dim=-1)
+    if norm:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return idx, top.to(logits.dtype)
 
 
 def combine_weights(topk_idx, topk_w, num_experts: int, dtype):

@@ -15,6 +15,9 @@ The CUDA kernels (kernel.cu), all launched on one stream, static grids (CUDA-gra
                  fp32 FMA for fp32); h = silu(g)*u in x's dtype. Empty slots exit at once.
   moe_down_*     grid (H/32, M): the same over down rows -> y_pair [N*k, H] fp32.
   moe_combine    y[n] = sum_j topk_w[n,j] y_pair[n*k+j] in a fixed order (deterministic, no atomics).
+The router's top-k (export/mlp.py SparseMoE.route, the torch op dflash::moe_route; not part of this node) has one
+kernel here too: moe_route, one CTA per token row: softmax in fp32, k rounds of a block-wide argmax, renormalise
+(math: reference.route).
 """
 from __future__ import annotations
 
@@ -24,9 +27,10 @@ from dflash_trt.plugins.opspec import FLOATS, INTS, OpSpec, Port, check_float_dt
 WARPS = 8          # warps per GEMM CTA: split the reduction dim K between them, then reduce in shared memory
 ROWS = 32          # weight rows per GEMM CTA (two 16-row mma tiles)
 PASS_TOKENS = 32   # pairs per pass of a CTA (four 8-column mma tiles); more pairs re-read the CTA's rows from L2
-MAX_EXPERTS = 4096  # moe_plan keeps two int counters per expert in shared memory
+MAX_EXPERTS = 4096  # moe_plan keeps two int counters per expert, moe_route E + k <= 2E floats in shared memory
 K_ALIGN = 32       # H and I must be multiples of this (32-column chunks of the mma k loop)
 PLAN_THREADS = 1024
+ROUTE_THREADS = 256  # moe_route's CTA (fewer, a multiple of 32, when E is smaller)
 
 
 def check_dims(N, k, E, H, I) -> None:  # noqa: E741
@@ -34,6 +38,17 @@ def check_dims(N, k, E, H, I) -> None:  # noqa: E741
     kernel_need(1 <= E <= MAX_EXPERTS, f"moe_experts: {E} experts; the kernel takes 1..{MAX_EXPERTS}")
     kernel_need(H % K_ALIGN == 0 and I % K_ALIGN == 0 and H > 0 and I > 0,
                 f"moe_experts: hidden {H} and expert intermediate {I} must be positive multiples of {K_ALIGN}")
+
+
+def check_route(N, E, k) -> None:
+    kernel_need(N >= 1, f"moe_route: need N >= 1 token rows (got N={N})")
+    kernel_need(1 <= E <= MAX_EXPERTS, f"moe_route: {E} experts; the kernel takes 1..{MAX_EXPERTS}")
+    kernel_need(1 <= k <= E, f"moe_route: top_k {k} must be in 1..{E} (the number of experts)")
+
+
+def route_threads(E: int) -> int:
+    """moe_route's CTA size: one thread per expert up to ROUTE_THREADS, whole warps."""
+    return min(ROUTE_THREADS, 32 * -(-E // 32))
 
 
 def _output_shapes(ins):
@@ -65,5 +80,5 @@ SPEC = OpSpec(
     check_shapes=_check_shapes,
     check_kernel=_check_kernel,
     doc="routed SwiGLU experts as a grouped GEMM (each selected expert's weights read once per call)",
-    cuda_defines={"MOE_WARPS": WARPS, "MOE_PASS": PASS_TOKENS},
+    cuda_defines={"MOE_WARPS": WARPS, "MOE_PASS": PASS_TOKENS, "MOE_ROUTE_THREADS": ROUTE_THREADS},
 )

@@ -1,8 +1,9 @@
-"""torch custom op dflash::moe_experts: CUDA -> kernel.cu via launch.py on torch's current stream, CPU -> the
-dense-combine reference (reference.py), plus a fake impl (torch.compile / export). Registered through
+"""torch custom ops dflash::moe_experts and dflash::moe_route: CUDA -> kernel.cu via launch.py on torch's current
+stream, CPU -> the reference math (reference.py), plus fake impls (torch.compile / export). Registered through
 dflash_trt.plugins.torch_ops.
 
   moe_experts(x [N,H], topk_idx [N,k] int, topk_w [N,k], gate_up [E,2I,H], down [E,H,I]) -> y [N,H] (x's dtype)
+  moe_route(logits [N,E], k, norm) -> (topk_idx [N,k] int64, topk_w [N,k] in logits' dtype)   (reference.route)
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import Tensor
 
 from dflash_trt.plugins import torch_util as U
 from dflash_trt.plugins.moe import launch, reference, spec
-from dflash_trt.plugins.opspec import KernelError
+from dflash_trt.plugins.opspec import KernelError, need
 
 
 @torch.library.custom_op("dflash::moe_experts", mutates_args=())
@@ -53,3 +54,37 @@ def _moe_experts_cuda(x, topk_idx, topk_w, gate_up, down):
 @moe_experts.register_fake
 def _moe_experts_fake(x, topk_idx, topk_w, gate_up, down):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("dflash::moe_route", mutates_args=())
+def moe_route(logits: Tensor, k: int, norm: bool) -> tuple[Tensor, Tensor]:
+    raise NotImplementedError("dflash::moe_route: no kernel for this device")
+
+
+def _check_route(logits, k):
+    need(logits.dim() == 2, f"moe_route: logits {tuple(logits.shape)} must be [N,E]")
+    spec.check_route(logits.shape[0], logits.shape[1], k)
+
+
+@moe_route.register_kernel("cpu")
+def _moe_route_cpu(logits, k, norm):
+    _check_route(logits, k)
+    return reference.route(logits, k, norm)
+
+
+@moe_route.register_kernel("cuda")
+def _moe_route_cuda(logits, k, norm):
+    _check_route(logits, k)
+    logits = logits.contiguous()
+    N, E = logits.shape
+    idx = torch.empty(N, k, device=logits.device, dtype=torch.int64)
+    w = torch.empty(N, k, device=logits.device, dtype=logits.dtype)
+    launch.moe_route(logits.data_ptr(), idx.data_ptr(), w.data_ptr(), N=N, E=E, k=k, norm=norm,
+                     l_dtype=U.dname(logits), w_dtype=U.dname(w), stream=U.stream(logits))
+    return idx, w
+
+
+@moe_route.register_fake
+def _moe_route_fake(logits, k, norm):
+    N = logits.shape[0]
+    return logits.new_empty(N, k, dtype=torch.int64), logits.new_empty(N, k)

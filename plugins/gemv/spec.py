@@ -1,0 +1,64 @@
+"""The spec of the skinny GEMM of decode steps (a torch-only op: exported graphs keep MatMul). Math: reference.py.
+
+gemv(x [*, K], w [N, K]) -> y [*, N] = x @ w.T, fp32 accumulation, y in x's dtype; x has at most MAX_ROWS rows.
+Why our own kernel: at one to four rows a projection is a pure weight stream, and cuBLAS's kernels for these
+shapes read the weights at 40-80% of the copy bandwidth on the H200 (a [1 x 4096] x [4096 x 2048] bf16 out_proj:
+~10 us for 16.8 MB). kernel.cu keeps 16 loads of 16 bytes in flight per lane instead.
+"""
+from __future__ import annotations
+
+from dflash_trt.plugins.opspec import OpSpec, Port, kernel_need, need
+
+MAX_ROWS = 4        # rows of x per call (the kernel's register tile); more rows go to cuBLAS
+CHUNK = 8           # 16-bit elements per 16-byte load: K must be a multiple
+MAX_K = 16384       # x is staged in shared memory: MAX_ROWS * MAX_K * 2 bytes <= 128 KiB
+WARPS = 8           # warps per CTA
+ROWS_PER_WARP = 2   # weight rows a warp streams together
+DTYPES = ("bfloat16", "float16")
+
+
+def usable(rows: int, K: int, dtype: str) -> bool:
+    """Whether the kernel takes this call (the dispatcher's test: otherwise cuBLAS)."""
+    return 1 <= rows <= MAX_ROWS and K % CHUNK == 0 and 0 < K <= MAX_K and dtype in DTYPES
+
+
+def check(rows: int, N: int, K: int, dtype: str) -> None:
+    kernel_need(usable(rows, K, dtype) and N >= 1,
+                f"gemv: needs 1..{MAX_ROWS} rows, K a multiple of {CHUNK} up to {MAX_K}, N >= 1 and a 16-bit dtype "
+                f"(got rows={rows}, N={N}, K={K}, {dtype})")
+
+
+def smem_bytes(rows: int, K: int) -> int:
+    return rows * K * 2
+
+
+
+def _output_shapes(ins):
+    return [[*ins[0][:-1], ins[1][0]]]
+
+
+def _check_shapes(d, attrs=None):
+    x, w = (tuple(v) for v in d)
+    need(len(w) == 2 and len(x) >= 1 and x[-1] == w[1], f"Gemv: x {x} [*,K] and w {w} [N,K] must share K")
+
+
+def _check_kernel(d, dtypes):
+    x, w = d
+    rows = 1
+    for v in x[:-1]:
+        rows *= v
+    check(rows, w[0], w[1], dtypes[0])
+
+
+SPEC = OpSpec(
+    name="Gemv",
+    inputs=(Port("x", "x", "[*,K]"), Port("w", "x", "[N,K]")),
+    outputs=(Port("y", "x", "[*,N]"),),
+    attrs=(),
+    groups={"x": DTYPES},
+    output_shapes=_output_shapes,
+    check_shapes=_check_shapes,
+    check_kernel=_check_kernel,
+    doc="x @ w.T for at most MAX_ROWS rows of x (decode-step projections)",
+    cuda_defines={"GEMV_WARPS": WARPS, "GEMV_RPW": ROWS_PER_WARP},
+)

@@ -1,0 +1,108 @@
+"""gemv (plugins/gemv): the decode-step projection kernel. CPU: which calls the dispatcher (export.fuse.linear)
+sends to it, the kernel limits, and that every other call stays F.linear. GPU: the kernel against an fp64 matmul
+of the same rounded inputs over row counts 1..4, ragged N and K (tails of the 2048-column pass), both 16-bit
+dtypes, row views of a fused buffer, an input at an odd offset (served by F.linear), a CUDA-graph replay == eager
+bit for bit, and a bad call refused in one line before any launch.
+
+Tolerance: |got - ref| <= 2^-7 |ref| + 2^-16 sum_k |x_k w_k| (one rounding of y to bf16 / fp16, fp32 sums)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_trt.export import fuse
+from dflash_trt.plugins.gemv import spec
+from dflash_trt.plugins.opspec import KernelError
+
+
+def test_usable_limits():
+    assert spec.usable(1, 2048, "bfloat16") and spec.usable(4, 8, "float16")
+    assert not spec.usable(5, 2048, "bfloat16")          # more rows: cuBLAS
+    assert not spec.usable(1, 2044, "bfloat16")          # not 16-byte chunks
+    assert not spec.usable(1, 2048, "float32")           # fp32 stays cuBLAS
+    assert not spec.usable(1, spec.MAX_K + 8, "bfloat16")
+    with pytest.raises(KernelError, match="multiple of 8"):
+        spec.check(1, 16, 12, "bfloat16")
+
+
+def test_cpu_and_grad_calls_stay_f_linear(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.ops.dflash, "gemv", lambda *a: calls.append(a), raising=False)
+    x, w = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(fuse.linear(x, w), F.linear(x, w))  # CPU: the exported graphs' MatMul
+    assert not calls
+    lin = fuse.Linear(64, 32, bias=False)
+    assert isinstance(lin, torch.nn.Linear) and set(lin.state_dict()) == {"weight"}
+
+
+def test_cpu_op_is_the_reference():
+    x, w = torch.randn(3, 40), torch.randn(24, 40)
+    torch.testing.assert_close(torch.ops.dflash.gemv(x, w), x @ w.T)
+
+
+def _check(got, x, w):
+    ref = x.double() @ w.double().T
+    mag = x.double().abs() @ w.double().abs().T
+    err = (got.double() - ref).abs()
+    bound = 2.0 ** -7 * ref.abs() + 2.0 ** -16 * mag + 1e-30
+    assert bool((err <= bound).all()), f"max err {err.max().item():.3e}, worst ratio {(err / bound).max().item():.2f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("N,K", [(1, 8), (7, 264), (16, 2048), (2048, 512), (2049, 4096), (333, 2056), (64, 6144)])
+def test_kernel_vs_fp64(dtype, M, N, K):
+    g = torch.Generator(device="cuda").manual_seed(M * 1000 + N + K)
+    x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(N, K, device="cuda", generator=g) * 0.05).to(dtype)
+    with torch.no_grad():
+        y = fuse.linear(x, w)
+    assert y.shape == (M, N) and y.dtype == dtype
+    _check(y, x, w)
+
+
+@pytest.mark.gpu
+def test_leading_dims_and_views():
+    w_all = torch.randn(96, 256, device="cuda", dtype=torch.bfloat16)
+    w = w_all[32:64]  # a fused buffer's row view, as fuse_linears leaves the layers' weights
+    x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = fuse.linear(x, w)
+    assert y.shape == (1, 1, 32)
+    _check(y[0], x[0], w)
+
+
+@pytest.mark.gpu
+def test_odd_offset_input_falls_back():
+    buf = torch.randn(1, 264, device="cuda", dtype=torch.bfloat16)
+    x, w = buf[:, 1:257], torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)  # x starts 2 bytes in
+    with torch.no_grad():
+        torch.testing.assert_close(torch.ops.dflash.gemv(x, w), F.linear(x, w))
+
+
+@pytest.mark.gpu
+def test_graph_replay_is_bitwise_eager():
+    x = torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = torch.ops.dflash.gemv(x, w)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            torch.ops.dflash.gemv(x, w)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = torch.ops.dflash.gemv(x, w)
+        x.mul_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, -eager)  # the replay read x in place (negated: every dot product negates exactly)
+
+
+@pytest.mark.gpu
+def test_bad_call_is_one_line_before_any_launch():
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(KernelError, match="1..4 rows"):
+        torch.ops.dflash.gemv(x, torch.randn(16, 64, device="cuda", dtype=torch.bfloat16))
