@@ -4,15 +4,11 @@ from __future__ import annotations
 from dflash_trt.plugins.cuda_launch import I, P, get_function, launch
 from dflash_trt.plugins.gemv import spec
 
-_SUFFIX = {"bfloat16": "bf16", "float16": "f16"}
-
-
 def gemv(w, x, y, *, M, N, K, dtype="bfloat16", stream=0):
     """y [M,N] <- x [M,K] @ w[N,K]^T; all contiguous, one 16-bit dtype."""
     spec.check(M, N, K, dtype)
     rows = spec.WARPS * spec.ROWS_PER_WARP
     smem = spec.smem_bytes(M, K)
-    fn = get_function("gemv", f"gemv_m{1 if M == 1 else 4}_{_SUFFIX[dtype]}", max_dynamic_smem=spec.smem_bytes(
-        spec.MAX_ROWS, spec.MAX_K))
+    fn = get_function("gemv", spec.kernel_name(M, K, dtype), max_dynamic_smem=spec.smem_bytes(spec.MAX_ROWS, spec.MAX_K))
     launch(fn, ((N + rows - 1) // rows, 1, 1), (spec.WARPS * 32, 1, 1), smem, stream,
            [(w, P), (x, P), (y, P), (M, I), (N, I), (K, I)])

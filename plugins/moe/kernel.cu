@@ -365,3 +365,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route(
   __syncthreads();  // sel complete
   for (int j = tid; j < k; j += blockDim.x) stf(w, w_dt, (i64)n * k + j, norm ? sel[j] / total : sel[j]);
 }
+
+// ---- decode path (N <= spec.DECODE_TOKENS): per-pair weight streaming (decode.cuh) ---------------------------------
+#include "gemv/rows.cuh"
+#include "decode.cuh"

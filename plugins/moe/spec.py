@@ -21,6 +21,7 @@ kernel here too: moe_route, one CTA per token row: softmax in fp32, k rounds of 
 """
 from __future__ import annotations
 
+from dflash_trt.plugins.gemv import spec as gemv_spec
 from dflash_trt.plugins.opspec import FLOATS, INTS, OpSpec, Port, check_float_dtypes, kernel_need, need
 
 # kernel limits (kernel.cu reads the -D macros; launch.py these)
@@ -30,7 +31,8 @@ PASS_TOKENS = 32   # pairs per pass of a CTA (four 8-column mma tiles); more pai
 MAX_EXPERTS = 4096  # moe_plan keeps two int counters per expert, moe_route E + k <= 2E floats in shared memory
 K_ALIGN = 32       # H and I must be multiples of this (32-column chunks of the mma k loop)
 PLAN_THREADS = 1024
-ROUTE_THREADS = 256  # moe_route's CTA (fewer, a multiple of 32, when E is smaller)
+DECODE_TOKENS = 4   # at most this many tokens (16-bit): the per-pair GEMV path of decode.cuh
+ROUTE_THREADS = 32  # moe_route's CTA: one warp per token row (256 threads measured 7.2 us a call on the H200)
 
 
 def check_dims(N, k, E, H, I) -> None:  # noqa: E741
@@ -47,8 +49,9 @@ def check_route(N, E, k) -> None:
 
 
 def route_threads(E: int) -> int:
-    """moe_route's CTA size: one thread per expert up to ROUTE_THREADS, whole warps."""
-    return min(ROUTE_THREADS, 32 * -(-E // 32))
+    """moe_route's CTA size: ROUTE_THREADS (the kernel takes any multiple of 32; one warp keeps the k rounds'
+    reductions to shuffles)."""
+    return ROUTE_THREADS
 
 
 def _output_shapes(ins):
@@ -80,5 +83,6 @@ SPEC = OpSpec(
     check_shapes=_check_shapes,
     check_kernel=_check_kernel,
     doc="routed SwiGLU experts as a grouped GEMM (each selected expert's weights read once per call)",
-    cuda_defines={"MOE_WARPS": WARPS, "MOE_PASS": PASS_TOKENS, "MOE_ROUTE_THREADS": ROUTE_THREADS},
+    cuda_defines={"MOE_WARPS": WARPS, "MOE_PASS": PASS_TOKENS, "MOE_ROUTE_THREADS": ROUTE_THREADS,
+                  "GEMV_WARPS": gemv_spec.WARPS, "GEMV_RPW": gemv_spec.ROWS_PER_WARP},
 )

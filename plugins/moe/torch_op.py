@@ -41,13 +41,19 @@ def _moe_experts_cuda(x, topk_idx, topk_w, gate_up, down):
         raise KernelError("moe_experts: expert weights must be contiguous (copying them per call would defeat it)")
     x, topk_idx, topk_w = x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
     dev = x.device
+    out = torch.empty_like(x)
+    common = dict(N=N, k=k, E=E, H=H, I=I, dtype=U.dname(x), idx_dtype=U.dname(topk_idx), w_dtype=U.dname(topk_w),
+                  stream=U.stream(x))
+    y_pair = torch.empty(N * k, H, device=dev, dtype=torch.float32)
+    if N <= spec.DECODE_TOKENS and x.dtype != torch.float32 and x.data_ptr() % 16 == 0:  # decode: per-pair streaming
+        gu = torch.empty(N * k, 2 * I, device=dev, dtype=torch.float32)
+        launch.moe_experts_decode(x.data_ptr(), topk_idx.data_ptr(), topk_w.data_ptr(), gate_up.data_ptr(),
+                                  down.data_ptr(), out.data_ptr(), gu.data_ptr(), y_pair.data_ptr(), **common)
+        return out
     plan = torch.empty(launch.workspace_ints(N, k, E), device=dev, dtype=torch.int32)
     h = torch.empty(N * k, I, device=dev, dtype=x.dtype)
-    y_pair = torch.empty(N * k, H, device=dev, dtype=torch.float32)
-    out = torch.empty_like(x)
     launch.moe_experts(x.data_ptr(), topk_idx.data_ptr(), topk_w.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
-                       out.data_ptr(), plan.data_ptr(), h.data_ptr(), y_pair.data_ptr(), N=N, k=k, E=E, H=H, I=I,
-                       dtype=U.dname(x), idx_dtype=U.dname(topk_idx), w_dtype=U.dname(topk_w), stream=U.stream(x))
+                       out.data_ptr(), plan.data_ptr(), h.data_ptr(), y_pair.data_ptr(), **common)
     return out
 
 

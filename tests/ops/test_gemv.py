@@ -1,6 +1,6 @@
-"""gemv (plugins/gemv): the decode-step projection kernel. CPU: which calls the dispatcher (export.fuse.linear)
+"""gemv (plugins/gemv): the decode-step projection kernel (one row of x). CPU: which calls the dispatcher (export.fuse.linear)
 sends to it, the kernel limits, and that every other call stays F.linear. GPU: the kernel against an fp64 matmul
-of the same rounded inputs over row counts 1..4, ragged N and K (tails of the 2048-column pass), both 16-bit
+of the same rounded inputs over ragged N and K (tails of the 2048-column pass), both 16-bit
 dtypes, row views of a fused buffer, an input at an odd offset (served by F.linear), a CUDA-graph replay == eager
 bit for bit, and a bad call refused in one line before any launch.
 
@@ -15,8 +15,8 @@ from dflash_trt.plugins.opspec import KernelError
 
 
 def test_usable_limits():
-    assert spec.usable(1, 2048, "bfloat16") and spec.usable(4, 8, "float16")
-    assert not spec.usable(5, 2048, "bfloat16")          # more rows: cuBLAS
+    assert spec.usable(1, 2048, "bfloat16") and spec.usable(1, 8, "float16")
+    assert not spec.usable(2, 2048, "bfloat16")          # more rows: cuBLAS
     assert not spec.usable(1, 2044, "bfloat16")          # not 16-byte chunks
     assert not spec.usable(1, 2048, "float32")           # fp32 stays cuBLAS
     assert not spec.usable(1, spec.MAX_K + 8, "bfloat16")
@@ -50,7 +50,7 @@ def _check(got, x, w):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("M", [1])
 @pytest.mark.parametrize("N,K", [(1, 8), (7, 264), (16, 2048), (2048, 512), (2049, 4096), (333, 2056), (64, 6144)])
 def test_kernel_vs_fp64(dtype, M, N, K):
     g = torch.Generator(device="cuda").manual_seed(M * 1000 + N + K)
@@ -83,7 +83,7 @@ def test_odd_offset_input_falls_back():
 
 @pytest.mark.gpu
 def test_graph_replay_is_bitwise_eager():
-    x = torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         eager = torch.ops.dflash.gemv(x, w)
@@ -103,6 +103,6 @@ def test_graph_replay_is_bitwise_eager():
 
 @pytest.mark.gpu
 def test_bad_call_is_one_line_before_any_launch():
-    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(KernelError, match="1..4 rows"):
+    x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(KernelError, match="needs 1 row of x"):
         torch.ops.dflash.gemv(x, torch.randn(16, 64, device="cuda", dtype=torch.bfloat16))

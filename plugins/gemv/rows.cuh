@@ -1,0 +1,85 @@
+// Weight-row streaming shared by the gemv kernels (gemv/kernel.cu) and MoE's decode path (moe/decode.cuh):
+// one warp computes dot products of GEMV_RPW rows of a 16-bit matrix w [*, K] with M <= MT rows of x staged
+// in shared memory, keeping U 16-byte loads per row in flight per lane before any FMA (the weights are the
+// only large stream of a decode step, so what matters is the number of loads in flight).
+#pragma once
+#include "common.cuh"
+#ifndef GEMV_WARPS
+#error "GEMV_WARPS / GEMV_RPW come from gemv/spec.py through NVRTC -D options"
+#endif
+// U: chunks (16 bytes) per lane per row and pass; a pass covers 32 * U * 8 columns. U = 8 (2048 columns) or
+// U = 16 for K > 2048: a 2048-row out_proj of K 4096 has only ~8 warps per SM, so each must hold more loads.
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {  // read once: keep it out of L1
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+template <bool F16>
+__device__ __forceinline__ float2 pair16(unsigned u) {  // two packed 16-bit values -> float
+  if (F16) return make_float2(f16_to_f((u16)(u & 0xffffu)), f16_to_f((u16)(u >> 16)));
+  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
+template <bool F16>
+__device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
+  const unsigned av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = pair16<F16>(av[i]), q = pair16<F16>(bv[i]);
+    acc = fmaf(p.x, q.x, acc);
+    acc = fmaf(p.y, q.y, acc);
+  }
+  return acc;
+}
+template <int U>
+__device__ __forceinline__ void load_pass(uint4 (&wv)[GEMV_RPW][U], const uint4* const (&wr)[GEMV_RPW],
+                                          int c0, int nch, int lane) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = c0 + u * 32 + lane;
+#pragma unroll
+    for (int r = 0; r < GEMV_RPW; ++r) wv[r][u] = c < nch ? ld_stream(wr[r] + c) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// acc[r][m] = w[row0 + r] . xs[m] (rows clamped to N-1: the caller stores only rows < N), fp32, reduced over the
+// warp (every lane holds the sums). w_first: the first pass's loads, issued by the caller BEFORE it staged xs
+// and synchronised (so they overlap the staging). nch = K / 8; xs [M][nch] 16-byte chunks.
+template <int MT, bool F16, int U>
+__device__ __forceinline__ void rows_dot(uint4 (&wv)[GEMV_RPW][U], const uint4* const (&wr)[GEMV_RPW],
+                                         const uint4* __restrict__ xs, int M, int nch, int lane,
+                                         float (&acc)[GEMV_RPW][MT]) {
+#pragma unroll
+  for (int r = 0; r < GEMV_RPW; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
+  for (int c0 = 0;;) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * 32 + lane;
+      if (c >= nch) break;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if (m < M) {
+          const uint4 xv = xs[m * nch + c];
+#pragma unroll
+          for (int r = 0; r < GEMV_RPW; ++r) acc[r][m] = dot8<F16>(wv[r][u], xv, acc[r][m]);
+        }
+      }
+    }
+    c0 += 32 * U;
+    if (c0 >= nch) break;
+    load_pass(wv, wr, c0, nch, lane);
+  }
+#pragma unroll
+  for (int r = 0; r < GEMV_RPW; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[r][m] = warp_sum(acc[r][m]);
+}
+
+// The warp's row pointers: rows row0.. of w [N, K] (clamped to N-1).
+__device__ __forceinline__ void row_ptrs(const uint4* (&wr)[GEMV_RPW], const u16* w, int row0, int N, int K) {
+#pragma unroll
+  for (int r = 0; r < GEMV_RPW; ++r) wr[r] = (const uint4*)(w + (i64)min(row0 + r, N - 1) * K);
+}
