@@ -18,7 +18,7 @@ __device__ __forceinline__ void gemv_body(const u16* __restrict__ w, const u16* 
   for (int i = tid; i < M * nch; i += GEMV_WARPS * 32) xs[i] = ((const uint4*)x)[i];
   __syncthreads();
   float acc[GEMV_RPW][MT];
-  rows_dot<MT, F16, U>(wv, wr, xs, M, nch, lane, acc);
+  rows_dot<MT, F16, GEMV_RPW, U>(wv, wr, xs, M, nch, lane, acc);
 #pragma unroll
   for (int r = 0; r < GEMV_RPW; ++r)
 #pragma unroll

@@ -32,26 +32,24 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
   }
   return acc;
 }
-template <int U>
-__device__ __forceinline__ void load_pass(uint4 (&wv)[GEMV_RPW][U], const uint4* const (&wr)[GEMV_RPW],
-                                          int c0, int nch, int lane) {
+template <int R, int U>
+__device__ __forceinline__ void load_pass(uint4 (&wv)[R][U], const uint4* const (&wr)[R], int c0, int nch, int lane) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int c = c0 + u * 32 + lane;
 #pragma unroll
-    for (int r = 0; r < GEMV_RPW; ++r) wv[r][u] = c < nch ? ld_stream(wr[r] + c) : make_uint4(0, 0, 0, 0);
+    for (int r = 0; r < R; ++r) wv[r][u] = c < nch ? ld_stream(wr[r] + c) : make_uint4(0, 0, 0, 0);
   }
 }
 
-// acc[r][m] = w[row0 + r] . xs[m] (rows clamped to N-1: the caller stores only rows < N), fp32, reduced over the
+// acc[r][m] = w[row0 + r] . xs[m] for the R rows of wr (rows clamped to N-1: the caller stores only rows < N), fp32, reduced over the
 // warp (every lane holds the sums). w_first: the first pass's loads, issued by the caller BEFORE it staged xs
 // and synchronised (so they overlap the staging). nch = K / 8; xs [M][nch] 16-byte chunks.
-template <int MT, bool F16, int U>
-__device__ __forceinline__ void rows_dot(uint4 (&wv)[GEMV_RPW][U], const uint4* const (&wr)[GEMV_RPW],
-                                         const uint4* __restrict__ xs, int M, int nch, int lane,
-                                         float (&acc)[GEMV_RPW][MT]) {
+template <int MT, bool F16, int R, int U>
+__device__ __forceinline__ void rows_dot(uint4 (&wv)[R][U], const uint4* const (&wr)[R], const uint4* __restrict__ xs,
+                                         int M, int nch, int lane, float (&acc)[R][MT]) {
 #pragma unroll
-  for (int r = 0; r < GEMV_RPW; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
   for (int c0 = 0;;) {
@@ -64,7 +62,7 @@ __device__ __forceinline__ void rows_dot(uint4 (&wv)[GEMV_RPW][U], const uint4* 
         if (m < M) {
           const uint4 xv = xs[m * nch + c];
 #pragma unroll
-          for (int r = 0; r < GEMV_RPW; ++r) acc[r][m] = dot8<F16>(wv[r][u], xv, acc[r][m]);
+          for (int r = 0; r < R; ++r) acc[r][m] = dot8<F16>(wv[r][u], xv, acc[r][m]);
         }
       }
     }
@@ -73,13 +71,14 @@ __device__ __forceinline__ void rows_dot(uint4 (&wv)[GEMV_RPW][U], const uint4* 
     load_pass(wv, wr, c0, nch, lane);
   }
 #pragma unroll
-  for (int r = 0; r < GEMV_RPW; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[r][m] = warp_sum(acc[r][m]);
 }
 
 // The warp's row pointers: rows row0.. of w [N, K] (clamped to N-1).
-__device__ __forceinline__ void row_ptrs(const uint4* (&wr)[GEMV_RPW], const u16* w, int row0, int N, int K) {
+template <int R>
+__device__ __forceinline__ void row_ptrs(const uint4* (&wr)[R], const u16* w, int row0, int N, int K) {
 #pragma unroll
-  for (int r = 0; r < GEMV_RPW; ++r) wr[r] = (const uint4*)(w + (i64)min(row0 + r, N - 1) * K);
+  for (int r = 0; r < R; ++r) wr[r] = (const uint4*)(w + (i64)min(row0 + r, N - 1) * K);
 }

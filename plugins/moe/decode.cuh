@@ -2,9 +2,9 @@
 // its expert's rows, streamed as the dense decode projections are (gemv/rows.cuh), instead of the grouped GEMM's
 // plan + tensor-core tiles. At N*k <= 32 pairs the experts rarely repeat, and the grouped kernels' fixed costs
 // (plan launch, 32-row CTAs with few k-steps each, smem reduction) made them run at half the HBM rate.
-// moe_dec_gate_up -> gu [P, 2I] fp32; moe_dec_down -> y_pair [P, H] fp32 (h = silu(g)*u rounded to x's dtype
-// once, as the grouped path's epilogue does); then moe_combine as in the grouped path. Pairs with an expert id
-// outside [0, E) are skipped here and dropped by moe_combine.
+// moe_dec_gate_up -> gu [P, 2I] fp32; moe_dec_down -> y [N, H] (h = silu(g)*u rounded to x's dtype once, as the
+// grouped path's epilogue does; the k-combine of moe_combine fused in, same order). Pairs with an expert id
+// outside [0, E) add nothing.
 #pragma once
 #include "gemv/rows.cuh"
 
@@ -26,38 +26,68 @@ __device__ __forceinline__ void dec_gate_up(const u16* __restrict__ gate_up, con
   for (int i = tid; i < nch; i += GEMV_WARPS * 32) xs[i] = xr[i];
   __syncthreads();
   float acc[GEMV_RPW][1];
-  rows_dot<1, F16, 8>(wv, wr, xs, 1, nch, lane, acc);
+  rows_dot<1, F16>(wv, wr, xs, 1, nch, lane, acc);
 #pragma unroll
   for (int r = 0; r < GEMV_RPW; ++r)
     if (lane == 0 && row0 + r < rows) gu[(i64)p * rows + row0 + r] = acc[r][0];
 }
 
-// Grid (ceil(H / (GEMV_WARPS * GEMV_RPW)), P); dynamic smem I * 2 bytes (the pair's h).
+// Down projection and the k-combine of token n, rows row0 .. row0 + DEC_ROWS of y: warp w streams the rows of
+// pairs j = w, w + GEMV_WARPS, ... (DEC_ROWS rows x DEC_U chunks a lane in flight: I is short, so a warp takes
+// more rows than the dense GEMV's two), then y = sum_j w_j (down[e_j] . h_j) in ascending j, fp32, as moe_combine.
+// Grid (ceil(H / DEC_ROWS), N); dynamic smem: h [k][I] 16-bit + partial sums [k][DEC_ROWS] fp32.
+#define DEC_ROWS 8
+#define DEC_U 2
 template <bool F16>
 __device__ __forceinline__ void dec_down(const u16* __restrict__ down, const float* __restrict__ gu,
-                                         const void* __restrict__ idx, int idx64, int E, int H, int I,
-                                         float* __restrict__ y_pair) {
-  extern __shared__ uint4 hs[];
-  const int p = blockIdx.y, e = load_id(idx, idx64, p);
-  if (e < 0 || e >= E) return;
-  const int nch = I >> 3, tid = threadIdx.x, lane = tid & 31;
-  const int row0 = (blockIdx.x * GEMV_WARPS + (tid >> 5)) * GEMV_RPW;
-  const uint4* wr[GEMV_RPW];
-  row_ptrs(wr, down + (i64)e * H * I, row0, H, I);
-  uint4 wv[GEMV_RPW][8];
-  load_pass(wv, wr, 0, nch, lane);
-  u16* h = (u16*)hs;
-  const float* g = gu + (i64)p * 2 * I;
-  for (int i = tid; i < I; i += GEMV_WARPS * 32) {
-    const float v = silu(g[i]) * g[I + i];
+                                         const void* __restrict__ idx, int idx64, const void* __restrict__ tw,
+                                         int tw_dt, int topk, int E, int H, int I, void* __restrict__ out, int out_dt) {
+  extern __shared__ uint4 dsm[];
+  u16* h = (u16*)dsm;
+  float* part = (float*)(h + topk * I);  // k * I * 2 bytes: a multiple of 64 (I % 32 == 0)
+  const int n = blockIdx.y, tid = threadIdx.x, lane = tid & 31, nch = I >> 3, row0 = blockIdx.x * DEC_ROWS;
+  const uint4* wr[DEC_ROWS];
+  uint4 wv[DEC_ROWS][DEC_U];
+  int j = tid >> 5, e = j < topk ? load_id(idx, idx64, n * topk + j) : -1;
+  if (e >= 0 && e < E) {  // the first pair's loads fly while h is staged
+    row_ptrs(wr, down + (i64)e * H * I, row0, H, I);
+    load_pass(wv, wr, 0, nch, lane);
+  }
+  for (int i = tid; i < topk * I; i += GEMV_WARPS * 32) {
+    const int jj = i / I, c = i - jj * I, ej = load_id(idx, idx64, n * topk + jj);
+    const float* g = gu + (i64)(n * topk + jj) * 2 * I;
+    const float v = (ej >= 0 && ej < E) ? silu(g[c]) * g[I + c] : 0.f;  // a dropped pair's gu is never written
     h[i] = F16 ? f_to_f16(v) : f_to_bf16(v);
   }
   __syncthreads();
-  float acc[GEMV_RPW][1];
-  rows_dot<1, F16, 8>(wv, wr, hs, 1, nch, lane, acc);
+  for (; j < topk; j += GEMV_WARPS) {
+    float acc[DEC_ROWS][1];
+    if (e >= 0 && e < E) {
+      rows_dot<1, F16>(wv, wr, (const uint4*)(h + j * I), 1, nch, lane, acc);
+    } else {
 #pragma unroll
-  for (int r = 0; r < GEMV_RPW; ++r)
-    if (lane == 0 && row0 + r < H) y_pair[(i64)p * H + row0 + r] = acc[r][0];
+      for (int r = 0; r < DEC_ROWS; ++r) acc[r][0] = 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < DEC_ROWS; ++r)
+      if (lane == r) part[j * DEC_ROWS + r] = acc[r][0];
+    const int jn = j + GEMV_WARPS;
+    e = jn < topk ? load_id(idx, idx64, n * topk + jn) : -1;
+    if (e >= 0 && e < E) {
+      row_ptrs(wr, down + (i64)e * H * I, row0, H, I);
+      load_pass(wv, wr, 0, nch, lane);
+    }
+  }
+  __syncthreads();
+  const int row = row0 + tid;
+  if (tid < DEC_ROWS && row < H) {
+    float sum = 0.f;
+    for (int jj = 0; jj < topk; ++jj) {
+      const int p = n * topk + jj, ej = load_id(idx, idx64, p);
+      if (ej >= 0 && ej < E) sum += ldf(tw, tw_dt, p) * part[jj * DEC_ROWS + tid];
+    }
+    stf(out, out_dt, (i64)n * H + row, sum);
+  }
 }
 
 #define MOE_DEC(SFX, F16)                                                                                    \
@@ -66,8 +96,9 @@ __device__ __forceinline__ void dec_down(const u16* __restrict__ down, const flo
     dec_gate_up<F16>(gate_up, x, idx, idx64, topk, E, H, I, gu);                                             \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) moe_dec_down_##SFX(                         \
-      const u16* down, const float* gu, const void* idx, int idx64, int E, int H, int I, float* y_pair) {     \
-    dec_down<F16>(down, gu, idx, idx64, E, H, I, y_pair);                                                    \
+      const u16* down, const float* gu, const void* idx, int idx64, const void* tw, int tw_dt, int topk, int E, \
+      int H, int I, void* out, int out_dt) {                                                                 \
+    dec_down<F16>(down, gu, idx, idx64, tw, tw_dt, topk, E, H, I, out, out_dt);                              \
   }
 MOE_DEC(bf16, false)
 MOE_DEC(f16, true)
