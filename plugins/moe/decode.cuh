@@ -2,34 +2,33 @@
 // its expert's rows, streamed as the dense decode projections are (gemv/rows.cuh), instead of the grouped GEMM's
 // plan + tensor-core tiles. At N*k <= 32 pairs the experts rarely repeat, and the grouped kernels' fixed costs
 // (plan launch, 32-row CTAs with few k-steps each, smem reduction) made them run at half the HBM rate.
-// moe_dec_gate_up -> gu [P, 2I] fp32; moe_dec_down -> y [N, H] (h = silu(g)*u rounded to x's dtype once, as the
-// grouped path's epilogue does; the k-combine of moe_combine fused in, same order). Pairs with an expert id
-// outside [0, E) add nothing.
+// moe_dec_gate_up -> h [P, I] in x's dtype; moe_dec_down -> y [N, H] (the k-combine of moe_combine fused in, same
+// order). Pairs with an expert id outside [0, E) add nothing.
 #pragma once
 #include "gemv/rows.cuh"
 
-// Grid (ceil(2I / (GEMV_WARPS * GEMV_RPW)), P); dynamic smem H * 2 bytes (the pair's token row of x).
+// h[p, i] = silu(gate_i . x) * (up_i . x), rounded to x's dtype (as the grouped path's epilogue): warp w of CTA
+// (bx, p) streams gate row i = bx * GEMV_WARPS + w and up row I + i of expert e_p together.
+// Grid (I / GEMV_WARPS, P); dynamic smem H * 2 bytes (the pair's token row of x).
 template <bool F16>
 __device__ __forceinline__ void dec_gate_up(const u16* __restrict__ gate_up, const u16* __restrict__ x,
                                             const void* __restrict__ idx, int idx64, int topk, int E, int H, int I,
-                                            float* __restrict__ gu) {
+                                            u16* __restrict__ h) {
   extern __shared__ uint4 xs[];
   const int p = blockIdx.y, e = load_id(idx, idx64, p);
   if (e < 0 || e >= E) return;  // uniform per CTA
-  const int nch = H >> 3, tid = threadIdx.x, lane = tid & 31, rows = 2 * I;
-  const int row0 = (blockIdx.x * GEMV_WARPS + (tid >> 5)) * GEMV_RPW;
-  const uint4* wr[GEMV_RPW];
-  row_ptrs(wr, gate_up + (i64)e * rows * H, row0, rows, H);
-  uint4 wv[GEMV_RPW][8];
+  const int nch = H >> 3, tid = threadIdx.x, lane = tid & 31, i = blockIdx.x * GEMV_WARPS + (tid >> 5);
+  const u16* we = gate_up + (i64)e * 2 * I * H;
+  const uint4* wr[2] = {(const uint4*)(we + (i64)i * H), (const uint4*)(we + (i64)(I + i) * H)};  // I % 32 == 0
+  uint4 wv[2][8];
   load_pass(wv, wr, 0, nch, lane);
   const uint4* xr = (const uint4*)(x + (i64)(p / topk) * H);
-  for (int i = tid; i < nch; i += GEMV_WARPS * 32) xs[i] = xr[i];
+  for (int c = tid; c < nch; c += GEMV_WARPS * 32) xs[c] = xr[c];
   __syncthreads();
-  float acc[GEMV_RPW][1];
+  float acc[2][1];
   rows_dot<1, F16>(wv, wr, xs, 1, nch, lane, acc);
-#pragma unroll
-  for (int r = 0; r < GEMV_RPW; ++r)
-    if (lane == 0 && row0 + r < rows) gu[(i64)p * rows + row0 + r] = acc[r][0];
+  const float v = silu(acc[0][0]) * acc[1][0];
+  if (lane == 0) h[(i64)p * I + i] = F16 ? f_to_f16(v) : f_to_bf16(v);
 }
 
 // Down projection and the k-combine of token n, rows row0 .. row0 + DEC_ROWS of y: warp w streams the rows of
@@ -39,7 +38,7 @@ __device__ __forceinline__ void dec_gate_up(const u16* __restrict__ gate_up, con
 #define DEC_ROWS 8
 #define DEC_U 2
 template <bool F16>
-__device__ __forceinline__ void dec_down(const u16* __restrict__ down, const float* __restrict__ gu,
+__device__ __forceinline__ void dec_down(const u16* __restrict__ down, const u16* __restrict__ hp,
                                          const void* __restrict__ idx, int idx64, const void* __restrict__ tw,
                                          int tw_dt, int topk, int E, int H, int I, void* __restrict__ out, int out_dt) {
   extern __shared__ uint4 dsm[];
@@ -53,12 +52,8 @@ __device__ __forceinline__ void dec_down(const u16* __restrict__ down, const flo
     row_ptrs(wr, down + (i64)e * H * I, row0, H, I);
     load_pass(wv, wr, 0, nch, lane);
   }
-  for (int i = tid; i < topk * I; i += GEMV_WARPS * 32) {
-    const int jj = i / I, c = i - jj * I, ej = load_id(idx, idx64, n * topk + jj);
-    const float* g = gu + (i64)(n * topk + jj) * 2 * I;
-    const float v = (ej >= 0 && ej < E) ? silu(g[c]) * g[I + c] : 0.f;  // a dropped pair's gu is never written
-    h[i] = F16 ? f_to_f16(v) : f_to_bf16(v);
-  }
+  const uint4* hsrc = (const uint4*)(hp + (i64)n * topk * I);  // the token's k rows of h (a dropped pair's: unused)
+  for (int c = tid; c < topk * nch; c += GEMV_WARPS * 32) dsm[c] = hsrc[c];
   __syncthreads();
   for (; j < topk; j += GEMV_WARPS) {
     float acc[DEC_ROWS][1];
@@ -92,13 +87,13 @@ __device__ __forceinline__ void dec_down(const u16* __restrict__ down, const flo
 
 #define MOE_DEC(SFX, F16)                                                                                    \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) moe_dec_gate_up_##SFX(                      \
-      const u16* gate_up, const u16* x, const void* idx, int idx64, int topk, int E, int H, int I, float* gu) { \
-    dec_gate_up<F16>(gate_up, x, idx, idx64, topk, E, H, I, gu);                                             \
+      const u16* gate_up, const u16* x, const void* idx, int idx64, int topk, int E, int H, int I, u16* h) {  \
+    dec_gate_up<F16>(gate_up, x, idx, idx64, topk, E, H, I, h);                                              \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) moe_dec_down_##SFX(                         \
-      const u16* down, const float* gu, const void* idx, int idx64, const void* tw, int tw_dt, int topk, int E, \
+      const u16* down, const u16* h, const void* idx, int idx64, const void* tw, int tw_dt, int topk, int E, \
       int H, int I, void* out, int out_dt) {                                                                 \
-    dec_down<F16>(down, gu, idx, idx64, tw, tw_dt, topk, E, H, I, out, out_dt);                              \
+    dec_down<F16>(down, h, idx, idx64, tw, tw_dt, topk, E, H, I, out, out_dt);                              \
   }
 MOE_DEC(bf16, false)
 MOE_DEC(f16, true)

@@ -56,10 +56,10 @@ def decode_smem(k: int, I: int) -> int:  # noqa: E741
     return k * I * 2 + k * DEC_ROWS * 4
 
 
-def moe_experts_decode(x, topk_idx, topk_w, gate_up, down, out, gu, *, N, k, E, H, I,  # noqa: E741
+def moe_experts_decode(x, topk_idx, topk_w, gate_up, down, out, h, *, N, k, E, H, I,  # noqa: E741
                        dtype="bfloat16", idx_dtype="int64", w_dtype="bfloat16", stream=0):
-    """The decode path of moe_experts (spec.DECODE_TOKENS, decode.cuh): two launches, no plan. Workspace: gu
-    [N*k, 2I] fp32."""
+    """The decode path of moe_experts (spec.DECODE_TOKENS, decode.cuh): two launches, no plan. Workspace: h
+    [N*k, I] in x's dtype."""
     spec.check_dims(N, k, E, H, I)
     kernel_need(N <= spec.DECODE_TOKENS and str(dtype) in ("bfloat16", "float16") and decode_smem(k, I) <= 48 * 1024,
                 f"moe_experts decode path: at most {spec.DECODE_TOKENS} tokens of a 16-bit dtype and top_k * I <= "
@@ -68,12 +68,11 @@ def moe_experts_decode(x, topk_idx, topk_w, gate_up, down, out, gu, *, N, k, E, 
                 f"moe_experts: topk_idx must be int32 or int64, got {idx_dtype}")
     dt, wdt = dtype_code(dtype, "moe_experts x / weights"), dtype_code(w_dtype, "moe_experts topk_w")
     idx64 = int(str(idx_dtype).endswith("int64"))
-    sfx, rows = _SUFFIX[dtype], gemv_spec.WARPS * gemv_spec.ROWS_PER_WARP
-    block = (gemv_spec.WARPS * 32, 1, 1)
-    launch(get_function("moe", f"moe_dec_gate_up_{sfx}"), (-(-2 * I // rows), N * k, 1), block, 2 * H, stream,
-           [(gate_up, P), (x, P), (topk_idx, P), (idx64, INT), (k, INT), (E, INT), (H, INT), (I, INT), (gu, P)])
+    sfx, block = _SUFFIX[dtype], (gemv_spec.WARPS * 32, 1, 1)
+    launch(get_function("moe", f"moe_dec_gate_up_{sfx}"), (I // gemv_spec.WARPS, N * k, 1), block, 2 * H, stream,
+           [(gate_up, P), (x, P), (topk_idx, P), (idx64, INT), (k, INT), (E, INT), (H, INT), (I, INT), (h, P)])
     launch(get_function("moe", f"moe_dec_down_{sfx}"), (-(-H // DEC_ROWS), N, 1), block, decode_smem(k, I), stream,
-           [(down, P), (gu, P), (topk_idx, P), (idx64, INT), (topk_w, P), (wdt, INT), (k, INT), (E, INT), (H, INT),
+           [(down, P), (h, P), (topk_idx, P), (idx64, INT), (topk_w, P), (wdt, INT), (k, INT), (E, INT), (H, INT),
             (I, INT), (out, P), (dt, INT)])
 
 

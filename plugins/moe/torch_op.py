@@ -46,9 +46,9 @@ def _moe_experts_cuda(x, topk_idx, topk_w, gate_up, down):
                   stream=U.stream(x))
     if (N <= spec.DECODE_TOKENS and x.dtype != torch.float32 and x.data_ptr() % 16 == 0
             and launch.decode_smem(k, I) <= 48 * 1024):  # a decode step: per-pair weight streaming
-        gu = torch.empty(N * k, 2 * I, device=dev, dtype=torch.float32)
+        h = torch.empty(N * k, I, device=dev, dtype=x.dtype)
         launch.moe_experts_decode(x.data_ptr(), topk_idx.data_ptr(), topk_w.data_ptr(), gate_up.data_ptr(),
-                                  down.data_ptr(), out.data_ptr(), gu.data_ptr(), **common)
+                                  down.data_ptr(), out.data_ptr(), h.data_ptr(), **common)
         return out
     y_pair = torch.empty(N * k, H, device=dev, dtype=torch.float32)
     plan = torch.empty(launch.workspace_ints(N, k, E), device=dev, dtype=torch.int32)
