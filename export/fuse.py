@@ -20,14 +20,15 @@ from torch import nn
 
 from dflash_trt.plugins import torch_ops  # noqa: F401  (registers torch.ops.dflash.gemv)
 from dflash_trt.plugins.gemv import spec as gemv_spec
+from dflash_trt.plugins.torch_util import dname
 
 BUFFER = "_fused_"  # buffer name prefix on the owner: _fused_<first layer name>
 
 
 def linear(x, w):
     """x @ w.T. Inference only (no autograd through the kernel): training steps keep F.linear."""
-    if x.is_cuda and not torch.is_grad_enabled() and gemv_spec.usable(x.numel() // x.shape[-1], x.shape[-1],
-                                                                        str(x.dtype)[6:]) and w.dtype == x.dtype:
+    rows, K = x.numel() // max(x.shape[-1], 1), x.shape[-1]
+    if x.is_cuda and not torch.is_grad_enabled() and w.dtype == x.dtype and gemv_spec.usable(rows, K, dname(x)):
         return torch.ops.dflash.gemv(x, w)
     return F.linear(x, w)
 
