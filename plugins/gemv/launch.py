@@ -4,8 +4,9 @@ from __future__ import annotations
 from dflash_trt.plugins.cuda_launch import I, P, get_function, launch
 from dflash_trt.plugins.gemv import spec
 
+
 def gemv(w, x, y, *, M, N, K, dtype="bfloat16", stream=0):
-    """y [M,N] <- x [M,K] @ w[N,K]^T; all contiguous, one 16-bit dtype."""
+    """y [M,N] <- x [M,K] @ w[N,K]^T (M = 1: spec.check); all contiguous, one 16-bit dtype."""
     spec.check(M, N, K, dtype)
     rows = spec.WARPS * spec.ROWS_PER_WARP
     smem = spec.smem_bytes(M, K)
