@@ -29,11 +29,7 @@ def moe_experts(x, topk_idx, topk_w, gate_up, down, out, plan, h, y_pair, *, N, 
                 dtype="bfloat16", idx_dtype="int64", w_dtype="bfloat16", stream=0):
     """out [N,H] <- MoeExperts(x, topk_idx, topk_w, gate_up, down); all contiguous, weights in x's dtype."""
     spec.check_dims(N, k, E, H, I)
-    dt = dtype_code(dtype, "moe_experts x / weights")
-    wdt = dtype_code(w_dtype, "moe_experts topk_w")
-    kernel_need(str(idx_dtype).replace("torch.", "") in ("int32", "int64"),
-                f"moe_experts: topk_idx must be int32 or int64, got {idx_dtype}")
-    idx64 = int(str(idx_dtype).endswith("int64"))
+    dt, wdt, idx64 = _codes(dtype, w_dtype, idx_dtype)
     M, Pn = slots(N, k, E), N * k
     act_e, act_off, act_cnt, entries = plan, plan + 4 * M, plan + 8 * M, plan + 12 * M  # int32 byte offsets
     plan_args = [(act_e, P), (act_off, P), (act_cnt, P), (entries, P)]
@@ -51,9 +47,25 @@ def moe_experts(x, topk_idx, topk_w, gate_up, down, out, plan, h, y_pair, *, N, 
 DEC_ROWS = 8  # rows of y per moe_dec_down CTA (decode.cuh)
 
 
+DEC_SMEM = 48 * 1024  # moe_dec_down's dynamic shared memory stays within the default limit
+
+
 def decode_smem(k: int, I: int) -> int:  # noqa: E741
     """moe_dec_down's dynamic shared memory: h [k, I] 16-bit + partial sums [k, DEC_ROWS] fp32."""
     return k * I * 2 + k * DEC_ROWS * 4
+
+
+def takes_decode_path(N: int, k: int, I: int, dtype: str) -> bool:  # noqa: E741
+    """Whether moe_experts_decode runs this call (the torch op's choice; otherwise the grouped path)."""
+    return N <= spec.DECODE_TOKENS and str(dtype) in ("bfloat16", "float16") and decode_smem(k, I) <= DEC_SMEM
+
+
+def _codes(dtype, w_dtype, idx_dtype):
+    """(x dtype code, topk_w dtype code, idx64) of one moe_experts call; KernelError for a bad index dtype."""
+    kernel_need(str(idx_dtype).replace("torch.", "") in ("int32", "int64"),
+                f"moe_experts: topk_idx must be int32 or int64, got {idx_dtype}")
+    return (dtype_code(dtype, "moe_experts x / weights"), dtype_code(w_dtype, "moe_experts topk_w"),
+            int(str(idx_dtype).endswith("int64")))
 
 
 def moe_experts_decode(x, topk_idx, topk_w, gate_up, down, out, h, *, N, k, E, H, I,  # noqa: E741
@@ -61,13 +73,10 @@ def moe_experts_decode(x, topk_idx, topk_w, gate_up, down, out, h, *, N, k, E, H
     """The decode path of moe_experts (spec.DECODE_TOKENS, decode.cuh): two launches, no plan. Workspace: h
     [N*k, I] in x's dtype."""
     spec.check_dims(N, k, E, H, I)
-    kernel_need(N <= spec.DECODE_TOKENS and str(dtype) in ("bfloat16", "float16") and decode_smem(k, I) <= 48 * 1024,
-                f"moe_experts decode path: at most {spec.DECODE_TOKENS} tokens of a 16-bit dtype and top_k * I <= "
-                f"{48 * 1024 // 2 - 64} (got N={N}, {dtype}, k={k}, I={I})")
-    kernel_need(str(idx_dtype).replace("torch.", "") in ("int32", "int64"),
-                f"moe_experts: topk_idx must be int32 or int64, got {idx_dtype}")
-    dt, wdt = dtype_code(dtype, "moe_experts x / weights"), dtype_code(w_dtype, "moe_experts topk_w")
-    idx64 = int(str(idx_dtype).endswith("int64"))
+    kernel_need(takes_decode_path(N, k, I, dtype),
+                f"moe_experts decode path: at most {spec.DECODE_TOKENS} tokens of a 16-bit dtype and "
+                f"{DEC_SMEM} bytes of shared memory (got N={N}, {dtype}, k={k}, I={I}: {decode_smem(k, I)})")
+    dt, wdt, idx64 = _codes(dtype, w_dtype, idx_dtype)
     sfx, block = _SUFFIX[dtype], (gemv_spec.WARPS * 32, 1, 1)
     launch(get_function("moe", f"moe_dec_gate_up_{sfx}"), (I // gemv_spec.WARPS, N * k, 1), block, 2 * H, stream,
            [(gate_up, P), (x, P), (topk_idx, P), (idx64, INT), (k, INT), (E, INT), (H, INT), (I, INT), (h, P)])

@@ -98,6 +98,18 @@ def test_fake_impl_shape():
     assert y.shape == (4, 64) and y.dtype == torch.float32
 
 
+def test_decode_path_choice():
+    """The torch op's choice of the decode path (launch.takes_decode_path): few tokens, 16-bit, h in shared memory."""
+    from dflash_trt.plugins.moe import launch
+
+    assert launch.takes_decode_path(1, 8, 512, "bfloat16") and launch.takes_decode_path(4, 10, 512, "float16")
+    assert not launch.takes_decode_path(spec.DECODE_TOKENS + 1, 8, 512, "bfloat16")
+    assert not launch.takes_decode_path(1, 8, 512, "float32")
+    assert not launch.takes_decode_path(1, 16, 2048, "bfloat16")  # 64 KiB of h: past the shared-memory limit
+    with pytest.raises(KernelError, match="decode path"):
+        launch.moe_experts_decode(0, 0, 0, 0, 0, 0, 0, N=8, k=8, E=256, H=2048, I=512)
+
+
 # ---------------------------------------------------------------- GPU ----------------------------------------------
 
 def _gpu_check(name, N, shape, dtype, routing="random", seed=0):
