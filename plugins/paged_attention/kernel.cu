@@ -5,8 +5,9 @@
 // Key index j in [0, Lc + T): j < Lc is cached row kv_start + j, j >= Lc is new row j - Lc.
 // window > 0 (sliding attention): query row t (key index Lc + t) sees key j only if Lc + t - j < window.
 //
-// Pass 1, paged_attention_hd{HD}_{bf16|f16|f32} (the K/V tile dtype): grid (split, row group * Hkv + kv head,
-// batch). A CTA owns R query rows (t-major (t, q-head of the GQA group) pairs of one kv head) and the keys
+// Pass 1, paged_attention_hd{HD}_{bf16|f16|f32}[_r{R}] (the K/V tile dtype; R query rows per CTA, spec.py
+// picks the fewest padded rows: a decode row group of one kv head is G*T = 8 rows, a verify block's 128):
+// grid (split, row group * Hkv + kv head, batch). A CTA owns R query rows (t-major (t, q-head of the GQA group) pairs of one kv head) and the keys
 // [split*S, split*S + S) of the key index space, S = tiles_per_split * KT chosen on the host from shapes
 // (spec.py). It streams its keys
 // through a 2-stage cp.async pipeline of KT-key K/V tiles (raw bytes, 16-byte chunks; read once per
@@ -67,9 +68,9 @@ struct AttnArgs {
 };
 
 // TD: the dtype of the shared-memory tiles (the pool's; fp32 when k_new has another dtype than the pool).
-template <int HD, int TD>
+// R: query rows per CTA, a multiple of NW (score rows per warp) and of NT / (HD / 8) (rows per P.V pass).
+template <int HD, int TD, int R>
 __device__ __forceinline__ void attn_split(const AttnArgs& a) {
-  constexpr int R = 32 * NT / HD;     // query rows per CTA (4 rows x 8 dims of acc per thread)
   constexpr int RW = R / NW;          // rows per warp when scoring
   constexpr int TPR = HD / 8;         // threads per row in P.V, 8 dims each
   constexpr int RP = NT / TPR;        // rows per P.V pass
@@ -258,11 +259,13 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
   }
 }
 
-// One entry per (head dim, tile dtype): the launcher picks the tile dtype (spec.tile_dtype). One kernel that
-// branched over the three dtypes at run time was 3x the code (530 KB of SASS for hd64, 177 KB an entry now)
-// and, with per-row branches in the score and P.V loops, 1.5-1.8x slower per call on the H200.
-#define PAGED_ATTN(HD, TDN, TD)                                                                         \
-  extern "C" __global__ void __launch_bounds__(NT) paged_attention_hd##HD##_##TDN(                     \
+// One entry per (head dim, tile dtype, rows per CTA): the launcher picks the tile dtype (spec.tile_dtype) and R
+// (spec.rows_per_cta). One kernel that branched over the three dtypes at run time was 3x the code (530 KB of
+// SASS for hd64) and, with per-row branches in the score and P.V loops, 1.5-1.8x slower per call on the H200.
+// The full R (4 rows x 8 dims of acc per thread) fits a verify block; the small R a decode step's GQA group,
+// which at the full R computed 4x (hd128) to 32x (hd64, G=2) the rows it keeps.
+#define PAGED_ATTN(HD, TDN, TD, R, SUF)                                                                 \
+  extern "C" __global__ void __launch_bounds__(NT) paged_attention_hd##HD##_##TDN##SUF(                \
       const void* q, int q_dt, const void* k_new, const void* v_new, int n_dt, const void* pool,        \
       int p_dt, int layer, int num_blocks, int block_size, const int* block_table, int max_blocks,      \
       const int* kv_start, const int* kv_len, void* o, int o_dt, int T, int Hq, int Hkv, int causal,    \
@@ -274,12 +277,17 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
     a.causal = causal, a.window = window, a.tiles = tiles, a.block_table = block_table;                 \
     a.kv_start = kv_start, a.kv_len = kv_len, a.o = o, a.ws_acc = ws_acc, a.ws_ml = ws_ml;              \
     a.scale = scale;                                                                                    \
-    attn_split<HD, TD>(a);                                                                              \
+    attn_split<HD, TD, R>(a);                                                                           \
   }
-#define PAGED_ATTN_DTYPES(HD) PAGED_ATTN(HD, bf16, DT_BF16) PAGED_ATTN(HD, f16, DT_F16) PAGED_ATTN(HD, f32, DT_F32)
-PAGED_ATTN_DTYPES(64)
-PAGED_ATTN_DTYPES(128)
-PAGED_ATTN_DTYPES(256)
+#define PAGED_ATTN_R(HD, R, SUF) \
+  PAGED_ATTN(HD, bf16, DT_BF16, R, SUF) PAGED_ATTN(HD, f16, DT_F16, R, SUF) PAGED_ATTN(HD, f32, DT_F32, R, SUF)
+// R_FULL / R_SMALL: spec.rows_per_cta(hd, small) (NVRTC -D options)
+PAGED_ATTN_R(64, R_FULL_64, )
+PAGED_ATTN_R(64, R_SMALL_64, _small)
+PAGED_ATTN_R(128, R_FULL_128, )
+PAGED_ATTN_R(128, R_SMALL_128, _small)
+PAGED_ATTN_R(256, R_FULL_256, )
+PAGED_ATTN_R(256, R_SMALL_256, _small)
 
 // Pass 2: o[row] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits with l_s > 0 (every row
 // has one: its own key, or the new rows). grid (B*T*Hq); COMBINE_THREADS = groups of hd/4 threads (4 dims

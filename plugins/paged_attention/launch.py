@@ -38,8 +38,10 @@ def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, 
             (int(bool(causal)), I), (max(int(window), 0), I), (scale, F), (ws_acc, P), (ws_ml, P), (tiles, I)]
     pd, nd = p_dtype or q_dtype, n_dtype or q_dtype
     es = spec.tile_elem_bytes(pd, nd)
-    fn = get_function("paged_attention", spec.kernel_name(hd, pd, nd), max_dynamic_smem=spec.smem_bytes(hd, es))
-    launch(fn, (nsplit, Hkv * groups, B), (spec.NT, 1, 1), spec.smem_bytes(hd, es), stream, args)
+    R = spec.cta_rows(hd, Hq // Hkv, T)
+    smem = spec.smem_bytes(hd, es, R)
+    fn = get_function("paged_attention", spec.kernel_name(hd, pd, nd, R), max_dynamic_smem=smem)
+    launch(fn, (nsplit, Hkv * groups, B), (spec.NT, 1, 1), smem, stream, args)
     if ws_bytes:
         launch(get_function("paged_attention", "paged_attention_combine"), (B * T * Hq, 1, 1),
                (spec.COMBINE_THREADS, 1, 1), 0, stream, [(ws_acc, P), (ws_ml, P), (o, P), (o_code, I), (nsplit, I), (hd, I)])

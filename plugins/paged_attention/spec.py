@@ -28,9 +28,18 @@ MAX_SPLITS = SPLIT_CTAS     # split_plan never plans more (the combine pass keep
 COMBINE_THREADS = 256
 
 
-def rows_per_cta(hd: int) -> int:
-    """Query rows (t, q-head) of one kv head per CTA: 4 rows x 8 dims of fp32 accumulator per thread."""
-    return 32 * NT // hd
+def rows_per_cta(hd: int, small: bool = False) -> int:
+    """Query rows (t, q-head) of one kv head per CTA. Full: 4 rows x 8 dims of fp32 accumulator per thread.
+    Small (a decode step's GQA group): the fewest the thread mapping allows, a multiple of 8, of the NT/32 score
+    warps and of the NT / (hd/8) rows of a P.V pass."""
+    return max(8, NT * 8 // hd) if small else 32 * NT // hd
+
+
+def cta_rows(hd: int, G: int, T: int) -> int:
+    """The R the launcher runs for G*T query rows per kv head: the one that pads fewest rows (row groups x R),
+    the full R on a tie (fewer row groups read the K/V tiles fewer times)."""
+    full, small = rows_per_cta(hd), rows_per_cta(hd, small=True)
+    return small if -(-G * T // small) * small < -(-G * T // full) * full else full
 
 
 TILE_SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}  # kernel entry per tile dtype
@@ -46,15 +55,17 @@ def tile_elem_bytes(p_dtype: str, n_dtype: str) -> int:
     return 4 if tile_dtype(p_dtype, n_dtype) == "float32" else 2
 
 
-def kernel_name(hd: int, p_dtype: str, n_dtype: str) -> str:
-    """The split pass's entry: paged_attention_hd{hd}_{tile dtype} (kernel.cu)."""
-    return f"paged_attention_hd{hd}_{TILE_SUFFIX[tile_dtype(p_dtype, n_dtype)]}"
+def kernel_name(hd: int, p_dtype: str, n_dtype: str, rows: int = 0) -> str:
+    """The split pass's entry: paged_attention_hd{hd}_{tile dtype}[_small] (kernel.cu) for `rows` query rows per
+    CTA (0: the full R)."""
+    small = "_small" if rows and rows != rows_per_cta(hd) else ""
+    return f"paged_attention_hd{hd}_{TILE_SUFFIX[tile_dtype(p_dtype, n_dtype)]}{small}"
 
 
-def smem_bytes(hd: int, elem_bytes: int = 4) -> int:
-    """Dynamic shared memory of the split pass at head dim hd: Q rows, tile probabilities and rescale factors (fp32)
-    + 2 stages of K and V tiles with 16-byte padded rows. elem_bytes 4 is the largest (the launch attribute)."""
-    R = rows_per_cta(hd)
+def smem_bytes(hd: int, elem_bytes: int = 4, rows: int = 0) -> int:
+    """Dynamic shared memory of the split pass at head dim hd and `rows` query rows per CTA (0: the full R): Q rows,
+    tile probabilities and rescale factors (fp32) + 2 stages of K and V tiles with 16-byte padded rows."""
+    R = rows or rows_per_cta(hd)
     return R * (hd + KT + 1) * 4 + 2 * 2 * KT * (hd * elem_bytes + 16)
 
 
@@ -63,7 +74,7 @@ def split_plan(B: int, T: int, Hq: int, Hkv: int, hd: int, max_rows: int) -> tup
     block_size) + T new rows: about SPLIT_CTAS CTAs, at most ceil(SPLIT_CTAS / (B * Hkv * row groups)) splits
     (the workspace bound below relies on it). Splits cover the cached rows; the last one also takes the
     new rows and anything past max_rows. One split means no workspace and no combine pass."""
-    groups = -(-(Hq // Hkv) * T // rows_per_cta(hd))
+    groups = -(-(Hq // Hkv) * T // cta_rows(hd, Hq // Hkv, T))
     want = min(-(-SPLIT_CTAS // (B * Hkv * groups)), max(1, -(-max_rows // KT)))
     tiles = max(1, -(-max_rows // (want * KT)))
     if tiles > 1 and max_rows - want * (tiles - 1) * KT <= (tiles - 1) * KT:
@@ -82,7 +93,7 @@ def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, hd: int, max_rows: int) -
 def workspace_bound(B: int, T: int, Hq: int, hd: int) -> int:
     """>= workspace_bytes of every shape with B' <= B, T' <= T, Hq' <= Hq (any Hkv, max_rows, kernel head dim),
     for a workspace sized once from a profile's max shapes: B*T*Hq*nsplit <= SPLIT_CTAS*R + B*T*Hq since
-    nsplit <= ceil(SPLIT_CTAS / (B*Hkv*groups)) and G*T <= R*groups."""
+    nsplit <= ceil(SPLIT_CTAS / (B*Hkv*groups)) and G*T <= R*groups, R <= the full R of its head dim."""
     per_cta = max(rows_per_cta(h) * (h + 2) for h in KERNEL_HD)
     return (SPLIT_CTAS * per_cta + B * T * Hq * (hd + 2)) * 4
 
@@ -137,7 +148,9 @@ SPEC = OpSpec(
     check_shapes=_check_shapes,
     check_kernel=_check_kernel,
     doc="T query rows attend a sequence's cached K/V pages plus the T new rows",
-    cuda_defines={"NT": NT, "KT": KT, "COMBINE_THREADS": COMBINE_THREADS, "MAX_SPLITS": MAX_SPLITS},
+    cuda_defines={"NT": NT, "KT": KT, "COMBINE_THREADS": COMBINE_THREADS, "MAX_SPLITS": MAX_SPLITS,
+                  **{f"R_{kind.upper()}_{hd}": rows_per_cta(hd, kind == "small") for hd in KERNEL_HD
+                     for kind in ("full", "small")}},
 )
 INDEX_INPUTS = tuple(i for i, p in enumerate(SPEC.inputs) if p.group.startswith("i"))  # int32 in the kernel
 

@@ -54,8 +54,9 @@ def test_specs_list_the_instantiated_kernels():
     assert set(re.findall(r"\.entry (\w+)\(", ptx)) == want
     assert set(gdn_spec.WY16_CG) == set(gdn_spec.KERNEL_DK) == set(gdn_spec.FOLD_CG)
     ptx = nvrtc.compile_source("paged_attention", "compute_90").decode()
-    assert set(re.findall(r"\.entry (\w+)\(", ptx)) == {attention_spec.kernel_name(h, d, d) for h in attention_spec.KERNEL_HD
-                                                          for d in attention_spec.TILE_SUFFIX} | {
+    rows = lambda h: (attention_spec.rows_per_cta(h), attention_spec.rows_per_cta(h, small=True))  # noqa: E731
+    assert set(re.findall(r"\.entry (\w+)\(", ptx)) == {attention_spec.kernel_name(h, d, d, r) for h in attention_spec.KERNEL_HD
+                                                          for d in attention_spec.TILE_SUFFIX for r in rows(h)} | {
         "paged_attention_combine", "kv_write"}
 
 

@@ -112,6 +112,18 @@ def test_launcher_validates_before_launch():
         launch.kv_write(0, 0, 0, 0, 0, B=1, T=1, Hkv=1, hd=64, L=0, num_blocks=1, block_size=16, max_blocks=1)
 
 
+@pytest.mark.parametrize("hd,G,T,want", [(128, 8, 1, 8), (128, 8, 16, 32), (64, 2, 1, 16), (64, 2, 16, 16),
+                                          (256, 8, 1, 8), (256, 8, 16, 16), (64, 1, 128, 64)])
+def test_rows_per_cta_pads_fewest_rows(hd, G, T, want):
+    """Decode GQA groups (G*T = 8 rows) get the small CTA, verify blocks the full one; the workspace bound covers
+    both (it is taken at the full R)."""
+    from dflash_trt.plugins.paged_attention import spec
+    assert spec.cta_rows(hd, G, T) == want
+    tiles, nsplit, groups = spec.split_plan(1, T, G * 2, 2, hd, 8192)
+    assert groups == -(-G * T // want)
+    assert spec.workspace_bytes(1, T, G * 2, 2, hd, 8192) <= spec.workspace_bound(1, T, G * 2, hd)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_cpu_attention_ops_equal_reference(causal):
     B, T, Hq, Hkv, hd, L, NB, BS = 2, 3, 4, 2, 16, 2, 12, 4
