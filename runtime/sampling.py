@@ -134,6 +134,13 @@ def uniform(seed, position, purpose: int):
 
 
 # ---- distributions ------------------------------------------------------------------------------
+def cumsum_last(x):
+    """torch.cumsum(x, -1) as one opaque op (runtime/backends/opaque_ops.py says why)."""
+    from dflash_trt.runtime.backends import opaque_ops
+
+    return opaque_ops.cumsum_last(x)
+
+
 def probs(logits, temperature, top_k, top_p, min_p):
     """logits [B, ..., V] -> sampling probabilities [B, ..., V] float32 (rows sum to 1); per-row parameters [B]
     (temperature float, top_k int64, top_p / min_p float). Temperature-0 rows: one-hot(argmax(logits))."""
@@ -151,7 +158,7 @@ def probs(logits, temperature, top_k, top_p, min_p):
     keep = (k <= 0) | (rank < k)
     ps = ps * keep
     tp = top_p.to(torch.float32).view(shape)
-    before = ps.cumsum(-1) - ps  # mass of the higher-ranked kept tokens: keep the smallest set reaching top_p
+    before = cumsum_last(ps) - ps  # mass of the higher-ranked kept tokens: keep the smallest set reaching top_p
     keep = keep & ((tp >= 1) | (before < tp * ps.sum(-1, keepdim=True)))
     ps = ps * keep
     keep = keep & (ps >= min_p.to(torch.float32).view(shape) * ps[..., :1])
@@ -167,7 +174,7 @@ def sample(p, u):
     int64 [...]. A zero-mass token is never returned (rounding at the top end falls back to the argmax)."""
     import torch
 
-    cdf = p.cumsum(-1)
+    cdf = cumsum_last(p)
     x = (u.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1).contiguous()
     i = torch.searchsorted(cdf.contiguous(), x, right=True).clamp(max=p.shape[-1] - 1)
     ok = p.gather(-1, i) > 0

@@ -88,3 +88,16 @@ def test_compiled_replay_bit_identical_and_fused(compiled_rt, reference):  # noq
         rt.device.synchronize()
         commit.finish(seq, 0, rt.kv_alloc, rt.sizes.page_size)
     rt.release(seq)
+
+
+def test_sampled_steps_compile_and_draw_the_uncompiled_tokens(compiled_rt, modules, reference):  # noqa: F811
+    """Sampled decode and spec steps compile too (no eager fallback: the sampling cumsum is an opaque op,
+    runtime/backends/opaque_ops.py) and draw the same tokens as the uncompiled steps for the same seed."""
+    eager_rt = gpu_runtime(modules, compile_steps=False)
+    kw = dict(temperature=0.8, top_k=50, top_p=0.95, seed=7)
+    for gamma, spec in ((None, False), (15, True)):
+        got, _ = compiled_rt.generate(reference["prompt_ids"][0], 32, gamma=gamma, spec=spec, **kw)
+        want, _ = eager_rt.generate(reference["prompt_ids"][0], 32, gamma=gamma, spec=spec, **kw)
+        assert got == want, spec
+    steps = compiled_rt.executor.steps
+    assert not steps.decode.failures and not steps.spec.failures, (steps.decode.failures, steps.spec.failures)
