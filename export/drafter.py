@@ -126,7 +126,7 @@ class Drafter(nn.Module):
                                     cfg.head_dim**-0.5, cfg.layer_window(i))
             h = h + att.o_proj(o.reshape(B, Bs, cfg.num_heads * cfg.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = final_logits(cfg, lm_head(self.norm(h).to(lm_head.weight.dtype)).float())
+        logits = final_logits(cfg, lm_head.fp32(self.norm(h).to(lm_head.weight.dtype)))
         out = {"drafts": argmax_last(logits[:, 1:])}
         if want_logits:
             out["logits"] = logits
@@ -177,4 +177,4 @@ class Drafter(nn.Module):
             )
             h = h + att.o_proj(o.transpose(1, 2).reshape(B, N, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return final_logits(cfg, lm_head(self.norm(h)).float())
+        return final_logits(cfg, lm_head.fp32(self.norm(h)))

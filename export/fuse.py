@@ -19,18 +19,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.plugins import torch_ops  # noqa: F401  (registers torch.ops.dflash.gemv)
+from dflash_trt.plugins.gemv import reference as gemv_reference
 from dflash_trt.plugins.gemv import spec as gemv_spec
 from dflash_trt.plugins.torch_util import dname
 
 BUFFER = "_fused_"  # buffer name prefix on the owner: _fused_<first layer name>
 
 
-def linear(x, w):
-    """x @ w.T. Inference only (no autograd through the kernel): training steps keep F.linear."""
+def linear(x, w, fp32_out: bool = False):
+    """x @ w.T. Inference only (no autograd through the kernel): training steps keep F.linear.
+    fp32_out (logits): an fp32 y. CUDA inference takes the GEMM's fp32 sums, not rounded to 16 bits first (one bf16
+    ulp at a logit of 16 is 0.125: enough to move a near-tie between the verify and the decode step); elsewhere
+    F.linear then a cast (what ONNX export traces, unchanged)."""
     rows, K = x.numel() // max(x.shape[-1], 1), x.shape[-1]
-    if x.is_cuda and not torch.is_grad_enabled() and w.dtype == x.dtype and gemv_spec.usable(rows, K, dname(x)):
-        return torch.ops.dflash.gemv(x, w)
-    return F.linear(x, w)
+    infer = x.is_cuda and not torch.is_grad_enabled() and w.dtype == x.dtype
+    if infer and gemv_spec.usable(rows, K, dname(x)):
+        return torch.ops.dflash.gemv(x, w, fp32_out)
+    if infer and fp32_out and x.dtype != torch.float32:
+        return gemv_reference.gemv(x, w, fp32_out=True)  # cuBLAS, fp32 output
+    y = F.linear(x, w)
+    return y.float() if fp32_out else y
 
 
 class Linear(nn.Linear):
@@ -40,6 +48,12 @@ class Linear(nn.Linear):
         if self.bias is not None:
             return F.linear(x, self.weight, self.bias)
         return linear(x, self.weight)
+
+    def fp32(self, x):
+        """This layer's output in fp32 (`linear(..., fp32_out=True)`): the lm_head's logits."""
+        if self.bias is not None:
+            return F.linear(x, self.weight, self.bias).float()
+        return linear(x, self.weight, fp32_out=True)
 
 
 def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> None:

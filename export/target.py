@@ -315,7 +315,7 @@ class TargetModel(nn.Module):
         return self.norm(h) if i == len(self.layers) - 1 else h
 
     def logits(self, h):
-        return self.lm_head(self.norm(h)).float()
+        return self.lm_head.fp32(self.norm(h))
 
     def forward_full(self, input_ids, want_logits=True):
         """Whole sequences [B,T] from empty state, no cache: the dense oracle path (tests, training)."""

@@ -39,10 +39,11 @@ class Recorder:
         return out
 
 
-# Measured on the H200 (2026-12-01): 1462 rows, max 1.95e-3, mean 4.8e-5, p99 6.3e-4, DFlash != plain on 3 of 24.
-# The issue-10 bound (max < 1e-3) is not met yet: strict xfail, so the day it holds this test fails and must be
-# turned back into a plain assertion.
-@pytest.mark.xfail(strict=True, reason="issue 10: bf16 verify-vs-decode top-10 KL max 1.95e-3 > 1e-3 (one row)")
+# Measured on the H200 (2026-12-01), fp32 logits from the GEMM's sums (export.fuse.linear fp32_out), rows only
+# before the two runs' outputs part: 1361 rows, max 1.26e-3, mean 4.9e-5, p99 4.5e-4, DFlash != plain on 3 of 24
+# (bf16 logits, every block: max 1.95e-3). The issue-10 bound (max < 1e-3) is not met yet: strict xfail, so the day
+# it holds this test fails and must be turned back into a plain assertion.
+@pytest.mark.xfail(strict=True, reason="issue 10: bf16 verify-vs-decode top-10 KL max 1.26e-3 > 1e-3")
 def test_bf16_verify_logits_match_decode_logits():
     import torch
 
@@ -73,8 +74,10 @@ def test_bf16_verify_logits_match_decode_logits():
         rec.rows = []
         spec, _ = rt.generate(ids, NEW_TOKENS, gamma=15)
         differ += spec != plain
+        # tokens before the first output where DFlash and plain part are the same in both runs
+        same = next((j for j, (a, b) in enumerate(zip(spec, plain)) if a != b), min(len(spec), len(plain)))
         for pos, tok, lg in rec.rows:
-            if len(pos) != 16:
+            if len(pos) != 16 or int(pos[0]) - len(ids) > same:  # a block after the outputs parted: other context
                 continue
             for i in range(16):  # rows whose tokens so far are the plain run's see the same context
                 q = int(pos[i])

@@ -5,9 +5,10 @@
 
 // Grid: ceil(N / (GEMV_WARPS * GEMV_RPW)) CTAs of GEMV_WARPS warps; dynamic smem: M * K * 2 bytes.
 // Rows past N re-read row N-1 (no early exit: every thread reaches the barrier) and store nothing.
+// y_f32: y is fp32 (logits: no 16-bit rounding of the sums), else x's dtype.
 template <int MT, bool F16, int U>
 __device__ __forceinline__ void gemv_body(const u16* __restrict__ w, const u16* __restrict__ x,
-                                          u16* __restrict__ y, int M, int N, int K) {
+                                          void* __restrict__ y, int M, int N, int K, int y_f32) {
   extern __shared__ uint4 xs[];  // [M][K / 8]
   const int nch = K >> 3, tid = threadIdx.x, lane = tid & 31;
   const int row0 = (blockIdx.x * GEMV_WARPS + (tid >> 5)) * GEMV_RPW;
@@ -23,13 +24,19 @@ __device__ __forceinline__ void gemv_body(const u16* __restrict__ w, const u16* 
   for (int r = 0; r < GEMV_RPW; ++r)
 #pragma unroll
     for (int m = 0; m < MT; ++m)
-      if (lane == 0 && m < M && row0 + r < N) y[(i64)m * N + row0 + r] = F16 ? f_to_f16(acc[r][m]) : f_to_bf16(acc[r][m]);
+      if (lane == 0 && m < M && row0 + r < N) {
+        const i64 i = (i64)m * N + row0 + r;
+        if (y_f32)
+          ((float*)y)[i] = acc[r][m];
+        else
+          ((u16*)y)[i] = F16 ? f_to_f16(acc[r][m]) : f_to_bf16(acc[r][m]);
+      }
 }
 
 #define GEMV(NAME, MT, F16, U)                                                                            \
-  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) NAME(const u16* w, const u16* x, u16* y, \
-                                                                     int M, int N, int K) {            \
-    gemv_body<MT, F16, U>(w, x, y, M, N, K);                                                             \
+  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) NAME(const u16* w, const u16* x, void* y, \
+                                                                     int M, int N, int K, int y_f32) { \
+    gemv_body<MT, F16, U>(w, x, y, M, N, K, y_f32);                                                      \
   }
 // gemv_u{chunks per lane}_{dtype}: spec.kernel_name picks one
 GEMV(gemv_u8_bf16, 1, false, 8)

@@ -1,6 +1,7 @@
 """The spec of the GEMV of decode steps (a torch-only op: exported graphs keep MatMul). Math: reference.py.
 
-gemv(x [*, K], w [N, K]) -> y [*, N] = x @ w.T, fp32 accumulation, y in x's dtype; x has one row (MAX_ROWS).
+gemv(x [*, K], w [N, K], fp32_out) -> y [*, N] = x @ w.T, fp32 accumulation, y in x's dtype or fp32 (fp32_out: logits);
+x has one row (MAX_ROWS).
 Why our own kernel: at one row a projection is a pure weight stream, and cuBLAS's kernels for these
 shapes read the weights at 40-80% of the copy bandwidth on the H200 (a [1 x 4096] x [4096 x 2048] bf16 out_proj:
 ~10 us for 16.8 MB). kernel.cu keeps 8-16 loads of 16 bytes in flight per lane instead. At four rows the same

@@ -2,7 +2,7 @@
 plus a fake impl (torch.compile). Registered through dflash_trt.plugins.torch_ops; models reach it through
 dflash_trt.export.fuse.linear, which sends only the calls the kernel takes (spec.usable) here.
 
-  gemv(x [*,K], w [N,K]) -> y [*,N]
+  gemv(x [*,K], w [N,K], fp32_out=False) -> y [*,N] in x's dtype, or fp32 (logits: sums not rounded to 16 bits)
 """
 from __future__ import annotations
 
@@ -14,29 +14,30 @@ from dflash_trt.plugins.gemv import launch, reference, spec
 
 
 @torch.library.custom_op("dflash::gemv", mutates_args=())
-def gemv(x: Tensor, w: Tensor) -> Tensor:
+def gemv(x: Tensor, w: Tensor, fp32_out: bool = False) -> Tensor:
     raise NotImplementedError("dflash::gemv: no kernel for this device")
 
 
 @gemv.register_kernel("cpu")
-def _gemv_cpu(x, w):
-    return reference.gemv(x, w)
+def _gemv_cpu(x, w, fp32_out=False):
+    return reference.gemv(x, w, fp32_out)
 
 
 @gemv.register_kernel("cuda")
-def _gemv_cuda(x, w):
+def _gemv_cuda(x, w, fp32_out=False):
     spec.SPEC.check_shapes([tuple(x.shape), tuple(w.shape)])
     U.check_groups(spec.SPEC, (x, w))
     x, w = x.contiguous(), w.contiguous()
     if x.data_ptr() % 16 or w.data_ptr() % 16:  # a view at an odd offset: the kernel's 16-byte loads cannot read it
-        return reference.gemv(x, w)
+        return reference.gemv(x, w, fp32_out)
     N, K = w.shape
     M = x.numel() // K
-    y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
-    launch.gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), M=M, N=N, K=K, dtype=U.dname(x), stream=U.stream(x))
+    y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=torch.float32 if fp32_out else x.dtype)
+    launch.gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), M=M, N=N, K=K, dtype=U.dname(x), y_fp32=fp32_out,
+                stream=U.stream(x))
     return y
 
 
 @gemv.register_fake
-def _gemv_fake(x, w):
-    return x.new_empty(*x.shape[:-1], w.shape[0])
+def _gemv_fake(x, w, fp32_out=False):
+    return x.new_empty(*x.shape[:-1], w.shape[0], dtype=torch.float32 if fp32_out else x.dtype)

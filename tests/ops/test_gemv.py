@@ -1,8 +1,8 @@
 """gemv (plugins/gemv): the decode-step projection kernel (one row of x). CPU: which calls the dispatcher (export.fuse.linear)
 sends to it, the kernel limits, and that every other call stays F.linear. GPU: the kernel against an fp64 matmul
-of the same rounded inputs over ragged N and K (tails of the 2048-column pass), both 16-bit
-dtypes, row views of a fused buffer, an input at an odd offset (served by F.linear), a CUDA-graph replay == eager
-bit for bit, and a bad call refused in one line before any launch.
+of the same rounded inputs over ragged N and K (tails of the 2048-column pass), both 16-bit dtypes, fp32 logits
+(fp32_out), row views of a fused buffer, an input at an odd offset (served by F.linear), a CUDA-graph replay ==
+eager bit for bit, and a bad call refused in one line before any launch.
 
 Tolerance: |got - ref| <= 2^-7 |ref| + 2^-16 sum_k |x_k w_k| (one rounding of y to bf16 / fp16, fp32 sums)."""
 import pytest
@@ -60,6 +60,23 @@ def test_kernel_vs_fp64(dtype, M, N, K):
         y = fuse.linear(x, w)
     assert y.shape == (M, N) and y.dtype == dtype
     _check(y, x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16])
+def test_fp32_out_keeps_the_fp32_sums(M):
+    """Logits (fuse.linear(..., fp32_out=True)): one row through the kernel, 16 rows through cuBLAS, both fp32 y
+    within the fp32-sum bound alone (no 2^-7 term: the sums are not rounded to bf16), and off bf16's grid."""
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, 2048, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(4099, 2048, device="cuda", generator=g) * 0.05).bfloat16()
+    with torch.no_grad():
+        y = fuse.linear(x, w, fp32_out=True)
+    assert y.dtype == torch.float32 and y.shape == (M, 4099)
+    ref = x.double() @ w.double().T
+    err = (y.double() - ref).abs()
+    assert bool((err <= 2.0 ** -16 * (x.double().abs() @ w.double().abs().T) + 1e-30).all()), err.max().item()
+    assert not torch.equal(y, y.bfloat16().float())
 
 
 @pytest.mark.gpu
