@@ -68,4 +68,31 @@ def test_failed_compile_falls_back_to_eager_with_correct_tokens(pair):
     assert got == want
     for name in ("decode", "spec"):
         step = getattr(rt.executor.steps, name)
-        assert step.compiled is None and "forced compile failure" in " ".join(step.failures), step.failures
+        assert step.eager_keys and "forced compile failure" in " ".join(step.failures), step.failures
+
+
+def test_failed_compile_of_one_key_leaves_the_others_compiled(pair):
+    """A backend that fails only for sampled steps (their buffers carry the sampling fields): greedy keys stay
+    compiled and keep compiling, sampled keys run uncompiled, every token as the uncompiled steps'."""
+    def greedy_only(gm, example_inputs):
+        if any("temperature" in str(n.target) or "temperature" in n.name for n in gm.graph.nodes):
+            raise RuntimeError("forced compile failure of a sampled key")
+        return gm.forward
+
+    prompt = [int(x) for x in np.random.default_rng(4).integers(0, 250, 8)]
+    want = _runs(_runtime(pair), prompt)
+    rt = _runtime(pair)
+    compile_steps(rt.executor.steps, backend=greedy_only)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="others stay compiled"):
+        got = _runs(rt, prompt)
+    assert got == want
+    spec = rt.executor.steps.spec
+    assert len(spec.eager_keys) == 1 and "sampled key" in spec.failures[0], spec.failures
+    assert not rt.executor.steps.decode.eager_keys  # the decode step ran greedy only: compiled
+    calls = []  # (compiled?, sampled?) of every spec step of a second greedy + sampled run
+    spy = lambda f, tag: lambda b, *a, **k: calls.append((tag, "temperature" in b)) or f(b, *a, **k)  # noqa: E731
+    spec.compiled, spec.fn = spy(spec.compiled, "compiled"), spy(spec.fn, "eager")
+    assert _runs(rt, prompt) == want
+    assert ("compiled", False) in calls and ("eager", True) in calls
+    assert ("compiled", True) not in calls and ("eager", False) not in calls, calls

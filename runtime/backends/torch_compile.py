@@ -34,11 +34,26 @@ def _no_grad(fn):
     return run
 
 
+def step_key(obj):
+    """What selects a step's compiled graph besides tensor values: tensor shapes, dtypes and devices, which entries
+    a buffer dict has (greedy vs sampled keys), and plain values, through dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", tuple(obj.shape), str(obj.dtype), obj.device.type)
+    if isinstance(obj, dict):
+        return ("dict",) + tuple((str(k), step_key(v)) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0])))
+    if isinstance(obj, (list, tuple)):
+        return ("seq",) + tuple(step_key(v) for v in obj)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return type(obj).__name__
+
+
 class CompiledStep:
     """fn through torch.compile: whole graph (a graph break would split the step), static shapes per key.
-    A compile that fails (Dynamo cannot trace, the backend fails) is not the request's fault: that step runs
-    uncompiled from then on, the reason kept in `failures` and warned once — the compile-time twin of the
-    capture's brick guard. Errors the step itself raises pass through.
+    A compile that fails (Dynamo cannot trace, the backend fails) is not the request's fault: that key (step_key of
+    the call: batch bucket, K, greedy or sampled) runs uncompiled from then on, the reason kept in `failures` and
+    warned once; every other key still compiles — the compile-time twin of the capture's brick guard. Errors the
+    step itself raises pass through.
     backend: a torch.compile backend ("aot_eager" traces exactly as Inductor does without generating code:
     the CPU test of the tracing)."""
 
@@ -50,17 +65,20 @@ class CompiledStep:
         self.fn = _no_grad(fn)
         self.compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, backend=backend)
         self.failures: list[str] = []
+        self.eager_keys: set = set()  # step_key of the calls whose compile failed
 
     def __call__(self, *args, **kwargs):
-        if self.compiled is not None:
+        key = step_key((args, kwargs))
+        if key not in self.eager_keys:
             try:
                 return self.compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as e:  # traced before anything ran: safe to rerun
                 head = [x.strip() for x in str(e).splitlines() if x.strip()][:2]  # "backend raised:" + why
                 line = " ".join(head) or type(e).__name__
                 self.failures.append(line)
-                self.compiled = None
-                warnings.warn(f"compiled step {getattr(self.fn, '__name__', '?')} fell back to eager: {line}")
+                self.eager_keys.add(key)
+                warnings.warn(f"compiled step {getattr(self.fn, '__name__', '?')} fell back to eager for this key "
+                              f"(others stay compiled): {line}")
         return self.fn(*args, **kwargs)
 
 
