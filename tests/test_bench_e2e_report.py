@@ -39,7 +39,7 @@ def test_random_model_targets_and_table(capsys):
     assert t["0.9B step(16)/step(1) <= 1.25"][2] is False  # 0.8 / 0.6 = 1.33
     assert t["kernels per layer <= 15 (decode_k1)"] == (14.0, 15.0, True)  # 168 / 12 layers
     assert not any("spec_k16" in k for k in t)  # a spec step also runs drafter layers: not counted per layer
-    assert t["batch 16 aggregate DFlash >= 8x batch 1"] == (7.0, 8.0, False)
+    assert not any(k.startswith("batch 16") for k in t)  # DFlash with a random drafter: not the target's subject
     assert t["GPU idle between steps <= 5% (worst row)"] == (2.0, 5.0, True)
     res["targets"] = t
     print_table(res)
@@ -49,8 +49,10 @@ def test_random_model_targets_and_table(capsys):
 
 
 def test_trained_pair_targets_without_compile(capsys):
-    res = _res("models/target", [_row(1, 2000.0, 5400.0, 3.8, idle=(1.0, 6.5))], hf=None)
+    res = _res("models/target", [_row(1, 2000.0, 5400.0, 3.8, idle=(1.0, 6.5)), _row(16, 20000.0, 48600.0, 3.6)],
+               hf=None)
     t = targets(res, random=False)
+    assert t["batch 16 aggregate DFlash >= 8x batch 1"] == (9.0, 8.0, True)
     assert t["trained pair DFlash >= 2.5x plain, batch 1"] == (2.7, 2.5, True)
     assert t["trained pair DFlash >= 3x plain, batch 1"] == (2.7, 3.0, False)
     assert t["GPU idle between steps <= 5% (worst row)"] == (6.5, 5.0, False)
