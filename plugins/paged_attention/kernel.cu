@@ -5,14 +5,14 @@
 // Key index j in [0, Lc + T): j < Lc is cached row kv_start + j, j >= Lc is new row j - Lc.
 // window > 0 (sliding attention): query row t (key index Lc + t) sees key j only if Lc + t - j < window.
 //
-// Pass 1, paged_attention_hd{HD}_{bf16|f16|f32}[_r{R}] (the K/V tile dtype; R query rows per CTA, spec.py
-// picks the fewest padded rows: a decode row group of one kv head is G*T = 8 rows, a verify block's 128):
-// grid (split, row group * Hkv + kv head, batch). A CTA owns R query rows (t-major (t, q-head of the GQA group) pairs of one kv head) and the keys
-// [split*S, split*S + S) of the key index space, S = tiles_per_split * KT chosen on the host from shapes
-// (spec.py). It streams its keys
-// through a 2-stage cp.async pipeline of KT-key K/V tiles (raw bytes, 16-byte chunks; read once per
-// split per kv head and row group) and keeps an online softmax in fp32, exp2 domain. With one split it
-// writes o; otherwise the unnormalised partial (acc, max, sum) of each row to the workspace.
+// Pass 1, paged_attention_hd{HD}_{bf16|f16|f32}[_small] (the K/V tile dtype; _small: fewer query rows R per
+// CTA, for a decode step's GQA group of G*T = 8 rows, where a verify block has 128; spec.cta_rows picks):
+// grid (split, row group * Hkv + kv head, batch). A CTA owns R query rows (t-major (t, q-head of the GQA group)
+// pairs of one kv head) and the keys [split*S, split*S + S) of the key index space, S = tiles_per_split * KT
+// chosen on the host from shapes (spec.py). It streams its keys through a 2-stage cp.async pipeline of KT-key
+// K/V tiles (raw bytes, 16-byte chunks; read once per split per kv head and row group) and keeps an online
+// softmax in fp32, exp2 domain. With one split it writes o; otherwise the unnormalised partial (acc, max, sum)
+// of each row to the workspace.
 // Pass 2, paged_attention_combine: one CTA per output row merges the splits' partials.
 // Nothing on the host depends on data: empty splits (past kv_len, before a window, after the causal
 // limit of every row of the CTA) write an empty partial (m = -inf, l = 0) and the combine skips them.
