@@ -8,8 +8,10 @@ so exported graphs keep the checkpoint's separate MatMuls). Same math either way
 same dot product; only the GEMM the library picks may differ. Fuse after the model is on its device (a later
 .to() copies the views apart: still correct, but the memory is then held twice).
 
-`linear(x, w)` is every projection's GEMM: on CUDA, a 16-bit x of one row (a batch-1 decode step) goes to our
-weight-streaming kernel (plugins/gemv), the rest to F.linear (cuBLAS; what ONNX export traces on the CPU).
+`linear(x, w)` is every projection's GEMM: on CUDA, a 16-bit x of 1-16 rows (a batch-1 decode or verify step, a
+drafter block) goes to our weight-streaming kernel (plugins/gemv: one kernel for every row count, so a token's
+projections in a verify step and in its decode step agree bit for bit), the rest to F.linear (cuBLAS; what ONNX
+export traces on the CPU).
 `Linear` is nn.Linear through it (same parameters and state_dict names).
 """
 from __future__ import annotations

@@ -84,6 +84,25 @@ def get_function(source: str, name: str, max_dynamic_smem: int = 0):
         return fn
 
 
+_resident: dict = {}
+
+
+def resident_ctas(fn, threads: int, smem: int = 0) -> int:
+    """How many CTAs of `fn` (threads each, smem dynamic bytes) the whole device holds at once: the grid of a
+    persistent kernel (cached per function)."""
+    key = (int(fn), threads, smem)
+    n = _resident.get(key)
+    if n is None:
+        cu = driver()
+        dev = check(cu.cuCtxGetDevice(), "cuCtxGetDevice")
+        sms = check(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
+                    "cuDeviceGetAttribute")
+        per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, smem),
+                       "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        n = _resident[key] = max(1, int(sms) * int(per_sm))
+    return n
+
+
 def launch(fn, grid, block, smem, stream, args) -> None:
     """cuLaunchKernel with `args` as (value, P | I | F) pairs, asynchronously on `stream`."""
     cu = driver()

@@ -1,21 +1,25 @@
-"""The spec of the GEMV of decode steps (a torch-only op: exported graphs keep MatMul). Math: reference.py.
+"""The spec of the projections of decode and verify steps (a torch-only op: exported graphs keep MatMul).
+Math: reference.py.
 
 gemv(x [*, K], w [N, K], fp32_out) -> y [*, N] = x @ w.T, fp32 accumulation, y in x's dtype or fp32 (fp32_out: logits);
-x has one row (MAX_ROWS).
-Why our own kernel: at one row a projection is a pure weight stream, and cuBLAS's kernels for these
-shapes read the weights at 40-80% of the copy bandwidth on the H200 (a [1 x 4096] x [4096 x 2048] bf16 out_proj:
-~10 us for 16.8 MB). kernel.cu keeps 8-16 loads of 16 bytes in flight per lane instead. At four rows the same
-kernel measured slower than cuBLAS (12352 x 2048: 21.7 vs 15.7 us), so more rows stay cuBLAS.
+x has 1 to MAX_ROWS rows.
+Why our own kernel: at 1-16 rows a projection is a pure weight stream, and cuBLAS's kernels for these shapes
+read the weights at 40-80% of the copy bandwidth on the H200 (a [1 x 4096] x [4096 x 2048] bf16 out_proj: ~10 us
+for 16.8 MB). gemv/mma.cuh keeps 16-32 loads of 16 bytes in flight per lane and multiplies on tensor cores.
+Why ONE kernel for every row count: a verify step (K rows) and the decode step of the same token (1 row) then
+add the same products in the same order, so their projections agree bit for bit, and the bf16 KL between verify
+and decode logits is left to the ops that really differ (the GDN chunk form vs its recurrence).
 """
 from __future__ import annotations
 
 from dflash_trt.plugins.opspec import OpSpec, Port, kernel_need, need
 
-MAX_ROWS = 1        # rows of x per call; more rows go to cuBLAS
+MAX_ROWS = 16       # rows of x per call (two 8-row n-tiles of mma.m16n8k16); more rows go to cuBLAS
 CHUNK = 8           # 16-bit elements per 16-byte load: K must be a multiple
-MAX_K = 16384       # x is staged in shared memory: MAX_ROWS * MAX_K * 2 bytes
-WARPS = 8           # warps per CTA
-ROWS_PER_WARP = 2   # weight rows a warp streams together
+MAX_K = 1 << 20     # int32 column indexing with margin
+WARPS = 8           # warps per CTA: they split K and meet in shared memory
+TILE_N = 16         # rows of w per CTA (the mma's m16)
+ROWS_PER_WARP = 2   # rows.cuh (MoE's decode GEMV): weight rows a warp streams together
 DTYPES = ("bfloat16", "float16")
 
 
@@ -26,17 +30,25 @@ def usable(rows: int, K: int, dtype: str) -> bool:
 
 def check(rows: int, N: int, K: int, dtype: str) -> None:
     kernel_need(usable(rows, K, dtype) and N >= 1,
-                f"gemv: needs {MAX_ROWS} row of x, K a multiple of {CHUNK} up to {MAX_K}, N >= 1 and a 16-bit dtype "
-                f"(got rows={rows}, N={N}, K={K}, {dtype})")
+                f"gemv: needs 1 to {MAX_ROWS} rows of x, K a multiple of {CHUNK} up to {MAX_K}, N >= 1 and a 16-bit "
+                f"dtype (got rows={rows}, N={N}, K={K}, {dtype})")
 
 
-def kernel_name(rows: int, K: int, dtype: str) -> str:
-    """The kernel.cu entry: 16 loads a lane per row when K > 2048, else 8."""
-    return f"gemv_u{16 if K > 2048 else 8}_{'bf16' if dtype == 'bfloat16' else 'f16'}"
+def chunks_per_pass(N: int, K: int) -> int:
+    """U: 32-column chunks a warp loads per pass (U * (2 + tiles of x) loads of 16 bytes in flight per lane):
+    one pass over K when K <= 2048 (all WARPS warps busy at small K), at most 8 (the 16-row kernel then takes
+    170 registers), and 4 for N >= 4096 at K = 2048, which measured faster at 1 and 16 rows on the H200 (in_proj
+    12352 x 2048: 14.8 / 15.6 us at U = 4, 16.3 / 18.2 at U = 8)."""
+    for u in (1, 2, 4):
+        if K <= WARPS * 32 * u:
+            return u
+    return 4 if K <= WARPS * 32 * 8 and N >= 4096 else 8
 
 
-def smem_bytes(rows: int, K: int) -> int:
-    return rows * K * 2
+def kernel_name(rows: int, N: int, K: int, dtype: str) -> str:
+    """The kernel.cu entry: mma_n{8-row tiles of x}_u{chunks per pass}_{dtype}. U depends on (N, K) alone, and
+    rows 1-8 of a 16-row call run the same mma sequence as an 8-row call: a row's result does not depend on M."""
+    return f"mma_n{1 if rows <= 8 else 2}_u{chunks_per_pass(N, K)}_{'bf16' if dtype == 'bfloat16' else 'f16'}"
 
 
 
@@ -66,6 +78,6 @@ SPEC = OpSpec(
     output_shapes=_output_shapes,
     check_shapes=_check_shapes,
     check_kernel=_check_kernel,
-    doc="x @ w.T for one row of x (decode-step projections)",
+    doc="x @ w.T for 1-16 rows of x (decode and verify projections)",
     cuda_defines={"GEMV_WARPS": WARPS, "GEMV_RPW": ROWS_PER_WARP},
 )

@@ -1,8 +1,9 @@
-"""gemv (plugins/gemv): the decode-step projection kernel (one row of x). CPU: which calls the dispatcher (export.fuse.linear)
+"""gemv (plugins/gemv): the decode- and verify-step projection kernel (1-16 rows of x). CPU: which calls the dispatcher (export.fuse.linear)
 sends to it, the kernel limits, and that every other call stays F.linear. GPU: the kernel against an fp64 matmul
 of the same rounded inputs over ragged N and K (tails of the 2048-column pass), both 16-bit dtypes, fp32 logits
-(fp32_out), row views of a fused buffer, an input at an odd offset (served by F.linear), a CUDA-graph replay ==
-eager bit for bit, and a bad call refused in one line before any launch.
+(fp32_out), row views of a fused buffer, an input at an odd offset (served by F.linear), a row's result equal bit
+for bit whatever rows came with it, a CUDA-graph replay == eager bit for bit, and a bad call refused in one line
+before any launch.
 
 Tolerance: |got - ref| <= 2^-7 |ref| + 2^-16 sum_k |x_k w_k| (one rounding of y to bf16 / fp16, fp32 sums)."""
 import pytest
@@ -15,8 +16,9 @@ from dflash_trt.plugins.opspec import KernelError
 
 
 def test_usable_limits():
-    assert spec.usable(1, 2048, "bfloat16") and spec.usable(1, 8, "float16")
-    assert not spec.usable(2, 2048, "bfloat16")          # more rows: cuBLAS
+    assert spec.usable(1, 2048, "bfloat16") and spec.usable(1, 8, "float16") and spec.usable(16, 2048, "bfloat16")
+    assert not spec.usable(17, 2048, "bfloat16")         # more rows: cuBLAS
+    assert not spec.usable(0, 2048, "bfloat16")
     assert not spec.usable(1, 2044, "bfloat16")          # not 16-byte chunks
     assert not spec.usable(1, 2048, "float32")           # fp32 stays cuBLAS
     assert not spec.usable(1, spec.MAX_K + 8, "bfloat16")
@@ -50,8 +52,9 @@ def _check(got, x, w):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M", [1])
-@pytest.mark.parametrize("N,K", [(1, 8), (7, 264), (16, 2048), (2048, 512), (2049, 4096), (333, 2056), (64, 6144)])
+@pytest.mark.parametrize("M", [1, 3, 9, 16])
+@pytest.mark.parametrize("N,K", [(1, 8), (7, 264), (16, 2048), (2048, 512), (2049, 4096), (333, 2056), (64, 6144),
+                                 (40, 1032)])
 def test_kernel_vs_fp64(dtype, M, N, K):
     g = torch.Generator(device="cuda").manual_seed(M * 1000 + N + K)
     x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
@@ -63,9 +66,9 @@ def test_kernel_vs_fp64(dtype, M, N, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("M", [1, 16, 40])
 def test_fp32_out_keeps_the_fp32_sums(M):
-    """Logits (fuse.linear(..., fp32_out=True)): one row through the kernel, 16 rows through cuBLAS, both fp32 y
+    """Logits (fuse.linear(..., fp32_out=True)): 1 and 16 rows through the kernel, 40 rows through cuBLAS, all fp32 y
     within the fp32-sum bound alone (no 2^-7 term: the sums are not rounded to bf16), and off bf16's grid."""
     g = torch.Generator(device="cuda").manual_seed(M)
     x = torch.randn(M, 2048, device="cuda", generator=g).bfloat16()
@@ -99,6 +102,21 @@ def test_odd_offset_input_falls_back():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(4099, 2048), (96, 256), (2048, 6144), (77, 520)])
+def test_a_row_does_not_depend_on_the_rows_beside_it(N, K):
+    """The verify step (K rows) and the decode step of the same token (1 row) must project it identically: any
+    window of a 16-row call equals the call on that window alone, bit for bit, in both output dtypes."""
+    g = torch.Generator(device="cuda").manual_seed(N + K)
+    x = torch.randn(16, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * 0.05).bfloat16()
+    with torch.no_grad():
+        for fp32 in (False, True):
+            full = torch.ops.dflash.gemv(x, w, fp32)
+            for i, m in ((0, 1), (5, 1), (15, 1), (3, 7), (8, 8), (2, 9), (0, 16)):
+                assert torch.equal(torch.ops.dflash.gemv(x[i:i + m].clone(), w, fp32), full[i:i + m]), (i, m, fp32)
+
+
+@pytest.mark.gpu
 def test_graph_replay_is_bitwise_eager():
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
@@ -120,6 +138,6 @@ def test_graph_replay_is_bitwise_eager():
 
 @pytest.mark.gpu
 def test_bad_call_is_one_line_before_any_launch():
-    x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(KernelError, match="needs 1 row of x"):
+    x = torch.randn(17, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(KernelError, match="needs 1 to 16 rows of x"):
         torch.ops.dflash.gemv(x, torch.randn(16, 64, device="cuda", dtype=torch.bfloat16))

@@ -1,0 +1,130 @@
+// Skinny GEMM on tensor cores for decode and verify steps: y[m, n] = sum_k x[m, k] w[n, k] for M <= 16 rows of
+// x, one kernel body for every M (spec.py says why: a row's sums must not depend on how many rows came with it).
+//
+// A CTA owns 16 rows of w (one m16 tile of mma.m16n8k16, w as the row-major A operand) and the M rows of x (the
+// col-major B operand: 8 rows of x per n-tile, NT = 1 or 2 tiles). Its GEMV_WARPS warps split K into 32-column
+// chunks (warp j takes chunks j*U .. j*U+U-1, then the next pass GEMV_WARPS*U further on) and the partial sums
+// meet in shared memory, added in warp order: fixed, so a row's result depends only on (N, K).
+//
+// Column permutation: lane (g = lane/4, c = lane%4) loads ONE 16-byte vector per chunk per operand row: columns
+// 8c..8c+7 of w rows g and g+8 and of x row g (and g+8 when NT = 2). mma step 1 takes words .x/.y of them,
+// step 2 words .z/.w; the A and B fragments then hold the same physical columns at every logical k slot, so
+// the two steps sum all 32 columns once (a sum over k does not care in which order the columns are visited).
+#pragma once
+#include "common.cuh"
+#include "gemv/rows.cuh"
+
+template <bool F16>
+__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+  if (F16)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Lane (g, c)'s row pointers into the tile of w from row n0: rows n0 + g and n0 + g + 8 (clamped to N-1).
+__device__ __forceinline__ void mma_rows(const uint4*& wg, const uint4*& wh, const u16* w, int n0, int N, int K) {
+  const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  wg = (const uint4*)(w + (i64)min(n0 + g, N - 1) * K) + c;
+  wh = (const uint4*)(w + (i64)min(n0 + g + 8, N - 1) * K) + c;
+}
+
+// One pass of a lane's loads: chunks ch0 .. ch0+U-1 (32 columns each) of its rows g, g+8 of the tile of w and
+// rows g (, g+8) of x; vectors past K (nv = K / 8) and rows of x past M are zeros.
+template <int NT, int U>
+__device__ __forceinline__ void mma_load(uint4 (&a)[U], uint4 (&b)[U], uint4 (&xv)[NT][U], const uint4* wg,
+                                         const uint4* wh, const uint4* const (&xr)[NT], const bool (&xok)[NT], int ch0,
+                                         int nv) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const int c = threadIdx.x & 3;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int v = (ch0 + u) * 4;
+    const bool ok = v + c < nv;
+    a[u] = ok ? ld_stream(wg + v) : zero;
+    b[u] = ok ? ld_stream(wh + v) : zero;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) xv[t][u] = ok && xok[t] ? xr[t][v] : zero;
+  }
+}
+
+// Persistent: the grid is the CTAs the device holds at once (launch.py), each CTA walks tiles blockIdx.x,
+// + gridDim.x, ... and issues the next tile's first loads BEFORE the current tile's epilogue (partials to shared
+// memory, barrier, sum over warps, stores), so the weight stream does not pause for it (one CTA per tile
+// measured 8-10% under the copy rate). Static smem: the warps' partial tiles. Rows of w past N re-read row
+// N-1 and rows of x past M read zeros; neither is stored. y_f32: y is fp32 (logits), else x's dtype.
+template <int NT, bool F16, int U>
+__device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* __restrict__ x, void* __restrict__ y,
+                                         int M, int N, int K, int y_f32) {
+  __shared__ float part[GEMV_WARPS][NT * 8][17];  // [warp][row of x][row of w] (+1: fewer conflicts)
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+  const int nv = K >> 3, tiles = (N + 15) / 16;  // nv: 16-byte vectors per row
+  const uint4 *wg, *wh, *xr[NT];
+  bool xok[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    xok[t] = t * 8 + g < M;
+    xr[t] = (const uint4*)(x + (i64)min(t * 8 + g, M - 1) * K) + c;
+  }
+  uint4 a[U], b[U], xv[NT][U];
+  int tile = blockIdx.x;
+  mma_rows(wg, wh, w, tile * 16, N, K);
+  mma_load<NT, U>(a, b, xv, wg, wh, xr, xok, warp * U, nv);
+  for (;;) {
+    float acc[NT][4];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    // A pass's loads are issued before its trip (consumed across the back edge, ptxas cannot sink them next to
+    // their mma: it did when they sat in the loop body, 40 registers and one load in flight); every pass keeps
+    // U * (2 + NT) 16-byte loads in flight per lane.
+    for (int ch0 = warp * U;;) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          mma16816<F16>(acc[t], a[u].x, b[u].x, a[u].y, b[u].y, xv[t][u].x, xv[t][u].y);
+          mma16816<F16>(acc[t], a[u].z, b[u].z, a[u].w, b[u].w, xv[t][u].z, xv[t][u].w);
+        }
+      ch0 += GEMV_WARPS * U;
+      if (ch0 * 4 >= nv) break;
+      mma_load<NT, U>(a, b, xv, wg, wh, xr, xok, ch0, nv);
+    }
+    const int n0 = tile * 16;
+    tile += gridDim.x;
+    if (tile < tiles) {  // the next tile's loads fly during this tile's epilogue
+      mma_rows(wg, wh, w, tile * 16, N, K);
+      mma_load<NT, U>(a, b, xv, wg, wh, xr, xok, warp * U, nv);
+    }
+    // D fragment: d0, d1 = (row of w g, rows of x 2c, 2c+1); d2, d3 = (row of w g + 8, same rows of x)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      part[warp][t * 8 + 2 * c][g] = acc[t][0];
+      part[warp][t * 8 + 2 * c + 1][g] = acc[t][1];
+      part[warp][t * 8 + 2 * c][g + 8] = acc[t][2];
+      part[warp][t * 8 + 2 * c + 1][g + 8] = acc[t][3];
+    }
+    __syncthreads();
+    for (int j = tid; j < NT * 8 * 16; j += GEMV_WARPS * 32) {
+      const int m = j >> 4, r = j & 15;  // consecutive threads: consecutive rows of w (coalesced y)
+      float s = 0.f;
+#pragma unroll
+      for (int q = 0; q < GEMV_WARPS; ++q) s += part[q][m][r];
+      if (m < M && n0 + r < N) {
+        const i64 o = (i64)m * N + n0 + r;
+        if (y_f32)
+          ((float*)y)[o] = s;
+        else
+          ((u16*)y)[o] = F16 ? f_to_f16(s) : f_to_bf16(s);
+      }
+    }
+    if (tile >= tiles) break;
+    __syncthreads();  // part is rewritten by the next tile
+  }
+}
