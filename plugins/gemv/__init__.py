@@ -1,1 +1,2 @@
-"""GEMV for decode steps: y = x W^T for one row of x, at the weights' HBM read rate."""
+"""Projections of decode and verify steps: y = x W^T for 1-16 rows of x on tensor cores, one kernel for every
+row count (a row's result does not depend on the rows beside it)."""
