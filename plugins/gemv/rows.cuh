@@ -1,4 +1,4 @@
-// Weight-row streaming shared by the gemv kernels (gemv/kernel.cu) and MoE's decode path (moe/decode.cuh):
+// Weight-row streaming of MoE's decode path (moe/decode.cuh; gemv/mma.cuh takes ld_stream from here):
 // one warp computes dot products of GEMV_RPW rows of a 16-bit matrix w [*, K] with M <= MT rows of x staged
 // in shared memory, keeping U 16-byte loads per row in flight per lane before any FMA (the weights are the
 // only large stream of a decode step, so what matters is the number of loads in flight).
