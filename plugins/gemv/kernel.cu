@@ -1,8 +1,6 @@
 // Projections of decode and verify steps: y[m, n] = sum_k x[m, k] w[n, k] for 1-16 rows of x (spec.py), on
-// tensor cores (gemv/mma.cuh; its ld_stream comes from gemv/rows.cuh, the weight streaming MoE's decode GEMV
-// uses too).
+// tensor cores (gemv/mma.cuh).
 #include "common.cuh"
-#include "gemv/rows.cuh"
 #include "gemv/mma.cuh"
 
 // mma_n{8-row tiles of x}_u{32-column chunks per warp per pass}_{dtype}; spec.kernel_name picks one

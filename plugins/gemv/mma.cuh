@@ -12,7 +12,9 @@
 // the two steps sum all 32 columns once (a sum over k does not care in which order the columns are visited).
 #pragma once
 #include "common.cuh"
-#include "gemv/rows.cuh"
+#ifndef GEMV_WARPS
+#error "GEMV_WARPS (warps per CTA) comes from gemv/spec.py through NVRTC -D options"
+#endif
 
 template <bool F16>
 __device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,

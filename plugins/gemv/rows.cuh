@@ -1,21 +1,14 @@
-// Weight-row streaming of MoE's decode path (moe/decode.cuh; gemv/mma.cuh takes ld_stream from here):
-// one warp computes dot products of GEMV_RPW rows of a 16-bit matrix w [*, K] with M <= MT rows of x staged
+// Weight-row streaming of MoE's decode path (moe/decode.cuh): one warp computes dot products of GEMV_RPW rows of a 16-bit matrix w [*, K] with M <= MT rows of x staged
 // in shared memory, keeping U 16-byte loads per row in flight per lane before any FMA (the weights are the
 // only large stream of a decode step, so what matters is the number of loads in flight).
 #pragma once
 #include "common.cuh"
 #ifndef GEMV_WARPS
-#error "GEMV_WARPS / GEMV_RPW come from gemv/spec.py through NVRTC -D options"
+#error "GEMV_WARPS / GEMV_RPW come from moe/spec.py through NVRTC -D options"
 #endif
 // U: chunks (16 bytes) per lane per row and pass; a pass covers 32 * U * 8 columns. U = 8 (2048 columns) or
 // U = 16 for K > 2048: a 2048-row out_proj of K 4096 has only ~8 warps per SM, so each must hold more loads.
 
-__device__ __forceinline__ uint4 ld_stream(const void* p) {  // read once: keep it out of L1
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
 template <bool F16>
 __device__ __forceinline__ float2 pair16(unsigned u) {  // two packed 16-bit values -> float
   if (F16) return make_float2(f16_to_f((u16)(u & 0xffffu)), f16_to_f((u16)(u >> 16)));

@@ -24,7 +24,6 @@ CHUNK = 8           # 16-bit elements per 16-byte load: K must be a multiple
 MAX_K = 1 << 20     # int32 column indexing with margin
 WARPS = 8           # warps per CTA: they split K and meet in shared memory
 TILE_N = 16         # rows of w per CTA (the mma's m16)
-ROWS_PER_WARP = 2   # rows.cuh (MoE's decode GEMV): weight rows a warp streams together
 DTYPES = ("bfloat16", "float16")
 
 
@@ -84,5 +83,5 @@ SPEC = OpSpec(
     check_shapes=_check_shapes,
     check_kernel=_check_kernel,
     doc="x @ w.T for 1-16 rows of x (decode and verify projections)",
-    cuda_defines={"GEMV_WARPS": WARPS, "GEMV_RPW": ROWS_PER_WARP},
+    cuda_defines={"GEMV_WARPS": WARPS},
 )

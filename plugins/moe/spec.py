@@ -31,6 +31,7 @@ PASS_TOKENS = 32   # pairs per pass of a CTA (four 8-column mma tiles); more pai
 MAX_EXPERTS = 4096  # moe_plan keeps two int counters per expert, moe_route E + k <= 2E floats in shared memory
 K_ALIGN = 32       # H and I must be multiples of this (32-column chunks of the mma k loop)
 PLAN_THREADS = 1024
+DECODE_ROWS_PER_WARP = 2  # gemv/rows.cuh: weight rows a warp of the decode path streams together
 DECODE_TOKENS = 4   # at most this many tokens (16-bit): the per-pair GEMV path of decode.cuh
 ROUTE_THREADS = 256  # moe_route's CTA (fewer, a multiple of 32, when E is smaller); one warp measured slower on the
                      # H200 at E=256, k=8 (8.75 vs 7.2 us a call)
@@ -84,5 +85,5 @@ SPEC = OpSpec(
     check_kernel=_check_kernel,
     doc="routed SwiGLU experts as a grouped GEMM (each selected expert's weights read once per call)",
     cuda_defines={"MOE_WARPS": WARPS, "MOE_PASS": PASS_TOKENS, "MOE_ROUTE_THREADS": ROUTE_THREADS,
-                  "GEMV_WARPS": gemv_spec.WARPS, "GEMV_RPW": gemv_spec.ROWS_PER_WARP},
+                  "GEMV_WARPS": gemv_spec.WARPS, "GEMV_RPW": DECODE_ROWS_PER_WARP},
 )
