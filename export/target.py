@@ -181,20 +181,19 @@ class GatedDeltaNet(nn.Module):
         cols = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         return cols, z.reshape(B, T, Hv, dv), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
 
-    def forward(self, x, conv_state, state):
-        """x [B,T,H]; conv_state [B,C,W-1]; state [B,Hv,dk,dv] fp32 (both read-only).
-        Returns (y [B,T,H], pre-conv cols [B,T,C], GdnOut)."""
+    def forward(self, x, conv_state, state, slot=None):
+        """x [B,T,H]; conv_state [B,C,W-1]; state [B,Hv,dk,dv] fp32 (both read-only); with slot [B], conv_state and
+        state are the layer's pools and rows slot[b] the sequences' states. Returns (y [B,T,H], pre-conv cols
+        [B,T,C], GdnOut)."""
         c = self.cfg
         Hk, Hv, dk, dv = c.lin_num_k_heads, c.lin_num_v_heads, c.lin_k_dim, c.lin_v_dim
         B, T, _ = x.shape
         cols, z, b, a = self.project(x)
-        mixed = ops.conv_verify(cols, conv_state.to(cols.dtype), self.conv1d.weight[:, 0, :])
+        mixed = ops.conv_verify(cols, conv_state, self.conv1d.weight[:, 0, :], slot)
         q, k, v = torch.split(mixed, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-        out = ops.gdn_chunk(
-            q.reshape(B, T, Hk, dk).float(), k.reshape(B, T, Hk, dk).float(), v.reshape(B, T, Hv, dv).float(),
-            g.float(), beta.float(), state.float(),
-        )
+        out = ops.gdn_chunk(q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Hv, dv), g, beta,
+                            state, slot=slot)
         o = self.norm(out.o.to(x.dtype), z)
         return self.out_proj(o.reshape(B, T, Hv * dv)), cols, out
 
@@ -370,7 +369,7 @@ class TargetModel(nn.Module):
                 kv_rows.append(torch.stack([k, v]))
                 ia += 1
             else:
-                y, cols, out = layer.linear_attn(x, conv_pool[ig, slot], gdn_pool[ig, slot])
+                y, cols, out = layer.linear_attn(x, conv_pool[ig], gdn_pool[ig], slot)
                 cols_all.append(cols)
                 if valid_len is None:
                     fold_k.append(out.k_hat), fold_v.append(out.v_new), fold_g.append(out.gamma)

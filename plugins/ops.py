@@ -36,6 +36,18 @@ def _cuda_ops(t):
     return torch.ops.dflash
 
 
+def _i32(t):
+    """An index tensor as the kernels read it. Done here, in the traced model code, rather than inside the op: under
+    torch.compile every layer's identical cast of the same tensor (slot, block table, lengths) is one value, computed
+    once a step (and fused), where a cast inside each op call was one copy kernel per call."""
+    return None if t is None else t.to(torch.int32)
+
+
+def _rows_of(pool, slot):
+    """pool[slot] (the reference and export read of a per-sequence state slot)."""
+    return pool if slot is None else pool[slot]
+
+
 def _node(spec, inputs, attrs: dict):
     """The `dflash::<Op>` node of `spec` on `inputs` (attributes by spec name; outputs typed by the spec)."""
     unknown = set(attrs) - set(spec.attr_kinds)
@@ -48,15 +60,23 @@ def _node(spec, inputs, attrs: dict):
                                              dtypes=dtypes, shapes=shapes, version=OP_VERSION)
 
 
-def gdn_chunk(q, k, v, g, beta, state, scale=None):
-    """GdnChunkWY16: returns GdnOut(o, state, k_hat, v_new, gamma); `state` is read-only."""
+def gdn_chunk(q, k, v, g, beta, state, scale=None, slot=None):
+    """GdnChunkWY16: returns GdnOut(o, state, k_hat, v_new, gamma); `state` is read-only: [B,Hv,dk,dv], or with
+    `slot` [B] a pool layer [slots,Hv,dk,dv] whose rows slot[b] are the states. q, k, v in the model's dtype, g, beta
+    fp32. The op computes in fp32 (q, k, v cast as the spec's reference does); o comes back in q's dtype on CUDA
+    (the kernel rounds its fp32 sums once, as the cast of an fp32 o would) and fp32 elsewhere.
+    CUDA: the kernel reads q, k, v in place (slices of the conv output), g and beta from one tensor (the gates in one
+    kernel) and the state straight from the pool slot: no cast, gather or copy kernel before it."""
+    dflash = None if _exporting() else _cuda_ops(q)
+    if dflash is not None:
+        gb = torch.stack([g.float(), beta.float()], -2)  # [B,T,2,Hv]
+        o, k_hat, v_new, gamma, _ = dflash.gdn_wy16(q, k, v, gb[..., 0, :], gb[..., 1, :], state.float(),
+                                                    _i32(slot), scale, False)
+        return gdn_ref.GdnOut(o, None, k_hat, v_new, gamma)
+    q, k, v, g, beta, state = (t.float() for t in (q, k, v, g, beta, _rows_of(state, slot)))
     if _exporting():
         dk = q.shape[3]
         return gdn_ref.GdnOut(*_node(GDN, (q, k, v, g, beta, state), {"scale": dk ** -0.5 if scale is None else scale}))
-    dflash = _cuda_ops(q)
-    if dflash is not None:
-        o, k_hat, v_new, gamma, _ = dflash.gdn_wy16(q, k, v, g, beta, state, None, scale, False)
-        return gdn_ref.GdnOut(o, None, k_hat, v_new, gamma)
     return gdn_ref.gdn_chunk_wy16(q, k, v, g, beta, state, scale=scale)
 
 
@@ -71,13 +91,17 @@ def gdn_fold(state, k_hat, v_new, gamma, n):
     return gdn_ref.gdn_fold(state, k_hat, v_new, gamma, n)
 
 
-def conv_verify(x, conv_state, weight):
-    """CausalConvVerify: silu(depthwise causal conv over [conv_state | x]); conv_state read-only."""
+def conv_verify(x, conv_state, weight, slot=None):
+    """CausalConvVerify: silu(depthwise causal conv over [conv_state | x]); conv_state read-only: [B,C,W-1], or with
+    `slot` [B] a pool layer [slots,C,W-1] whose rows slot[b] are the states (CUDA reads them in place)."""
+    dflash = None if _exporting() else _cuda_ops(x)
+    if dflash is not None:
+        if conv_state.dtype != x.dtype:  # the kernel's output dtype follows its inputs': cast the rows first
+            conv_state, slot = _rows_of(conv_state, slot).to(x.dtype), None
+        return dflash.conv_verify(x, conv_state, weight, _i32(slot))
+    conv_state = _rows_of(conv_state, slot).to(x.dtype)
     if _exporting():
         return _node(CONV, (x, conv_state, weight), {})[0]
-    dflash = _cuda_ops(x)
-    if dflash is not None:
-        return dflash.conv_verify(x, conv_state, weight, None)
     return conv_ref.conv_verify(x, conv_state, weight)
 
 
@@ -88,8 +112,8 @@ def paged_attention(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_l
         return _node(ATTENTION, (q, k_new, v_new, kv_pool, block_table, kv_start, kv_len), attrs)[0]
     dflash = _cuda_ops(q)
     if dflash is not None:
-        return dflash.paged_attention(q, k_new, v_new, kv_pool, int(layer), block_table, kv_start, kv_len,
-                                      bool(causal), float(scale), int(window))
+        return dflash.paged_attention(q, k_new, v_new, kv_pool, int(layer), _i32(block_table), _i32(kv_start),
+                                      _i32(kv_len), bool(causal), float(scale), int(window))
     return attention_ref.paged_attention_ref(q, k_new, v_new, kv_pool, layer, block_table, kv_start, kv_len,
                                              causal, scale, window)
 

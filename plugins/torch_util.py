@@ -21,6 +21,37 @@ def i32(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.to(torch.int32).contiguous()
 
 
+def rows(t: Tensor, row_dims: int = 2, align: int = 16) -> tuple[Tensor, int]:
+    """(t, rs) for a kernel that reads t as rows: its first row_dims dims flattened are the rows, rs elements apart,
+    each row's elements packed. A view that fits (a slice of wider rows: q|k|v of one projection) is returned as is,
+    so no copy kernel runs before the launch; anything else is made contiguous (rs = the packed row size).
+    align: bytes the data pointer and the row stride must be a multiple of (the kernel's vector loads)."""
+    inner = 1
+    for size, st in reversed(list(zip(t.shape[row_dims:], t.stride()[row_dims:]))):
+        if size != 1 and st != inner:
+            return t.contiguous(), _numel(t.shape[row_dims:])
+        inner *= size
+    rs = span = None
+    for size, st in reversed(list(zip(t.shape[:row_dims], t.stride()[:row_dims]))):
+        if size == 1:
+            continue
+        if span is not None and st != span:
+            return t.contiguous(), inner
+        rs = st if rs is None else rs
+        span = st * size
+    rs = inner if rs is None else rs
+    if rs < inner or t.data_ptr() % align or rs * t.element_size() % align:
+        return t.contiguous(), inner
+    return t, rs
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 def ptr(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 

@@ -11,7 +11,7 @@ extern "C" __global__ void conv_verify(const void* __restrict__ x, int x_dt,
                                        const void* __restrict__ state, int s_dt,
                                        const int* __restrict__ slot,
                                        const void* __restrict__ weight, int w_dt,
-                                       void* __restrict__ y, int y_dt, int T, int C, int W) {
+                                       void* __restrict__ y, int y_dt, int T, int C, int W, int x_rs) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y, b = blockIdx.z;
   if (c >= C) return;
   const i64 sl = slot ? (i64)slot[b] : (i64)b;
@@ -21,7 +21,7 @@ extern "C" __global__ void conv_verify(const void* __restrict__ x, int x_dt,
     if (j >= W) break;
     const int src = t + j;  // column index in [state | x]
     float v = 0.f;
-    if (src >= W - 1) v = ldf(x, x_dt, ((i64)b * T + src - (W - 1)) * C + c);
+    if (src >= W - 1) v = ldf(x, x_dt, ((i64)b * T + src - (W - 1)) * x_rs + c);  // rows x_rs apart
     else if (sl >= 0) v = ldf(state, s_dt, (sl * C + c) * (W - 1) + src);
     acc += ldf(weight, w_dt, (i64)c * W + j) * v;
   }

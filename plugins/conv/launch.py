@@ -14,12 +14,16 @@ THREADS = 128  # channels per CTA (conv_verify: one thread per (row, channel); c
 
 
 def conv_verify(x, state, slot, weight, y, *, B, T, C, W, x_dtype="bfloat16", s_dtype="bfloat16",
-                w_dtype="bfloat16", y_dtype=None, stream=0):
-    """y [B,T,C] = silu(depthwise causal conv of [state | x]); state [*,C,W-1] read-only."""
+                w_dtype="bfloat16", y_dtype=None, stream=0, x_rs=None):
+    """y [B,T,C] = silu(depthwise causal conv of [state | x]); state [*,C,W-1] read-only.
+    x_rs: elements between consecutive (b, t) rows of x (None: C, contiguous): a slice of wider projection rows is
+    read in place."""
     spec.check_dims(B, T, C, W)
+    x_rs = x_rs or C
+    kernel_need(x_rs >= C, f"conv_verify: x row stride {x_rs} < C = {C}")
     args = [(x, P), (dtype_code(x_dtype, "conv x"), I), (state, P), (dtype_code(s_dtype, "conv state"), I),
             (slot or 0, P), (weight, P), (dtype_code(w_dtype, "conv weight"), I), (y, P),
-            (dtype_code(y_dtype or x_dtype, "conv y"), I), (T, I), (C, I), (W, I)]
+            (dtype_code(y_dtype or x_dtype, "conv y"), I), (T, I), (C, I), (W, I), (x_rs, I)]
     launch(get_function("conv", "conv_verify"), ((C + THREADS - 1) // THREADS, T, B), (THREADS, 1, 1), 0, stream, args)
 
 

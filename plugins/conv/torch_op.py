@@ -35,14 +35,14 @@ def _conv_verify_cpu(x, conv_state, weight, slot=None):
 def _conv_verify_cuda(x, conv_state, weight, slot=None):
     B, T, C = x.shape
     W = weight.shape[-1]
-    x, conv_state, weight = x.contiguous(), conv_state.contiguous(), weight.contiguous()
+    (x, x_rs), conv_state, weight = U.rows(x, align=2), conv_state.contiguous(), weight.contiguous()
     U.check_groups(spec.SPEC, (x, conv_state, weight))
     slot = U.i32(slot)
     (shape,) = spec.SPEC.output_shapes([x.shape, (B, C, W - 1), weight.shape])
     y = torch.empty(shape, device=x.device, dtype=_conv_dtype(x, conv_state, weight))
     launch.conv_verify(x.data_ptr(), conv_state.data_ptr(), U.ptr(slot), weight.data_ptr(), y.data_ptr(), B=B, T=T,
                        C=C, W=W, x_dtype=U.dname(x), s_dtype=U.dname(conv_state), w_dtype=U.dname(weight),
-                       y_dtype=U.dname(y), stream=U.stream(x))
+                       y_dtype=U.dname(y), stream=U.stream(x), x_rs=x_rs)
     return y
 
 

@@ -2,7 +2,9 @@
 // Math: DESIGN §3. One CTA per (dv tile of 32*CG columns, v-head, sequence); dv columns of the
 // state are independent in the delta rule, so a CTA owns S[:, tile] (fp32, in registers: warp w
 // holds rows kg*32..kg*32+31 of column lane) for the whole call. GVA native: v-head h reads k-head
-// h / (Hv/Hk). Inputs q,k [B,T,Hk,DK], v [B,T,Hv,DV], g,beta [B,T,Hv]; all contiguous.
+// h / (Hv/Hk). Inputs q,k [B,T,Hk,DK], v [B,T,Hv,DV], g,beta [B,T,Hv], each row (b,t) packed, rows rs_qk /
+// rs_v / rs_gb elements apart: views of wider rows (q|k|v of the conv output, g|beta of one gates tensor) are
+// read in place, no copy kernel before the call.
 #include "common.cuh"
 #define CH 16   // fold: rows per smem batch
 #define WS 20   // row stride of the transposed W / Q tiles (bank-conflict free float4 stores)
@@ -17,7 +19,7 @@ __device__ __forceinline__ void gdn_wy16_body(
     const float* __restrict__ state, const int* __restrict__ slot,
     void* __restrict__ o, int o_dt, float* __restrict__ k_hat, float* __restrict__ v_new,
     float* __restrict__ gamma, float* __restrict__ state_out,
-    int T, int Hk, int Hv, int DV, float scale) {
+    int T, int Hk, int Hv, int DV, float scale, int rs_qk, int rs_v, int rs_gb) {
   constexpr int DVT = 32 * CG, KG = DK / 32, NT = DK * CG, NW = NT / 32, KP = DK + 4;
   static_assert(R * KP <= DK * WS, "Qsh alias");
   static_assert(2 * R * DVT <= 2 * DK * WS, "red alias");
@@ -58,7 +60,7 @@ __device__ __forceinline__ void gdn_wy16_body(
 #pragma unroll
     for (int jj = 0; jj < JPW; ++jj) {
       const int job = w + jj * NW, i = job >> 1;
-      const i64 base = (((i64)b * T + c0 + i) * Hk + hk) * DK + lane * E;
+      const i64 base = ((i64)b * T + c0 + i) * rs_qk + hk * DK + lane * E;
       const void* src = (job & 1) ? q : k;
       if (job < 2 * R && i < C) {
         if (E == 4) {
@@ -77,11 +79,11 @@ __device__ __forceinline__ void gdn_wy16_body(
 #pragma unroll
     for (int u = 0; u < VPT; ++u) {
       const int e = tid + u * NT, i = e / DVT, cc = e % DVT;
-      xv[u] = i < C ? ldf(v, in_dt, (((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc) : 0.f;
+      xv[u] = i < C ? ldf(v, in_dt, ((i64)b * T + c0 + i) * rs_v + hv * DV + d0 + cc) : 0.f;
     }
     float gi = 0.f, bi = 0.f;
     if (w == 0 && lane < C) {
-      const i64 idx = ((i64)b * T + c0 + lane) * Hv + hv;
+      const i64 idx = ((i64)b * T + c0 + lane) * rs_gb + hv;
       gi = ldf(g, gb_dt, idx);
       bi = ldf(beta, gb_dt, idx);
     }
@@ -348,9 +350,9 @@ __device__ __forceinline__ void gdn_fold_body(
       const void* q, const void* k, const void* v, int in_dt, const void* g, const void* beta,    \
       int gb_dt, const float* state, const int* slot, void* o, int o_dt, float* k_hat,            \
       float* v_new, float* gamma, float* state_out, int T, int Hk, int Hv,                        \
-      int DV, float scale) {                                                                      \
+      int DV, float scale, int rs_qk, int rs_v, int rs_gb) {                                      \
     gdn_wy16_body<DK, CG, R>(q, k, v, in_dt, g, beta, gb_dt, state, slot, o, o_dt, k_hat, v_new,  \
-                             gamma, state_out, T, Hk, Hv, DV, scale);                             \
+                             gamma, state_out, T, Hk, Hv, DV, scale, rs_qk, rs_v, rs_gb);         \
   }
 #define GDN_FOLD(DK, CG)                                                                          \
   extern "C" __global__ void __launch_bounds__(DK * CG) gdn_fold_dk##DK##_cg##CG(                 \

@@ -47,7 +47,14 @@ def _gdn_wy16_cpu(q, k, v, g, beta, state, slot=None, scale=None, output_state=F
 def _gdn_wy16_cuda(q, k, v, g, beta, state, slot=None, scale=None, output_state=False):
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
-    q, k, v, g, beta, state = (t.contiguous() for t in (q, k, v, g, beta, state))
+    # rows read in place at their stride: q/k/v as slices of the conv output, g/beta of one gates tensor
+    (q, rq), (k, rk), (v, rv) = U.rows(q), U.rows(k), U.rows(v)
+    (g, rg), (beta, rb) = U.rows(g, align=4), U.rows(beta, align=4)
+    if rq != rk:
+        (q, rq), (k, rk) = U.rows(q.contiguous()), U.rows(k.contiguous())
+    if rg != rb:
+        (g, rg), (beta, rb) = U.rows(g.contiguous()), U.rows(beta.contiguous())
+    state = state.contiguous()
     U.check_groups(spec.SPEC, (q, k, v, g, beta, state))
     slot = U.i32(slot)
     so, ss, sk, sv, sg = _shapes(q, k, v, g, beta)
@@ -59,7 +66,7 @@ def _gdn_wy16_cuda(q, k, v, g, beta, state, slot=None, scale=None, output_state=
                     U.ptr(slot), o.data_ptr(), k_hat.data_ptr(), v_new.data_ptr(), gamma.data_ptr(),
                     fs.data_ptr() if output_state else 0, B=B, T=T, Hk=Hk, Hv=Hv, dk=dk, dv=dv,
                     in_dtype=U.dname(q), gb_dtype=U.dname(g), o_dtype=U.dname(o), state_dtype=U.dname(state),
-                    scale=scale, stream=U.stream(q))
+                    scale=scale, stream=U.stream(q), rs_qk=rq, rs_v=rv, rs_gb=rg)
     return o, k_hat, v_new, gamma, fs
 
 

@@ -60,6 +60,7 @@ __device__ __forceinline__ void ld8s(const unsigned char* row, int e0, float* f)
 struct AttnArgs {
   const void *q, *k_new, *v_new, *pool;
   int q_dt, n_dt, p_dt, o_dt, layer, num_blocks, block_size, max_blocks, T, Hq, Hkv, causal, window, tiles;
+  i64 k_rs, v_rs;  // elements between (b, t) rows of k_new / v_new (slices of wider projection rows)
   const int *block_table, *kv_start, *kv_len;
   void* o;
   float* ws_acc;  // [B*T*Hq][nsplit][HD] unnormalised sums of p * v
@@ -131,7 +132,8 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
         ve = e + vofs;
       } else {
         ksrc = a.k_new, vsrc = a.v_new, sdt = a.n_dt;
-        e = ve = (((i64)b * T + (j - Lc)) * a.Hkv + hkv) * HD;
+        e = ((i64)b * T + (j - Lc)) * a.k_rs + hkv * HD;
+        ve = ((i64)b * T + (j - Lc)) * a.v_rs + hkv * HD;
       }
       unsigned char* dst = base + jl * RS + cc * 16;
       if (sdt == TD) {
@@ -269,14 +271,14 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
       const void* q, int q_dt, const void* k_new, const void* v_new, int n_dt, const void* pool,        \
       int p_dt, int layer, int num_blocks, int block_size, const int* block_table, int max_blocks,      \
       const int* kv_start, const int* kv_len, void* o, int o_dt, int T, int Hq, int Hkv, int causal,    \
-      int window, float scale, float* ws_acc, float* ws_ml, int tiles) {                                \
+      int window, float scale, float* ws_acc, float* ws_ml, int tiles, int k_rs, int v_rs) {            \
     AttnArgs a;                                                                                         \
     a.q = q, a.k_new = k_new, a.v_new = v_new, a.pool = pool, a.q_dt = q_dt, a.n_dt = n_dt;             \
     a.p_dt = p_dt, a.o_dt = o_dt, a.layer = layer, a.num_blocks = num_blocks;                           \
     a.block_size = block_size, a.max_blocks = max_blocks, a.T = T, a.Hq = Hq, a.Hkv = Hkv;              \
     a.causal = causal, a.window = window, a.tiles = tiles, a.block_table = block_table;                 \
     a.kv_start = kv_start, a.kv_len = kv_len, a.o = o, a.ws_acc = ws_acc, a.ws_ml = ws_ml;              \
-    a.scale = scale;                                                                                    \
+    a.scale = scale, a.k_rs = k_rs, a.v_rs = v_rs;                                                      \
     attn_split<HD, TD, R>(a);                                                                           \
   }
 #define PAGED_ATTN_R(HD, R, SUF) \

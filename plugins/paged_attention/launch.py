@@ -14,12 +14,16 @@ KV_WRITE_THREADS = 128
 
 def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, B, T, Hq, Hkv, hd, layer,
                     num_blocks, block_size, max_blocks, causal, scale, window=0, q_dtype="bfloat16", n_dtype=None,
-                    p_dtype=None, o_dtype=None, workspace=0, stream=0):
+                    p_dtype=None, o_dtype=None, workspace=0, stream=0, k_rs=None, v_rs=None):
     """o [B,T,Hq,hd] = attention of q over cached rows [kv_start, kv_len) in pages + T new rows
     (window > 0: sliding, spec.py). Split-KV: `workspace` (device pointer, 16-byte aligned) holds
     spec.workspace_bytes(B, T, Hq, Hkv, hd, max_blocks * block_size) bytes when that is not 0; the split pass
-    writes fp32 partials there and the combine pass merges them into o (two launches on `stream`)."""
+    writes fp32 partials there and the combine pass merges them into o (two launches on `stream`).
+    k_rs / v_rs: elements between consecutive (b, t) rows of k_new / v_new (None: Hkv * hd, contiguous; a wider
+    stride reads a slice of the projection's rows in place, 16-byte aligned)."""
     spec.check_dims(B, T, Hq, Hkv, hd, block_size)
+    k_rs, v_rs = k_rs or Hkv * hd, v_rs or Hkv * hd
+    kernel_need(min(k_rs, v_rs) >= Hkv * hd, f"paged_attention: k/v row strides ({k_rs}, {v_rs}) < Hkv*hd")
     max_rows = max_blocks * block_size
     tiles, nsplit, groups = spec.split_plan(B, T, Hq, Hkv, hd, max_rows)
     ws_bytes = spec.workspace_bytes(B, T, Hq, Hkv, hd, max_rows)
@@ -35,7 +39,8 @@ def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, 
             (dtype_code(n_dtype or q_dtype, "attn k/v"), I), (pool, P), (dtype_code(p_dtype or q_dtype, "attn kv pool"), I),
             (layer, I), (num_blocks, I), (block_size, I), (block_table, P), (max_blocks, I), (kv_start, P),
             (kv_len, P), (o, P), (o_code, I), (T, I), (Hq, I), (Hkv, I),
-            (int(bool(causal)), I), (max(int(window), 0), I), (scale, F), (ws_acc, P), (ws_ml, P), (tiles, I)]
+            (int(bool(causal)), I), (max(int(window), 0), I), (scale, F), (ws_acc, P), (ws_ml, P), (tiles, I),
+            (k_rs, I), (v_rs, I)]
     pd, nd = p_dtype or q_dtype, n_dtype or q_dtype
     es = spec.tile_elem_bytes(pd, nd)
     R = spec.cta_rows(hd, Hq // Hkv, T)

@@ -34,7 +34,8 @@ def _paged_attention_cuda(q, k_new, v_new, kv_pool, layer, block_table, kv_start
     L, _, NB, BS = kv_pool.shape[:4]
     ins = (q, k_new, v_new, kv_pool, block_table, kv_start.reshape(B), kv_len.reshape(B))
     spec.SPEC.check_shapes([t.shape for t in ins], {"layer": layer})  # ShapeError: layer out of range, ...
-    q, k_new, v_new, kv_pool = (t.contiguous() for t in (q, k_new, v_new, kv_pool))
+    q, kv_pool = q.contiguous(), kv_pool.contiguous()
+    (k_new, k_rs), (v_new, v_rs) = U.rows(k_new), U.rows(v_new)  # slices of the qkv projection: read in place
     U.check_groups(spec.SPEC, (q, k_new, v_new, kv_pool) + ins[4:])
     bt, ks, kl = U.i32(block_table), U.i32(kv_start.reshape(B)), U.i32(kv_len.reshape(B))
     (shape,) = spec.SPEC.output_shapes([q.shape])
@@ -46,7 +47,7 @@ def _paged_attention_cuda(q, k_new, v_new, kv_pool, layer, block_table, kv_start
                            num_blocks=NB, block_size=BS, max_blocks=bt.shape[1], causal=causal, scale=scale,
                            window=window, workspace=ws.data_ptr() if ws.numel() else 0,
                            q_dtype=U.dname(q), n_dtype=U.dname(k_new), p_dtype=U.dname(kv_pool), o_dtype=U.dname(o),
-                           stream=U.stream(q))
+                           stream=U.stream(q), k_rs=k_rs, v_rs=v_rs)
     return o
 
 
