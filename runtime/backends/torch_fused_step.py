@@ -51,20 +51,30 @@ class FusedSteps:
         self.state = SlotState(rt.sizes.max_seqs, next(target.parameters()).device)
 
     # ---- pieces ---------------------------------------------------------------------------
-    def _target(self, graph, ids, pos, b, seq_len, valid=None, logits=False):
-        x = {"input_ids": ids, "positions": pos, "slot": b["slot"], "seq_len": seq_len,
-             "block_table": b["block_table"], "kv_pool": self.pools["kv_pool"], "gdn_pool": self.pools["gdn_pool"],
+    @staticmethod
+    def _index(b, seq_len) -> dict:
+        """The step's index tensors as every kernel reads them (int32), cast once a step: the step buffers hold int64
+        (the graph ABI), and a cast inside each op call was one copy kernel per call, 2-3 a layer (Inductor does
+        not merge the identical casts of different calls)."""
+        ix = {k: b[k].to(torch.int32) for k in ("slot", "block_table", "ctx_table") if k in b}
+        ix["seq_len"] = seq_len.to(torch.int32)
+        return ix
+
+    def _target(self, graph, ids, pos, ix, valid=None, logits=False):
+        x = {"input_ids": ids, "positions": pos, "slot": ix["slot"], "seq_len": ix["seq_len"],
+             "block_table": ix["block_table"], "kv_pool": self.pools["kv_pool"], "gdn_pool": self.pools["gdn_pool"],
              "conv_pool": self.pools["conv_pool"]}
         if valid is not None:
             x["valid_len"] = valid
         return run_graph(graph, self.target, self.drafter, x, want_logits=logits)
 
-    def _commit(self, out, n, b, seq_len, pos):
+    def _commit(self, out, n, b, ix, seq_len, pos):
         """The device part of the one commit path, drafter ctx rows at logical rows position - ctx_base."""
-        t = WriteTables(b["slot"], seq_len, b["block_table"])
+        t = WriteTables(ix["slot"], ix["seq_len"], ix["block_table"])
+        n = n.to(torch.int32)  # once for the four commit kernels
         dkv = None
         if self.drafter is not None:
-            t.ctx_table, t.ctx_start = b["ctx_table"], seq_len - b["ctx_base"]
+            t.ctx_table, t.ctx_start = ix["ctx_table"], (seq_len - b["ctx_base"]).to(torch.int32)
             dkv = run_graph(DRAFTER_CTX, self.target, self.drafter,
                             {"ctx_hidden": out["ctx_hidden"], "positions": pos})["dkv_rows"]
         write(self.dev, self.pools, out, n, t, dkv)
@@ -96,8 +106,9 @@ class FusedSteps:
         ids, start, valid = b["ids"], b["start"], b["valid"]
         rp = _sampling(b)
         pos = start[:, None] + torch.arange(ids.shape[1], device=ids.device)[None]
-        out = self._target(PREFILL, ids, pos, b, start, valid, logits=rp is not None)
-        self._commit(out, valid, b, start, pos)
+        ix = self._index(b, start)
+        out = self._target(PREFILL, ids, pos, ix, valid, logits=rp is not None)
+        self._commit(out, valid, b, ix, start, pos)
         last = (valid - 1).clamp(min=0)
         if rp is None:
             first = out["argmax"].gather(1, last[:, None])[:, 0]
@@ -115,9 +126,10 @@ class FusedSteps:
         seq_len, bonus = self.state.seq_len[b["srow"]], self.state.bonus[b["srow"]]
         pos = seq_len[:, None]
         rp = _sampling(b)
-        out = self._target(target_graph(1), bonus[:, None], pos, b, seq_len, logits=rp is not None)
+        ix = self._index(b, seq_len)
+        out = self._target(target_graph(1), bonus[:, None], pos, ix, logits=rp is not None)
         n = b["live"].clone()
-        self._commit(out, n, b, seq_len, pos)
+        self._commit(out, n, b, ix, seq_len, pos)
         tok = out["argmax"]
         if rp is not None:
             tok = sample(token_probs(out["logits"][:, 0], rp), uniform(rp["seed"], seq_len + 1, TOKEN))[:, None]
@@ -131,20 +143,22 @@ class FusedSteps:
         seq_len, bonus = self.state.seq_len[b["srow"]], self.state.bonus[b["srow"]]
         B = seq_len.shape[0]
         kv_start, kv_len = self._window(b, seq_len)
+        ix = self._index(b, seq_len)
         K = gamma + 1  # γ drafts come from a block of γ+1 slots, as the reference runs them
         block = torch.full((B, K), d.mask_token_id, dtype=torch.int64, device=seq_len.device)
         block[:, 0] = bonus
         bpos = seq_len[:, None] + torch.arange(K, device=seq_len.device)[None]
         dout = run_graph(drafter_block_graph(K, d.block_size), self.target, self.drafter, {
-            "block_ids": block, "positions": bpos, "block_table": b["ctx_table"], "kv_start": kv_start,
-            "kv_len": kv_len, "dkv_pool": self.pools["dkv_pool"]}, want_logits=rp is not None)
+            "block_ids": block, "positions": bpos, "block_table": ix["ctx_table"],
+            "kv_start": kv_start.to(torch.int32), "kv_len": kv_len.to(torch.int32), "dkv_pool": self.pools["dkv_pool"]},
+            want_logits=rp is not None)
         if rp is None:
             drafts = dout["drafts"]
         else:  # slot j of the block predicts the token at position seq_len + j
             q = token_probs(dout["logits"][:, 1:], rp)
             drafts = draft_tokens(q, rp["seed"], bpos[:, 1:])
         pos = bpos
-        out = self._target(target_graph(K), torch.cat([bonus[:, None], drafts], 1), pos, b, seq_len,
+        out = self._target(target_graph(K), torch.cat([bonus[:, None], drafts], 1), pos, ix,
                            logits=rp is not None)
         if rp is None:
             am = out["argmax"]
@@ -154,5 +168,5 @@ class FusedSteps:
         else:  # verify row j predicts the token at position seq_len + 1 + j
             am, n = speculative_accept(token_probs(out["logits"], rp), q, drafts, rp["seed"], bpos + 1)
             n = n * b["live"]
-        self._commit(out, n, b, seq_len, pos)
+        self._commit(out, n, b, ix, seq_len, pos)
         self._advance(b, am, n, seq_len, bonus, (kv_start, kv_len))

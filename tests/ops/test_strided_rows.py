@@ -67,7 +67,7 @@ def test_gdn_reads_strided_rows(_cuda, T, dk):
     slot = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
     qs, ks, vs = _wide([q, k, v])
     gs, bs = _wide([g, beta], extra=0)
-    assert qs.stride(1) > Hk * dk and gs.stride(1) == 2 * Hv
+    assert not qs.is_contiguous() and not gs.is_contiguous()
     want = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, None, False)
     got = torch.ops.dflash.gdn_wy16(qs, ks, vs, gs, bs, pool, slot, None, False)
     for name, a, b in zip(("o", "k_hat", "v_new", "gamma"), got[:4], want[:4]):
