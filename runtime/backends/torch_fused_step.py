@@ -20,6 +20,7 @@ import torch
 
 from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
 from dflash_trt.export.graphs import run_graph
+from dflash_trt.runtime.backends.opaque_ops import as_int32
 from dflash_trt.runtime.commit import WriteTables, write
 from dflash_trt.runtime.sampling import (TOKEN, draft_tokens, row_tensors, sample, speculative_accept, token_probs,
                                          uniform)
@@ -53,11 +54,10 @@ class FusedSteps:
     # ---- pieces ---------------------------------------------------------------------------
     @staticmethod
     def _index(b, seq_len) -> dict:
-        """The step's index tensors as every kernel reads them (int32), cast once a step: the step buffers hold int64
-        (the graph ABI), and a cast inside each op call was one copy kernel per call, 2-3 a layer (Inductor does
-        not merge the identical casts of different calls)."""
-        ix = {k: b[k].to(torch.int32) for k in ("slot", "block_table", "ctx_table") if k in b}
-        ix["seq_len"] = seq_len.to(torch.int32)
+        """The step's index tensors as every kernel reads them (int32), cast once a step (opaque_ops.as_int32 says
+        why); the step buffers hold int64 (the graph ABI)."""
+        ix = {k: as_int32(b[k]) for k in ("slot", "block_table", "ctx_table") if k in b}
+        ix["seq_len"] = as_int32(seq_len)
         return ix
 
     def _target(self, graph, ids, pos, ix, valid=None, logits=False):
@@ -71,10 +71,10 @@ class FusedSteps:
     def _commit(self, out, n, b, ix, seq_len, pos):
         """The device part of the one commit path, drafter ctx rows at logical rows position - ctx_base."""
         t = WriteTables(ix["slot"], ix["seq_len"], ix["block_table"])
-        n = n.to(torch.int32)  # once for the four commit kernels
+        n = as_int32(n)  # once for the four commit kernels
         dkv = None
         if self.drafter is not None:
-            t.ctx_table, t.ctx_start = ix["ctx_table"], (seq_len - b["ctx_base"]).to(torch.int32)
+            t.ctx_table, t.ctx_start = ix["ctx_table"], as_int32(seq_len - b["ctx_base"])
             dkv = run_graph(DRAFTER_CTX, self.target, self.drafter,
                             {"ctx_hidden": out["ctx_hidden"], "positions": pos})["dkv_rows"]
         write(self.dev, self.pools, out, n, t, dkv)
@@ -150,7 +150,7 @@ class FusedSteps:
         bpos = seq_len[:, None] + torch.arange(K, device=seq_len.device)[None]
         dout = run_graph(drafter_block_graph(K, d.block_size), self.target, self.drafter, {
             "block_ids": block, "positions": bpos, "block_table": ix["ctx_table"],
-            "kv_start": kv_start.to(torch.int32), "kv_len": kv_len.to(torch.int32), "dkv_pool": self.pools["dkv_pool"]},
+            "kv_start": as_int32(kv_start), "kv_len": as_int32(kv_len), "dkv_pool": self.pools["dkv_pool"]},
             want_logits=rp is not None)
         if rp is None:
             drafts = dout["drafts"]
