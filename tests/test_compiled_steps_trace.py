@@ -96,3 +96,52 @@ def test_failed_compile_of_one_key_leaves_the_others_compiled(pair):
     assert _runs(rt, prompt) == want
     assert ("compiled", False) in calls and ("eager", True) in calls
     assert ("compiled", True) not in calls and ("eager", False) not in calls, calls
+
+
+def _dflash_ops(t):
+    """ops._cuda_ops for any device: the model calls the dflash:: ops as it does on CUDA (their CPU kernels are the
+    reference math), so the traced graph is the one Inductor receives on the GPU."""
+    from dflash_trt.plugins import torch_ops  # noqa: F401
+
+    return torch.ops.dflash
+
+
+def _producer(node):
+    while node.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+                          torch.ops.aten.reshape.default):
+        node = node.args[0]
+    return node.target
+
+
+def test_step_graph_casts_indices_once_and_reads_pools_in_place(pair, monkeypatch):
+    """With the CUDA path's op calls: every int32 index tensor comes from one opaque dflash::as_int32 shared by the
+    op calls that read it (a plain cast is recomputed into each call by Inductor: opaque_ops.py), and the GDN and
+    conv ops read the pool layer by slot (a select of the pool, not a gathered copy). Tokens as the reference path."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from dflash_trt.plugins import ops
+
+    prompt = [int(x) for x in np.random.default_rng(5).integers(0, 250, 9)]
+    want = _runs(_runtime(pair), prompt)[:2]
+    monkeypatch.setattr(ops, "_cuda_ops", _dflash_ops)
+    graphs = []
+    rt = _runtime(pair)
+    compile_steps(rt.executor.steps, backend=aot_autograd(fw_compiler=lambda gm, _: graphs.append(gm) or
+                                                          make_boxed_func(gm.forward)))
+    torch._dynamo.reset()
+    assert [rt.generate(prompt, N_NEW, gamma=g, spec=s)[0] for g, s in ((None, False), (3, True))] == want
+    assert len(graphs) >= 2
+    for gm in graphs:
+        nodes = list(gm.graph.nodes)
+        casts = [n for n in nodes if n.target == torch.ops.dflash.as_int32.default]
+        plain = [n for n in nodes if n.target in (torch.ops.prims.convert_element_type.default,
+                                                  torch.ops.aten._to_copy.default)
+                 and torch.int32 in (list(n.args[1:]) + list(n.kwargs.values()))]
+        assert not plain, [str(n) for n in plain]
+        reads = sum(len(c.users) for c in casts)
+        assert 2 <= len(casts) <= 8 and reads >= 2 * len(casts), (len(casts), reads)
+        states = [n.args[5] for n in nodes if n.target == torch.ops.dflash.gdn_wy16.default]
+        convs = [n.args[1] for n in nodes if n.target == torch.ops.dflash.conv_verify.default]
+        assert len(states) == len(convs) == len(pair[0].cfg.gdn_layers)
+        assert {_producer(s) for s in states + convs} == {torch.ops.aten.select.int}

@@ -40,7 +40,10 @@ def _gdn_wy16_cpu(q, k, v, g, beta, state, slot=None, scale=None, output_state=F
     r = reference.gdn_chunk_wy16(q, k, v, g, beta, U.gather(state, slot, q.shape[0]), scale=scale)
     dt = _sdt(state)
     fs = r.state.to(dt) if output_state else state.new_empty(0, dtype=dt)
-    return r.o.clone(), r.k_hat.to(dt), r.v_new.to(dt), r.gamma.to(dt), fs
+    # contiguous, as the fake impl (and the CUDA kernel) lays them out: the reference's o, v_new and gamma are
+    # transposed views at T > 1, and a traced graph views the outputs by the fake's strides
+    new = lambda t, dtype=None: t.to(dtype or t.dtype).clone(memory_format=torch.contiguous_format)  # noqa: E731
+    return new(r.o), new(r.k_hat, dt), new(r.v_new, dt), new(r.gamma, dt), fs
 
 
 @gdn_wy16.register_kernel("cuda")
