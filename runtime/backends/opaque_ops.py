@@ -1,7 +1,7 @@
 """torch ops that Inductor must see as one opaque call: the sampling math's cumsum and the step's int32 index casts.
 
-cumsum_last. Why: on the H200 (torch 2.x, Triton) Inductor turns a cumsum over a vocabulary row into a split scan and then fails
-to generate the kernels it fuses around it ("NYI TritonSplitDimKernel reductions" at batch 1, "TypeError: list
+cumsum_last. Why: on the H200 (torch 2.x, Triton) Inductor turns a cumsum over a vocabulary row into a split scan
+and then fails to generate the kernels it fuses around it ("NYI TritonSplitDimKernel reductions" at batch 1, "TypeError: list
 indices must be integers or slices" otherwise), for every sampled decode and spec step. The compiled step then
 fell back to eager for good (torch_compile.CompiledStep). As an opaque op the cumsum is ATen's own kernel and the
 rest of the step still compiles. Same values as torch.cumsum (it is torch.cumsum).
