@@ -45,8 +45,11 @@ class SlotState:
 
 
 class FusedSteps:
-    def __init__(self, target, drafter, rt):
-        self.target, self.drafter, self.rt = target, drafter, rt
+    def __init__(self, target, drafter, rt, graph_int32: bool = True):
+        """graph_int32: the graphs take their index inputs (slot, seq_len, block tables, drafter window) as the
+        step's int32 casts (the torch modules: their kernels read int32); False: as the ABI's int64 (TensorRT
+        engines bind the ABI). The commit kernels read the int32 casts either way."""
+        self.target, self.drafter, self.rt, self.graph_int32 = target, drafter, rt, graph_int32
         self.dev, self.pools = rt.device, rt.pools
         self.window = rt.sizes.ctx_window
         self.state = SlotState(rt.sizes.max_seqs, next(target.parameters()).device)
@@ -60,10 +63,16 @@ class FusedSteps:
         ix["seq_len"] = as_int32(seq_len)
         return ix
 
-    def _target(self, graph, ids, pos, ix, valid=None, logits=False):
-        x = {"input_ids": ids, "positions": pos, "slot": ix["slot"], "seq_len": ix["seq_len"],
-             "block_table": ix["block_table"], "kv_pool": self.pools["kv_pool"], "gdn_pool": self.pools["gdn_pool"],
-             "conv_pool": self.pools["conv_pool"]}
+    def _graph_index(self, ix, wide: dict) -> dict:
+        """{graph input: (key of ix, the int64 tensor cast)} -> a graph's index inputs: the int32 casts, or
+        (graph_int32 False) the int64 tensors."""
+        return {name: (ix[k] if self.graph_int32 else t) for name, (k, t) in wide.items()}
+
+    def _target(self, graph, ids, pos, b, ix, seq_len, valid=None, logits=False):
+        g = self._graph_index(ix, {"slot": ("slot", b["slot"]), "seq_len": ("seq_len", seq_len),
+                                   "block_table": ("block_table", b["block_table"])})
+        x = {"input_ids": ids, "positions": pos, **g, "kv_pool": self.pools["kv_pool"],
+             "gdn_pool": self.pools["gdn_pool"], "conv_pool": self.pools["conv_pool"]}
         if valid is not None:
             x["valid_len"] = valid
         return run_graph(graph, self.target, self.drafter, x, want_logits=logits)
@@ -107,7 +116,7 @@ class FusedSteps:
         rp = _sampling(b)
         pos = start[:, None] + torch.arange(ids.shape[1], device=ids.device)[None]
         ix = self._index(b, start)
-        out = self._target(PREFILL, ids, pos, ix, valid, logits=rp is not None)
+        out = self._target(PREFILL, ids, pos, b, ix, start, valid, logits=rp is not None)
         self._commit(out, valid, b, ix, start, pos)
         last = (valid - 1).clamp(min=0)
         if rp is None:
@@ -127,7 +136,7 @@ class FusedSteps:
         pos = seq_len[:, None]
         rp = _sampling(b)
         ix = self._index(b, seq_len)
-        out = self._target(target_graph(1), bonus[:, None], pos, ix, logits=rp is not None)
+        out = self._target(target_graph(1), bonus[:, None], pos, b, ix, seq_len, logits=rp is not None)
         n = b["live"].clone()
         self._commit(out, n, b, ix, seq_len, pos)
         tok = out["argmax"]
@@ -144,13 +153,15 @@ class FusedSteps:
         B = seq_len.shape[0]
         kv_start, kv_len = self._window(b, seq_len)
         ix = self._index(b, seq_len)
+        ix["kv_start"], ix["kv_len"] = as_int32(kv_start), as_int32(kv_len)
         K = gamma + 1  # γ drafts come from a block of γ+1 slots, as the reference runs them
         block = torch.full((B, K), d.mask_token_id, dtype=torch.int64, device=seq_len.device)
         block[:, 0] = bonus
         bpos = seq_len[:, None] + torch.arange(K, device=seq_len.device)[None]
         dout = run_graph(drafter_block_graph(K, d.block_size), self.target, self.drafter, {
-            "block_ids": block, "positions": bpos, "block_table": ix["ctx_table"],
-            "kv_start": as_int32(kv_start), "kv_len": as_int32(kv_len), "dkv_pool": self.pools["dkv_pool"]},
+            "block_ids": block, "positions": bpos, "dkv_pool": self.pools["dkv_pool"],
+            **self._graph_index(ix, {"block_table": ("ctx_table", b["ctx_table"]), "kv_start": ("kv_start", kv_start),
+                                     "kv_len": ("kv_len", kv_len)})},
             want_logits=rp is not None)
         if rp is None:
             drafts = dout["drafts"]
@@ -158,7 +169,7 @@ class FusedSteps:
             q = token_probs(dout["logits"][:, 1:], rp)
             drafts = draft_tokens(q, rp["seed"], bpos[:, 1:])
         pos = bpos
-        out = self._target(target_graph(K), torch.cat([bonus[:, None], drafts], 1), pos, ix,
+        out = self._target(target_graph(K), torch.cat([bonus[:, None], drafts], 1), pos, b, ix, seq_len,
                            logits=rp is not None)
         if rp is None:
             am = out["argmax"]

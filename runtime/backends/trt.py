@@ -75,7 +75,8 @@ class TrtBackend(ManifestBacked):
         pools = {n: (tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in rt.pools.items()}
         self.plans = runtime_plan(self.manifest, self._ios(), pools)  # the runtime's pools, not the manifest's
         self.device = rt.device
-        return FusedSteps(_EngineTarget(self), _EngineDrafter(self) if self.dcfg is not None else None, rt)
+        return FusedSteps(_EngineTarget(self), _EngineDrafter(self) if self.dcfg is not None else None, rt,
+                          graph_int32=False)  # engines bind the ABI's int64 index inputs
 
     def _context(self, graph: str, B: int) -> _Context:
         c = self._contexts.get((graph, B))
