@@ -37,9 +37,9 @@ def _cuda_ops(t):
 
 
 def _i32(t):
-    """An index tensor as the kernels read it. Done here, in the traced model code, rather than inside the op: under
-    torch.compile every layer's identical cast of the same tensor (slot, block table, lengths) is one value, computed
-    once a step (and fused), where a cast inside each op call was one copy kernel per call."""
+    """An index tensor as the kernels read it (int32). Nothing to do for the GPU step, which hands the model int32
+    tensors cast once a step (torch_fused_step._index; opaque_ops.as_int32 says why a cast here would not do: under
+    torch.compile it becomes one cast kernel per op call); other callers pay one cast per call."""
     return None if t is None else t.to(torch.int32)
 
 
