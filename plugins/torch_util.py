@@ -1,6 +1,7 @@
 """Small helpers shared by the ops' torch_op.py files (torch -> launcher arguments, dtypes)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -29,7 +30,7 @@ def rows(t: Tensor, row_dims: int = 2, align: int = 16) -> tuple[Tensor, int]:
     inner = 1
     for size, st in reversed(list(zip(t.shape[row_dims:], t.stride()[row_dims:]))):
         if size != 1 and st != inner:
-            return t.contiguous(), _numel(t.shape[row_dims:])
+            return t.contiguous(), math.prod(t.shape[row_dims:])
         inner *= size
     rs = span = None
     for size, st in reversed(list(zip(t.shape[:row_dims], t.stride()[:row_dims]))):
@@ -43,13 +44,6 @@ def rows(t: Tensor, row_dims: int = 2, align: int = 16) -> tuple[Tensor, int]:
     if rs < inner or t.data_ptr() % align or rs * t.element_size() % align:
         return t.contiguous(), inner
     return t, rs
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def ptr(t: Optional[Tensor]) -> int:

@@ -35,7 +35,7 @@ def _conv_verify_cpu(x, conv_state, weight, slot=None):
 def _conv_verify_cuda(x, conv_state, weight, slot=None):
     B, T, C = x.shape
     W = weight.shape[-1]
-    (x, x_rs), conv_state, weight = U.rows(x, align=2), conv_state.contiguous(), weight.contiguous()
+    (x, x_rs), conv_state, weight = U.rows(x, align=x.element_size()), conv_state.contiguous(), weight.contiguous()
     U.check_groups(spec.SPEC, (x, conv_state, weight))
     slot = U.i32(slot)
     (shape,) = spec.SPEC.output_shapes([x.shape, (B, C, W - 1), weight.shape])
