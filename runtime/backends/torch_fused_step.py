@@ -55,24 +55,21 @@ class FusedSteps:
         self.state = SlotState(rt.sizes.max_seqs, next(target.parameters()).device)
 
     # ---- pieces ---------------------------------------------------------------------------
-    @staticmethod
-    def _index(b, seq_len) -> dict:
-        """The step's index tensors as every kernel reads them (int32), cast once a step (opaque_ops.as_int32 says
-        why); the step buffers hold int64 (the graph ABI)."""
-        ix = {k: as_int32(b[k]) for k in ("slot", "block_table", "ctx_table") if k in b}
-        ix["seq_len"] = as_int32(seq_len)
-        return ix
+    def _index(self, b, seq_len, window=None) -> tuple[dict, dict]:
+        """(ix, gi): the step's index tensors (slot, block and ctx tables, seq_len, the drafter window) as every
+        kernel reads them, int32, cast once a step (opaque_ops.as_int32 says why; the step buffers hold the ABI's
+        int64), and the same tensors as the graphs take them: ix, or (graph_int32 False) the int64 ones."""
+        wide = {k: b[k] for k in ("slot", "block_table", "ctx_table") if k in b}
+        wide["seq_len"] = seq_len
+        if window is not None:
+            wide["kv_start"], wide["kv_len"] = window
+        ix = {k: as_int32(t) for k, t in wide.items()}
+        return ix, (ix if self.graph_int32 else wide)
 
-    def _graph_index(self, ix, wide: dict) -> dict:
-        """{graph input: (key of ix, the int64 tensor cast)} -> a graph's index inputs: the int32 casts, or
-        (graph_int32 False) the int64 tensors."""
-        return {name: (ix[k] if self.graph_int32 else t) for name, (k, t) in wide.items()}
-
-    def _target(self, graph, ids, pos, b, ix, seq_len, valid=None, logits=False):
-        g = self._graph_index(ix, {"slot": ("slot", b["slot"]), "seq_len": ("seq_len", seq_len),
-                                   "block_table": ("block_table", b["block_table"])})
-        x = {"input_ids": ids, "positions": pos, **g, "kv_pool": self.pools["kv_pool"],
-             "gdn_pool": self.pools["gdn_pool"], "conv_pool": self.pools["conv_pool"]}
+    def _target(self, graph, ids, pos, gi, valid=None, logits=False):
+        x = {"input_ids": ids, "positions": pos, "slot": gi["slot"], "seq_len": gi["seq_len"],
+             "block_table": gi["block_table"], "kv_pool": self.pools["kv_pool"], "gdn_pool": self.pools["gdn_pool"],
+             "conv_pool": self.pools["conv_pool"]}
         if valid is not None:
             x["valid_len"] = valid
         return run_graph(graph, self.target, self.drafter, x, want_logits=logits)
@@ -115,8 +112,8 @@ class FusedSteps:
         ids, start, valid = b["ids"], b["start"], b["valid"]
         rp = _sampling(b)
         pos = start[:, None] + torch.arange(ids.shape[1], device=ids.device)[None]
-        ix = self._index(b, start)
-        out = self._target(PREFILL, ids, pos, b, ix, start, valid, logits=rp is not None)
+        ix, gi = self._index(b, start)
+        out = self._target(PREFILL, ids, pos, gi, valid, logits=rp is not None)
         self._commit(out, valid, b, ix, start, pos)
         last = (valid - 1).clamp(min=0)
         if rp is None:
@@ -135,8 +132,8 @@ class FusedSteps:
         seq_len, bonus = self.state.seq_len[b["srow"]], self.state.bonus[b["srow"]]
         pos = seq_len[:, None]
         rp = _sampling(b)
-        ix = self._index(b, seq_len)
-        out = self._target(target_graph(1), bonus[:, None], pos, b, ix, seq_len, logits=rp is not None)
+        ix, gi = self._index(b, seq_len)
+        out = self._target(target_graph(1), bonus[:, None], pos, gi, logits=rp is not None)
         n = b["live"].clone()
         self._commit(out, n, b, ix, seq_len, pos)
         tok = out["argmax"]
@@ -152,24 +149,21 @@ class FusedSteps:
         seq_len, bonus = self.state.seq_len[b["srow"]], self.state.bonus[b["srow"]]
         B = seq_len.shape[0]
         kv_start, kv_len = self._window(b, seq_len)
-        ix = self._index(b, seq_len)
-        ix["kv_start"], ix["kv_len"] = as_int32(kv_start), as_int32(kv_len)
+        ix, gi = self._index(b, seq_len, (kv_start, kv_len))
         K = gamma + 1  # γ drafts come from a block of γ+1 slots, as the reference runs them
         block = torch.full((B, K), d.mask_token_id, dtype=torch.int64, device=seq_len.device)
         block[:, 0] = bonus
         bpos = seq_len[:, None] + torch.arange(K, device=seq_len.device)[None]
         dout = run_graph(drafter_block_graph(K, d.block_size), self.target, self.drafter, {
-            "block_ids": block, "positions": bpos, "dkv_pool": self.pools["dkv_pool"],
-            **self._graph_index(ix, {"block_table": ("ctx_table", b["ctx_table"]), "kv_start": ("kv_start", kv_start),
-                                     "kv_len": ("kv_len", kv_len)})},
-            want_logits=rp is not None)
+            "block_ids": block, "positions": bpos, "block_table": gi["ctx_table"], "kv_start": gi["kv_start"],
+            "kv_len": gi["kv_len"], "dkv_pool": self.pools["dkv_pool"]}, want_logits=rp is not None)
         if rp is None:
             drafts = dout["drafts"]
         else:  # slot j of the block predicts the token at position seq_len + j
             q = token_probs(dout["logits"][:, 1:], rp)
             drafts = draft_tokens(q, rp["seed"], bpos[:, 1:])
         pos = bpos
-        out = self._target(target_graph(K), torch.cat([bonus[:, None], drafts], 1), pos, b, ix, seq_len,
+        out = self._target(target_graph(K), torch.cat([bonus[:, None], drafts], 1), pos, gi,
                            logits=rp is not None)
         if rp is None:
             am = out["argmax"]
