@@ -24,6 +24,23 @@ FOLD_CG = {64: (1, 2), 128: (1, 2)}
 CHUNK_ROWS = (4, 8, 16)                  # chunk-row variants of gdn_wy16 (the smallest >= min(T, 16))
 # auto cg: the largest allowed one that still gives >= this many CTAs (H200: cg1 best at B=1, cg4 at B>=8)
 AUTO_CG_MIN_CTAS = 256
+# rows of the state per thread (gdn_wy16 at cg 1): 32, or 16 / 8 for grids of fewer CTAs than these, where a
+# call is one CTA's latency and 2-4x the threads per tile shorten it (auto_rpt)
+WY16_RPT = {32: 0, 16: 128, 8: 32}
+
+
+def kernel_variants() -> list[tuple[int, int, int]]:
+    """(dk, cg, rpt) of every instantiated gdn_wy16 kernel (each at every CHUNK_ROWS)."""
+    return [(dk, cg, rpt) for dk, cgs in WY16_CG.items() for cg in cgs for rpt in WY16_RPT if cg == 1 or rpt == 32]
+
+
+def auto_rpt(ctas: int) -> int:
+    """The fewest rows per thread whose grid limit ctas is under (32 when none)."""
+    return min((r for r, lim in WY16_RPT.items() if ctas < lim), default=32)
+
+
+def wy16_name(dk: int, cg: int, rpt: int, T: int) -> str:
+    return f"gdn_wy16_dk{dk}_cg{cg}_p{rpt}_r{chunk_rows(T)}"
 
 
 def chunk_rows(T: int) -> int:
