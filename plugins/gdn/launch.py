@@ -55,19 +55,21 @@ def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *
     rs_qk, rs_v, rs_gb = rs_qk or Hk * dk, rs_v or Hv * dv, rs_gb or Hv
     kernel_need(rs_qk >= Hk * dk and rs_v >= Hv * dv and rs_gb >= Hv,
                 f"gdn: row strides ({rs_qk}, {rs_v}, {rs_gb}) narrower than a row ({Hk * dk}, {Hv * dv}, {Hv})")
-    fn = get_function("gdn", spec.wy16_name(dk, cg, rpt := _gdn_rpt(B * Hv * dv // (32 * cg), cg), T))
+    fn = get_function("gdn", spec.wy16_name(dk, cg, rpt := _gdn_rpt(B * Hv * dv // (32 * cg), cg, T), T))
     args = [(q, P), (k, P), (v, P), (idt, I), (g, P), (beta, P), (gdt, I), (a_log, P), (dt_bias, P), (pdt, I), (state, P), (slot or 0, P),
             (o, P), (odt, I), (k_hat or 0, P), (v_new or 0, P), (gamma or 0, P), (state_out or 0, P),
             (T, I), (Hk, I), (Hv, I), (dv, I), (scale, F), (rs_qk, I), (rs_v, I), (rs_gb, I)]
     launch(fn, (dv // (32 * cg), Hv, B), (dk // rpt * 32 * cg, 1, 1), 0, stream, args)
 
 
-def _gdn_rpt(ctas, cg):
-    """State rows per thread: spec.auto_rpt of the grid at cg 1 (32 otherwise); DFLASH_GDN_RPT overrides."""
-    rpt = int(os.environ.get("DFLASH_GDN_RPT", "0")) or (spec.auto_rpt(ctas) if cg == 1 else 32)
-    if rpt not in spec.WY16_RPT or (cg > 1 and rpt != 32):
-        raise KernelError(f"gdn: rows per thread {rpt} at cg={cg}: the kernels have {spec.kernel_variants()} "
-                          f"(dk, cg, rows per thread)")
+def _gdn_rpt(ctas, cg, T):
+    """State rows per thread: 32 at cg > 1 (the kernels instantiated), else spec.auto_rpt of the grid;
+    DFLASH_GDN_RPT overrides it at cg 1."""
+    if cg > 1:
+        return 32
+    rpt = int(os.environ.get("DFLASH_GDN_RPT", "0")) or spec.auto_rpt(ctas, T)
+    if rpt not in spec.WY16_RPT:
+        raise KernelError(f"gdn: rows per thread {rpt} (DFLASH_GDN_RPT): the kernels have {tuple(spec.WY16_RPT)}")
     return rpt
 
 

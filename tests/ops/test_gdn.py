@@ -169,9 +169,10 @@ def test_spec_chunk_rows_and_cg():
     assert launch._gdn_cg(1, 32, 128, 128, 0, (1, 2, 4)) == 1    # B = 1: widest grid
     assert launch._gdn_cg(8, 32, 64, 128, 4, (1, 2, 4)) == 2     # no cg 4 kernel at dk 64
     assert launch._gdn_cg(64, 32, 128, 128, 4, (1, 2, 4), spec.FOLD_CG) == 2
-    # rows per thread: 32 on wide grids, 16 / 8 on narrow ones (batch 1 of few heads), always 32 at cg > 1
-    assert [launch._gdn_rpt(c, 1) for c in (8, 31, 32, 127, 128, 4096)] == [8, 8, 16, 16, 32, 32]
-    assert launch._gdn_rpt(8, 2) == 32
+    # rows per thread: 32 on wide grids, 16 on narrow ones, 8 at 16 rows on the narrowest; always 32 at cg > 1
+    assert [launch._gdn_rpt(c, 1, 16) for c in (8, 31, 32, 511, 512, 4096)] == [8, 8, 16, 16, 32, 32]
+    assert [launch._gdn_rpt(c, 1, 1) for c in (8, 128, 512)] == [16, 16, 32]
+    assert launch._gdn_rpt(8, 2, 16) == 32
     assert spec.wy16_name(64, 1, 8, 5) == "gdn_wy16_dk64_cg1_p8_r8"
 
 
