@@ -9,23 +9,10 @@ Shapes: see spec.py (q,k [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; state [B,
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from dflash_trt.plugins.gdn.spec import CHUNK, L2NORM_EPS
 
-__all__ = ["GdnOut", "gdn_gates", "l2norm", "expand_heads", "gdn_recurrent", "gdn_chunk_wy16", "gdn_fold", "gdn_fold_layers"]
-
-
-def gdn_gates(a, b, A_log, dt_bias):
-    """a, b [..., Hv] -> (g, beta) in float32 (float64 if any input is float64): the model's gates before the
-    GdnChunkWY16 node (export keeps them plain ops); the CUDA kernel computes the same from raw a, b.
-
-    g = -exp(A_log) * softplus(a + dt_bias) is the per-token log-decay (<= 0); beta = sigmoid(b).
-    """
-    dt = torch.float64 if torch.float64 in (a.dtype, b.dtype, A_log.dtype, dt_bias.dtype) else torch.float32
-    g = -torch.exp(A_log.to(dt)) * F.softplus(a.to(dt) + dt_bias.to(dt))
-    beta = torch.sigmoid(b.to(dt))
-    return g, beta
+__all__ = ["GdnOut", "l2norm", "expand_heads", "gdn_recurrent", "gdn_chunk_wy16", "gdn_fold", "gdn_fold_layers"]
 
 
 def _cdtype(*ts):

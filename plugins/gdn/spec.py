@@ -24,28 +24,6 @@ FOLD_CG = {64: (1, 2), 128: (1, 2)}
 CHUNK_ROWS = (4, 8, 16)                  # chunk-row variants of gdn_wy16 (the smallest >= min(T, 16))
 # auto cg: the largest allowed one that still gives >= this many CTAs (H200: cg1 best at B=1, cg4 at B>=8)
 AUTO_CG_MIN_CTAS = 256
-# rows of the state per thread (gdn_wy16 at cg 1): 32, or 16 / 8 on narrow grids, where a call is one CTA's
-# latency and 2-4x the threads per tile shorten it (auto_rpt)
-WY16_RPT = (32, 16, 8)
-WIDE_GRID_CTAS = 512  # from here on the 32-row form (the throughput one, measured against fla at batch 8 / 64)
-
-
-def kernel_variants() -> list[tuple[int, int, int]]:
-    """(dk, cg, rpt) of every instantiated gdn_wy16 kernel (each at every CHUNK_ROWS)."""
-    return [(dk, cg, rpt) for dk, cgs in WY16_CG.items() for cg in cgs for rpt in WY16_RPT if cg == 1 or rpt == 32]
-
-
-def auto_rpt(ctas: int, T: int) -> int:
-    """Rows per thread for a grid of ctas CTAs at cg 1 and T rows. H200, one call (us), p32 / p16 / p8:
-    B=1 Hv=4 dk=dv=64 (the trained pair): T=1 4.83 / 4.44 / 4.64, T=4 5.97 / 4.73 / 4.75, T=16 17.56 / 10.82 / 9.30;
-    B=1 Hv=32 dk=dv=128 (0.9B): T=1 5.35 / 5.41 / 6.21, T=16 14.74 / 11.35 / 12.23; B=2 T=16 17.69 / 15.19 / 23.03."""
-    if ctas >= WIDE_GRID_CTAS:
-        return 32
-    return 8 if chunk_rows(T) == 16 and ctas < 32 else 16
-
-
-def wy16_name(dk: int, cg: int, rpt: int, T: int) -> str:
-    return f"gdn_wy16_dk{dk}_cg{cg}_p{rpt}_r{chunk_rows(T)}"
 
 
 def chunk_rows(T: int) -> int:

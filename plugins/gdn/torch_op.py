@@ -2,11 +2,9 @@
 stream, CPU -> reference.py, plus fake impls (torch.compile / export). Register all ops through
 dflash_trt.plugins.torch_ops. Index tensors may be int32 or int64; ``slot`` None means row b uses pool row b.
 
-  gdn_wy16(q, k, v, g, beta, state, slot, scale, output_state, A_log, dt_bias) -> (o, k_hat, v_new, gamma,
-           final_state)
+  gdn_wy16(q, k, v, g, beta, state, slot, scale, output_state) -> (o, k_hat, v_new, gamma, final_state)
       state is a pool read by slot (slot < 0 = zero state); final_state is [B,Hv,dk,dv] when output_state
-      else an empty [0] tensor. With A_log and dt_bias [Hv], g and beta are the raw gate inputs a, b (the
-      projection's columns) and the op computes the gates (reference.gdn_gates): no gates kernel before it.
+      else an empty [0] tensor.
   gdn_fold(pool!, slot, k_hat, v_new, gamma, n)  all layers: pool [L,slots,Hv,dk,dv], fold data [L,B,T,...]
 """
 from __future__ import annotations
@@ -33,15 +31,12 @@ def _shapes(q, k, v, g, beta):
 
 @torch.library.custom_op("dflash::gdn_wy16", mutates_args=())
 def gdn_wy16(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, slot: Optional[Tensor] = None,
-             scale: Optional[float] = None, output_state: bool = False, A_log: Optional[Tensor] = None,
-             dt_bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             scale: Optional[float] = None, output_state: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     raise NotImplementedError("dflash::gdn_wy16: no kernel for this device")
 
 
 @gdn_wy16.register_kernel("cpu")
-def _gdn_wy16_cpu(q, k, v, g, beta, state, slot=None, scale=None, output_state=False, A_log=None, dt_bias=None):
-    if A_log is not None:
-        g, beta = reference.gdn_gates(g, beta, A_log, dt_bias)
+def _gdn_wy16_cpu(q, k, v, g, beta, state, slot=None, scale=None, output_state=False):
     r = reference.gdn_chunk_wy16(q, k, v, g, beta, U.gather(state, slot, q.shape[0]), scale=scale)
     dt = _sdt(state)
     fs = r.state.to(dt) if output_state else state.new_empty(0, dtype=dt)
@@ -52,25 +47,18 @@ def _gdn_wy16_cpu(q, k, v, g, beta, state, slot=None, scale=None, output_state=F
 
 
 @gdn_wy16.register_kernel("cuda")
-def _gdn_wy16_cuda(q, k, v, g, beta, state, slot=None, scale=None, output_state=False, A_log=None, dt_bias=None):
+def _gdn_wy16_cuda(q, k, v, g, beta, state, slot=None, scale=None, output_state=False):
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
-    # rows read in place at their stride: q/k/v as slices of the conv output, g/beta (or a/b) of one tensor
+    # rows read in place at their stride: q/k/v as slices of the conv output, g/beta of one gates tensor
     (q, rq), (k, rk), (v, rv) = U.rows(q), U.rows(k), U.rows(v)
-    (g, rg), (beta, rb) = U.rows(g, align=g.element_size()), U.rows(beta, align=beta.element_size())
+    (g, rg), (beta, rb) = U.rows(g, align=4), U.rows(beta, align=4)
     if rq != rk:
         (q, rq), (k, rk) = U.rows(q.contiguous()), U.rows(k.contiguous())
     if rg != rb:
         (g, rg), (beta, rb) = U.rows(g.contiguous()), U.rows(beta.contiguous())
     state = state.contiguous()
     U.check_groups(spec.SPEC, (q, k, v, g, beta, state))
-    if (A_log is None) != (dt_bias is None):
-        raise KernelError("dflash::gdn_wy16: A_log and dt_bias come together (the kernel's gates)")
-    if A_log is not None:
-        A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
-        if A_log.shape != (Hv,) or dt_bias.shape != (Hv,) or A_log.dtype != dt_bias.dtype:
-            raise KernelError(f"dflash::gdn_wy16: A_log {tuple(A_log.shape)} {A_log.dtype} and dt_bias "
-                              f"{tuple(dt_bias.shape)} {dt_bias.dtype} must both be [Hv={Hv}] of one dtype")
     slot = U.i32(slot)
     so, ss, sk, sv, sg = _shapes(q, k, v, g, beta)
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -81,13 +69,12 @@ def _gdn_wy16_cuda(q, k, v, g, beta, state, slot=None, scale=None, output_state=
                     U.ptr(slot), o.data_ptr(), k_hat.data_ptr(), v_new.data_ptr(), gamma.data_ptr(),
                     fs.data_ptr() if output_state else 0, B=B, T=T, Hk=Hk, Hv=Hv, dk=dk, dv=dv,
                     in_dtype=U.dname(q), gb_dtype=U.dname(g), o_dtype=U.dname(o), state_dtype=U.dname(state),
-                    scale=scale, stream=U.stream(q), rs_qk=rq, rs_v=rv, rs_gb=rg, a_log=U.ptr(A_log),
-                    dt_bias=U.ptr(dt_bias), p_dtype=U.dname(A_log) if A_log is not None else "float32")
+                    scale=scale, stream=U.stream(q), rs_qk=rq, rs_v=rv, rs_gb=rg)
     return o, k_hat, v_new, gamma, fs
 
 
 @gdn_wy16.register_fake
-def _gdn_wy16_fake(q, k, v, g, beta, state, slot=None, scale=None, output_state=False, A_log=None, dt_bias=None):
+def _gdn_wy16_fake(q, k, v, g, beta, state, slot=None, scale=None, output_state=False):
     so, ss, sk, sv, sg = _shapes(q, k, v, g, beta)
     dt = _sdt(state)
     fs = q.new_empty(ss, dtype=dt) if output_state else q.new_empty(0, dtype=dt)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.plugins.gdn.reference import gdn_gates
+from dflash_trt.export.gdn_gates import gdn_gates
 from dflash_trt.plugins.gdn import launch, spec
 from dflash_trt.plugins.gdn.reference import (
     expand_heads,
@@ -169,11 +169,6 @@ def test_spec_chunk_rows_and_cg():
     assert launch._gdn_cg(1, 32, 128, 128, 0, (1, 2, 4)) == 1    # B = 1: widest grid
     assert launch._gdn_cg(8, 32, 64, 128, 4, (1, 2, 4)) == 2     # no cg 4 kernel at dk 64
     assert launch._gdn_cg(64, 32, 128, 128, 4, (1, 2, 4), spec.FOLD_CG) == 2
-    # rows per thread: 32 on wide grids, 16 on narrow ones, 8 at 16 rows on the narrowest; always 32 at cg > 1
-    assert [launch._gdn_rpt(c, 1, 16) for c in (8, 31, 32, 511, 512, 4096)] == [8, 8, 16, 16, 32, 32]
-    assert [launch._gdn_rpt(c, 1, 1) for c in (8, 128, 512)] == [16, 16, 32]
-    assert launch._gdn_rpt(8, 2, 16) == 32
-    assert spec.wy16_name(64, 1, 8, 5) == "gdn_wy16_dk64_cg1_p8_r8"
 
 
 @pytest.mark.parametrize("T", [1, 5, 16, 37])
@@ -217,17 +212,3 @@ def test_cpu_gdn_fold_checks_shapes():
         torch.ops.dflash.gdn_fold(pool, slot, k_hat[:1], v_new, gamma, n)  # fold data of one layer, pool of two
     with pytest.raises(ShapeError, match="n"):
         torch.ops.dflash.gdn_fold(pool, slot, k_hat, v_new, gamma, n[:2])
-
-
-def test_cpu_gdn_op_computes_the_gates_from_raw_inputs():
-    """dflash::gdn_wy16 with A_log, dt_bias takes the raw gate inputs a, b: == the op on gdn_gates(a, b)."""
-    import dflash_trt.plugins.torch_ops  # noqa: F401
-    B, T, Hk, Hv, dk, dv = 2, 5, 1, 2, 16, 8
-    q, k, v, _, _, pool = gdn_inputs(B, T, Hk, Hv, dk, dv)
-    gen = torch.Generator().manual_seed(3)
-    a, b = torch.randn(B, T, Hv, generator=gen) * 4, torch.randn(B, T, Hv, generator=gen)
-    A_log, dt_bias = torch.randn(Hv, generator=gen), torch.randn(Hv, generator=gen)
-    got = torch.ops.dflash.gdn_wy16(q, k, v, a, b, pool, None, None, True, A_log, dt_bias)
-    want = torch.ops.dflash.gdn_wy16(q, k, v, *gdn_gates(a, b, A_log, dt_bias), pool, None, None, True)
-    for x, y in zip(got, want):
-        torch.testing.assert_close(x, y, rtol=0, atol=0)

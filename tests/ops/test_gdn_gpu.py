@@ -89,49 +89,24 @@ def test_gdn_prefill_final_state(B, T, ratio):
     record_err("gdn fold over T>16 rows", st2, rs, 2e-4)
 
 
-@pytest.mark.parametrize("cg,rpt,dk", [("1", "32", 128), ("1", "16", 128), ("1", "8", 128), ("1", "16", 64),
-                                       ("1", "8", 64), ("2", "32", 64), ("4", "32", 128)])
-def test_gdn_column_groups_and_zero_slot(monkeypatch, cg, rpt, dk):
-    """Every kernel form (column groups x rows per thread) on one multi-chunk case with a zero-state row."""
+@pytest.mark.parametrize("cg", ["1", "2", "4"])
+def test_gdn_column_groups_and_zero_slot(monkeypatch, cg):
     monkeypatch.setenv("DFLASH_GDN_CG", cg)
-    monkeypatch.setenv("DFLASH_GDN_RPT", rpt)
+    dk = 64 if cg == "2" else 128
     q, k, v, g, beta, pool = _inputs(3, 9, 1, 2, dk, 128, torch.float32, seed=7, slots=4)
     slot = torch.tensor([2, -1, 0], device=DEV, dtype=torch.int32)
     o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, 0.2, True)
     st0 = pool[slot.long().clamp(min=0)].double()
     st0[1] = 0
     ref = ref_gdn.gdn_chunk_wy16(*_d(q, k, v, g, beta), st0, scale=0.2)
-    record_err(f"gdn_wy16 o (fp32, dk{dk} cg{cg} p{rpt})", o, ref.o, 1e-4)
-    record_err(f"gdn_wy16 final state (dk{dk} cg{cg} p{rpt})", fs, ref.state, 1e-4)
+    record_err(f"gdn_wy16 o (fp32, dk{dk} cg{cg})", o, ref.o, 1e-4)
+    record_err(f"gdn_wy16 final state (dk{dk} cg{cg})", fs, ref.state, 1e-4)
     pool2 = pool.clone()
     n = torch.tensor([9, 5, 0], device=DEV, dtype=torch.int32)
     _fold(pool2, slot, kh, vn, gam, n)
     want = ref_gdn.gdn_fold(st0, ref.k_hat, ref.v_new, ref.gamma, n)
     record_err(f"gdn_fold (dk{dk} cg{cg})", pool2[2], want[0], 1e-4)
     assert torch.equal(pool2[[1, 3]], pool[[1, 3]])
-
-
-@pytest.mark.parametrize("T", [1, 16])
-def test_gdn_kernel_gates_from_projection_columns(T):
-    """The kernel computing the gates from raw a, b (bf16 columns of one projection, read in place) == the fp64
-    reference on gdn_gates of the same a, b; and == the kernel on gates computed by torch to fp32 rounding."""
-    from dflash_trt.plugins.gdn.reference import gdn_gates
-    B, Hk, Hv, dk, dv = 2, 2, 4, 64, 64
-    q, k, v, _, _, pool = _inputs(B, T, Hk, Hv, dk, dv, torch.bfloat16, seed=11, slots=3)
-    gen = torch.Generator(device=DEV).manual_seed(5)
-    proj = (torch.randn(B, T, 3 * Hv, device=DEV, generator=gen) * 3).bfloat16()  # [.. | b | a] columns
-    b, a = proj[..., Hv:2 * Hv], proj[..., 2 * Hv:]
-    A_log, dt_bias = torch.randn(Hv, device=DEV, generator=gen), torch.randn(Hv, device=DEV, generator=gen) * 2
-    slot = torch.tensor([2, 0], device=DEV, dtype=torch.int32)
-    o, kh, vn, gam, _ = torch.ops.dflash.gdn_wy16(q, k, v, a, b, pool, slot, None, False, A_log, dt_bias)
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
-    ref = ref_gdn.gdn_chunk_wy16(*_d(q, k, v, g, beta), pool[slot.long()].double())
-    record_err("gdn_wy16 kernel gates: o (bf16)", o, ref.o, 1e-2)
-    record_err("gdn_wy16 kernel gates: gamma", gam, ref.gamma, 1e-5)
-    record_err("gdn_wy16 kernel gates: v_new", vn, ref.v_new, 1e-4)
-    o2, _, vn2, gam2, _ = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, None, False)
-    record_err("gdn_wy16 kernel gates vs torch gates: gamma", gam, gam2, 1e-6)
-    record_err("gdn_wy16 kernel gates vs torch gates: v_new", vn, vn2, 1e-5)
 
 
 def _fla():

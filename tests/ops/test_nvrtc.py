@@ -11,8 +11,8 @@ from dflash_trt.plugins.opspec import KernelError, check_arch
 from dflash_trt.plugins.paged_attention import spec as attention_spec
 
 ENTRIES = {
-    "gdn": [f"gdn_wy16_dk{dk}_cg{cg}_p{p}_r{r}" for dk in (64, 128) for cg in (1, 2, 4)[: 3 if dk == 128 else 2]
-            for p in ((32, 16, 8) if cg == 1 else (32,)) for r in (4, 8, 16)]
+    "gdn": [f"gdn_wy16_dk{dk}_cg{cg}_r{r}" for dk in (64, 128) for cg in (1, 2, 4)[: 3 if dk == 128 else 2]
+            for r in (4, 8, 16)]
     + ["gdn_fold_dk128_cg1", "gdn_fold_dk128_cg2", "gdn_fold_dk64_cg1", "gdn_fold_dk64_cg2"],
     "conv": ["conv_verify", "conv_roll"],
     "paged_attention": [f"paged_attention_hd{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "f16", "f32")]
@@ -48,7 +48,8 @@ def test_compiles_cubin_sm120(family):
 def test_specs_list_the_instantiated_kernels():
     """The launchers pick kernels by the specs' variant lists: every one must exist in the PTX, and no other."""
     ptx = nvrtc.compile_source("gdn", "compute_90").decode()
-    want = {gdn_spec.wy16_name(dk, cg, rpt, r) for dk, cg, rpt in gdn_spec.kernel_variants() for r in gdn_spec.CHUNK_ROWS}
+    want = {f"gdn_wy16_dk{dk}_cg{cg}_r{r}" for dk, cgs in gdn_spec.WY16_CG.items() for cg in cgs
+            for r in gdn_spec.CHUNK_ROWS}
     want |= {f"gdn_fold_dk{dk}_cg{cg}" for dk, cgs in gdn_spec.FOLD_CG.items() for cg in cgs}
     assert set(re.findall(r"\.entry (\w+)\(", ptx)) == want
     assert set(gdn_spec.WY16_CG) == set(gdn_spec.KERNEL_DK) == set(gdn_spec.FOLD_CG)
