@@ -1,5 +1,6 @@
 """The package's shape: every module imports under exactly one name (dflash_trt.*), no code edits the import
-path, and pyproject lists every subpackage (a non-editable install ships them all)."""
+path, and pyproject lists every subpackage and kernel source (a non-editable install ships them all)."""
+import fnmatch
 import importlib
 import os
 import pkgutil
@@ -64,3 +65,20 @@ def test_pyproject_lists_every_subpackage():
                 rel = os.path.relpath(dirpath, os.path.join(ROOT, d))
                 found.add(pkg if rel == "." else pkg + "." + rel.replace(os.sep, "."))
     assert found == listed, f"missing from pyproject packages: {sorted(found - listed)}; stale: {sorted(listed - found)}"
+
+
+def test_pyproject_ships_every_kernel_source():
+    """Every .cu / .cuh under plugins/ matches its package's package-data globs: NVRTC compiles them at run time, and
+    a wheel without, say, gemv/mma.cuh fails on the first GEMV launch (it did: only *.cu was listed)."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        tool = tomllib.load(f)["tool"]["setuptools"]
+    data = tool["package-data"]
+    missing = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "plugins")):
+        rel = os.path.relpath(dirpath, os.path.join(ROOT, "plugins"))
+        pkg = "dflash_trt.plugins" if rel == "." else "dflash_trt.plugins." + rel.replace(os.sep, ".")
+        for f in files:
+            if f.endswith((".cu", ".cuh")) and not any(fnmatch.fnmatch(f, g) for g in data.get(pkg, ())):
+                missing.append(os.path.join(rel, f))
+    assert len(os.listdir(os.path.join(ROOT, "plugins"))) > 5
+    assert not missing, f"kernel sources a wheel would leave out (pyproject package-data): {missing}"
