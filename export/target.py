@@ -16,10 +16,9 @@ from torch import nn
 
 from dflash_trt.config import TargetConfig
 from dflash_trt.export.fuse import Linear, fuse_linears, linears
-from dflash_trt.export.gdn_gates import gdn_gates
 from dflash_trt.export.mlp import MLP, SparseMoE
 from dflash_trt.plugins import ops
-from dflash_trt.plugins.gdn.reference import l2norm
+from dflash_trt.plugins.gdn.reference import gdn_gates, l2norm
 
 
 class RMSNorm(nn.Module):
@@ -191,9 +190,8 @@ class GatedDeltaNet(nn.Module):
         cols, z, b, a = self.project(x)
         mixed = ops.conv_verify(cols, conv_state, self.conv1d.weight[:, 0, :], slot)
         q, k, v = torch.split(mixed, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-        out = ops.gdn_chunk(q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Hv, dv), g, beta,
-                            state, slot=slot)
+        out = ops.gdn_chunk(q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Hv, dv), a, b,
+                            self.A_log, self.dt_bias, state, slot=slot)
         o = self.norm(out.o.to(x.dtype), z)
         return self.out_proj(o.reshape(B, T, Hv * dv)), cols, out
 

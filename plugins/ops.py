@@ -60,19 +60,21 @@ def _node(spec, inputs, attrs: dict):
                                              dtypes=dtypes, shapes=shapes, version=OP_VERSION)
 
 
-def gdn_chunk(q, k, v, g, beta, state, scale=None, slot=None):
-    """GdnChunkWY16: returns GdnOut(o, state, k_hat, v_new, gamma); `state` is read-only: [B,Hv,dk,dv], or with
-    `slot` [B] a pool layer [slots,Hv,dk,dv] whose rows slot[b] are the states. q, k, v in the model's dtype, g, beta
-    fp32. The op computes in fp32 (q, k, v cast as the spec's reference does); o comes back in q's dtype on CUDA
-    (the kernel rounds its fp32 sums once, as the cast of an fp32 o would) and fp32 elsewhere.
-    CUDA: the kernel reads q, k, v in place (slices of the conv output), g and beta from one tensor (the gates in one
-    kernel) and the state straight from the pool slot: no cast, gather or copy kernel before it."""
+def gdn_chunk(q, k, v, a, b, A_log, dt_bias, state, scale=None, slot=None):
+    """The model's gates (reference.gdn_gates of the raw columns a, b [B,T,Hv] with A_log, dt_bias [Hv]), then
+    GdnChunkWY16: returns GdnOut(o, state, k_hat, v_new, gamma); `state` is read-only: [B,Hv,dk,dv], or with `slot`
+    [B] a pool layer [slots,Hv,dk,dv] whose rows slot[b] are the states. q, k, v in the model's dtype. The op computes
+    in fp32 (q, k, v cast as the spec's reference does); o comes back in q's dtype on CUDA (the kernel rounds its
+    fp32 sums once, as the cast of an fp32 o would) and fp32 elsewhere.
+    CUDA: one kernel, gates included: it reads q, k, v in place (slices of the conv output), a and b in place
+    (columns of the input projection) and the state straight from the pool slot: no gate, cast, gather or copy
+    kernel before it. Export keeps the gates as plain ops before the GdnChunkWY16 node (the op's spec)."""
     dflash = None if _exporting() else _cuda_ops(q)
     if dflash is not None:
-        gb = torch.stack([g.float(), beta.float()], -2)  # [B,T,2,Hv]
-        o, k_hat, v_new, gamma, _ = dflash.gdn_wy16(q, k, v, gb[..., 0, :], gb[..., 1, :], state.float(),
-                                                    _i32(slot), scale, False)
+        o, k_hat, v_new, gamma, _ = dflash.gdn_wy16(q, k, v, a, b, state.float(), _i32(slot), scale, False,
+                                                    A_log, dt_bias)
         return gdn_ref.GdnOut(o, None, k_hat, v_new, gamma)
+    g, beta = gdn_ref.gdn_gates(a, b, A_log, dt_bias)
     q, k, v, g, beta, state = (t.float() for t in (q, k, v, g, beta, _rows_of(state, slot)))
     if _exporting():
         dk = q.shape[3]

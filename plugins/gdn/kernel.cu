@@ -4,7 +4,9 @@
 // holds rows kg*32..kg*32+31 of column lane) for the whole call. GVA native: v-head h reads k-head
 // h / (Hv/Hk). Inputs q,k [B,T,Hk,DK], v [B,T,Hv,DV], g,beta [B,T,Hv], each row (b,t) packed, rows rs_qk /
 // rs_v / rs_gb elements apart: views of wider rows (q|k|v of the conv output, g|beta of one gates tensor) are
-// read in place, no copy kernel before the call.
+// read in place, no copy kernel before the call. With A_log / dt_bias [Hv] given (dtype p_dt), g and beta are the
+// model's raw gate columns a, b (rows of the input projection) and the gates are computed here, in fp32:
+// g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) (reference.gdn_gates) -- no gate kernels before the call.
 #include "common.cuh"
 #define CH 16   // fold: rows per smem batch
 #define WS 20   // row stride of the transposed W / Q tiles (bank-conflict free float4 stores)
@@ -16,6 +18,7 @@ template <int DK, int CG, int R>
 __device__ __forceinline__ void gdn_wy16_body(
     const void* __restrict__ q, const void* __restrict__ k, const void* __restrict__ v, int in_dt,
     const void* __restrict__ g, const void* __restrict__ beta, int gb_dt,
+    const void* __restrict__ A_log, const void* __restrict__ dt_bias, int p_dt,
     const float* __restrict__ state, const int* __restrict__ slot,
     void* __restrict__ o, int o_dt, float* __restrict__ k_hat, float* __restrict__ v_new,
     float* __restrict__ gamma, float* __restrict__ state_out,
@@ -86,6 +89,11 @@ __device__ __forceinline__ void gdn_wy16_body(
       const i64 idx = ((i64)b * T + c0 + lane) * rs_gb + hv;
       gi = ldf(g, gb_dt, idx);
       bi = ldf(beta, gb_dt, idx);
+      if (A_log) {  // torch's softplus (threshold 20) and sigmoid, in fp32
+        const float x = gi + ldf(dt_bias, p_dt, hv);
+        gi = -expf(ldf(A_log, p_dt, hv)) * (x > 20.f ? x : log1pf(expf(x)));
+        bi = 1.f / (1.f + expf(-bi));
+      }
     }
 #pragma unroll
     for (int jj = 0; jj < JPW; ++jj) {
@@ -348,11 +356,13 @@ __device__ __forceinline__ void gdn_fold_body(
 #define GDN_WY16(DK, CG, R, MINB)                                                                     \
   extern "C" __global__ void __launch_bounds__(DK * CG, MINB) gdn_wy16_dk##DK##_cg##CG##_r##R( \
       const void* q, const void* k, const void* v, int in_dt, const void* g, const void* beta,    \
-      int gb_dt, const float* state, const int* slot, void* o, int o_dt, float* k_hat,            \
-      float* v_new, float* gamma, float* state_out, int T, int Hk, int Hv,                        \
-      int DV, float scale, int rs_qk, int rs_v, int rs_gb) {                                      \
-    gdn_wy16_body<DK, CG, R>(q, k, v, in_dt, g, beta, gb_dt, state, slot, o, o_dt, k_hat, v_new,  \
-                             gamma, state_out, T, Hk, Hv, DV, scale, rs_qk, rs_v, rs_gb);         \
+      int gb_dt, const void* A_log, const void* dt_bias, int p_dt, const float* state,            \
+      const int* slot, void* o, int o_dt, float* k_hat, float* v_new, float* gamma,               \
+      float* state_out, int T, int Hk, int Hv, int DV, float scale, int rs_qk, int rs_v,          \
+      int rs_gb) {                                                                                \
+    gdn_wy16_body<DK, CG, R>(q, k, v, in_dt, g, beta, gb_dt, A_log, dt_bias, p_dt, state, slot,   \
+                             o, o_dt, k_hat, v_new, gamma, state_out, T, Hk, Hv, DV, scale,       \
+                             rs_qk, rs_v, rs_gb);                                                 \
   }
 #define GDN_FOLD(DK, CG)                                                                          \
   extern "C" __global__ void __launch_bounds__(DK * CG) gdn_fold_dk##DK##_cg##CG(                 \

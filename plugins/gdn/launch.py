@@ -34,25 +34,30 @@ def _gdn_cg(B, Hv, dk, dv, cg, allowed, variants=spec.WY16_CG):
 
 def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *, B, T, Hk, Hv, dk, dv,
              in_dtype="bfloat16", gb_dtype="float32", o_dtype=None, state_dtype="float32", scale=None,
-             stream=0, cg=None, rs_qk=None, rs_v=None, rs_gb=None):
+             stream=0, cg=None, rs_qk=None, rs_v=None, rs_gb=None, A_log=0, dt_bias=0, p_dtype="float32"):
     """GdnChunkWY16. q,k [B,T,Hk,dk], v [B,T,Hv,dv] (in_dtype); g,beta [B,T,Hv]; state fp32
     [*,Hv,dk,dv] (pool rows by slot[B] if slot else [B,...]; slot < 0 = zero state). Outputs: o
     [B,T,Hv,dv] (o_dtype), optional fold data (k_hat [B,T,Hk,dk], v_new, gamma; fp32) and optional
     final state (state_out [B,Hv,dk,dv], indexed by b).
     rs_qk / rs_v / rs_gb: elements between consecutive (b, t) rows of q and k / v / g and beta (each row packed;
-    None: contiguous). q and k at a wider stride must be 16-byte aligned (the kernel's vector loads)."""
+    None: contiguous). q and k at a wider stride must be 16-byte aligned (the kernel's vector loads).
+    A_log, dt_bias [Hv] (p_dtype; both or neither): g and beta are the raw gate columns a, b and the kernel computes
+    the gates (reference.gdn_gates)."""
     cg = _gdn_cg(B, Hv, dk, dv, cg, (1, 2, 4))
     spec.check_dims(B, T, Hk, Hv, dk, dv, cg)
     dtype_code(state_dtype, "gdn state", spec.STATE_DTYPES)
     idt = dtype_code(in_dtype, "gdn q/k/v")
     gdt = dtype_code(gb_dtype, "gdn g/beta")
     odt = dtype_code(o_dtype or in_dtype, "gdn o")
+    pdt = dtype_code(p_dtype, "gdn A_log/dt_bias")
+    kernel_need(bool(A_log) == bool(dt_bias), "gdn: A_log and dt_bias come together (in-kernel gates) or not at all")
     scale = dk ** -0.5 if scale is None else scale
     rs_qk, rs_v, rs_gb = rs_qk or Hk * dk, rs_v or Hv * dv, rs_gb or Hv
     kernel_need(rs_qk >= Hk * dk and rs_v >= Hv * dv and rs_gb >= Hv,
                 f"gdn: row strides ({rs_qk}, {rs_v}, {rs_gb}) narrower than a row ({Hk * dk}, {Hv * dv}, {Hv})")
     fn = get_function("gdn", f"gdn_wy16_dk{dk}_cg{cg}_r{spec.chunk_rows(T)}")
-    args = [(q, P), (k, P), (v, P), (idt, I), (g, P), (beta, P), (gdt, I), (state, P), (slot or 0, P),
+    args = [(q, P), (k, P), (v, P), (idt, I), (g, P), (beta, P), (gdt, I), (A_log, P), (dt_bias, P), (pdt, I),
+            (state, P), (slot or 0, P),
             (o, P), (odt, I), (k_hat or 0, P), (v_new or 0, P), (gamma or 0, P), (state_out or 0, P),
             (T, I), (Hk, I), (Hv, I), (dv, I), (scale, F), (rs_qk, I), (rs_v, I), (rs_gb, I)]
     launch(fn, (dv // (32 * cg), Hv, B), (dk * cg, 1, 1), 0, stream, args)

@@ -9,10 +9,11 @@ Shapes: see spec.py (q,k [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; state [B,
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from dflash_trt.plugins.gdn.spec import CHUNK, L2NORM_EPS
 
-__all__ = ["GdnOut", "l2norm", "expand_heads", "gdn_recurrent", "gdn_chunk_wy16", "gdn_fold", "gdn_fold_layers"]
+__all__ = ["GdnOut", "gdn_gates", "l2norm", "expand_heads", "gdn_recurrent", "gdn_chunk_wy16", "gdn_fold", "gdn_fold_layers"]
 
 
 def _cdtype(*ts):
@@ -25,6 +26,15 @@ def expand_heads(x, hv):
     hk = x.shape[2]
     assert hv % hk == 0, f"Hv={hv} not a multiple of Hk={hk}"
     return x if hv == hk else x.repeat_interleave(hv // hk, dim=2)
+
+
+def gdn_gates(a, b, A_log, dt_bias):
+    """The model's gates before the op: a, b [..., Hv] -> (g, beta) in float32 (float64 if any input is float64).
+    g = -exp(A_log) * softplus(a + dt_bias) is the per-token log-decay (<= 0); beta = sigmoid(b). The CUDA op
+    computes the same inside the kernel when handed A_log and dt_bias (torch_op.py)."""
+    dt = _cdtype(a, b, A_log, dt_bias)
+    g = -torch.exp(A_log.to(dt)) * F.softplus(a.to(dt) + dt_bias.to(dt))
+    return g, torch.sigmoid(b.to(dt))
 
 
 def l2norm(x, eps=L2NORM_EPS):

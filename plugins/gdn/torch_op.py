@@ -2,9 +2,10 @@
 stream, CPU -> reference.py, plus fake impls (torch.compile / export). Register all ops through
 dflash_trt.plugins.torch_ops. Index tensors may be int32 or int64; ``slot`` None means row b uses pool row b.
 
-  gdn_wy16(q, k, v, g, beta, state, slot, scale, output_state) -> (o, k_hat, v_new, gamma, final_state)
+  gdn_wy16(q, k, v, g, beta, state, slot, scale, output_state, A_log, dt_bias) -> (o, k_hat, v_new, gamma, final_state)
       state is a pool read by slot (slot < 0 = zero state); final_state is [B,Hv,dk,dv] when output_state
-      else an empty [0] tensor.
+      else an empty [0] tensor. With A_log and dt_bias [Hv], g and beta are the raw gate columns a, b and the
+      op computes the gates (reference.gdn_gates; on CUDA inside the kernel).
   gdn_fold(pool!, slot, k_hat, v_new, gamma, n)  all layers: pool [L,slots,Hv,dk,dv], fold data [L,B,T,...]
 """
 from __future__ import annotations
@@ -31,12 +32,25 @@ def _shapes(q, k, v, g, beta):
 
 @torch.library.custom_op("dflash::gdn_wy16", mutates_args=())
 def gdn_wy16(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, slot: Optional[Tensor] = None,
-             scale: Optional[float] = None, output_state: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             scale: Optional[float] = None, output_state: bool = False, A_log: Optional[Tensor] = None,
+             dt_bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     raise NotImplementedError("dflash::gdn_wy16: no kernel for this device")
 
 
+def _check_gates(v, A_log, dt_bias) -> bool:
+    """True when the op computes the gates (A_log and dt_bias both given, each [Hv])."""
+    if (A_log is None) != (dt_bias is None):
+        raise KernelError("gdn_wy16: A_log and dt_bias come together (in-op gates) or not at all")
+    if A_log is not None and not (A_log.shape == dt_bias.shape == (v.shape[2],)):
+        raise KernelError(f"gdn_wy16: A_log {tuple(A_log.shape)} and dt_bias {tuple(dt_bias.shape)} must be "
+                          f"[Hv] = [{v.shape[2]}]")
+    return A_log is not None
+
+
 @gdn_wy16.register_kernel("cpu")
-def _gdn_wy16_cpu(q, k, v, g, beta, state, slot=None, scale=None, output_state=False):
+def _gdn_wy16_cpu(q, k, v, g, beta, state, slot=None, scale=None, output_state=False, A_log=None, dt_bias=None):
+    if _check_gates(v, A_log, dt_bias):
+        g, beta = reference.gdn_gates(g, beta, A_log, dt_bias)
     r = reference.gdn_chunk_wy16(q, k, v, g, beta, U.gather(state, slot, q.shape[0]), scale=scale)
     dt = _sdt(state)
     fs = r.state.to(dt) if output_state else state.new_empty(0, dtype=dt)
@@ -47,7 +61,10 @@ def _gdn_wy16_cpu(q, k, v, g, beta, state, slot=None, scale=None, output_state=F
 
 
 @gdn_wy16.register_kernel("cuda")
-def _gdn_wy16_cuda(q, k, v, g, beta, state, slot=None, scale=None, output_state=False):
+def _gdn_wy16_cuda(q, k, v, g, beta, state, slot=None, scale=None, output_state=False, A_log=None, dt_bias=None):
+    gates = _check_gates(v, A_log, dt_bias)
+    if gates and A_log.dtype != dt_bias.dtype:
+        A_log, dt_bias = A_log.float(), dt_bias.float()
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
     # rows read in place at their stride: q/k/v as slices of the conv output, g/beta of one gates tensor
@@ -69,12 +86,15 @@ def _gdn_wy16_cuda(q, k, v, g, beta, state, slot=None, scale=None, output_state=
                     U.ptr(slot), o.data_ptr(), k_hat.data_ptr(), v_new.data_ptr(), gamma.data_ptr(),
                     fs.data_ptr() if output_state else 0, B=B, T=T, Hk=Hk, Hv=Hv, dk=dk, dv=dv,
                     in_dtype=U.dname(q), gb_dtype=U.dname(g), o_dtype=U.dname(o), state_dtype=U.dname(state),
-                    scale=scale, stream=U.stream(q), rs_qk=rq, rs_v=rv, rs_gb=rg)
+                    scale=scale, stream=U.stream(q), rs_qk=rq, rs_v=rv, rs_gb=rg,
+                    A_log=A_log.contiguous().data_ptr() if gates else 0,
+                    dt_bias=dt_bias.contiguous().data_ptr() if gates else 0,
+                    p_dtype=U.dname(A_log) if gates else "float32")
     return o, k_hat, v_new, gamma, fs
 
 
 @gdn_wy16.register_fake
-def _gdn_wy16_fake(q, k, v, g, beta, state, slot=None, scale=None, output_state=False):
+def _gdn_wy16_fake(q, k, v, g, beta, state, slot=None, scale=None, output_state=False, A_log=None, dt_bias=None):
     so, ss, sk, sv, sg = _shapes(q, k, v, g, beta)
     dt = _sdt(state)
     fs = q.new_empty(ss, dtype=dt) if output_state else q.new_empty(0, dtype=dt)

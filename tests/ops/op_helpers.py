@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from dflash_trt.export.gdn_gates import gdn_gates
+from dflash_trt.plugins.gdn.reference import gdn_gates
 
 ERRS: dict = {}  # GPU kernel max errors, printed at the end of the session (conftest.py)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.export.gdn_gates import gdn_gates
+from dflash_trt.plugins.gdn.reference import gdn_gates
 from dflash_trt.plugins.gdn import launch, spec
 from dflash_trt.plugins.gdn.reference import (
     expand_heads,
@@ -188,6 +188,21 @@ def test_cpu_gdn_ops_equal_reference(T):
     torch.testing.assert_close(pool2[slot.long()], want, rtol=0, atol=0)
     untouched = [i for i in range(B + 2) if i not in (4, 2)]
     assert torch.equal(pool2[untouched], pool[untouched])
+
+
+def test_cpu_gdn_op_gates_equal_gates_before():
+    """dflash::gdn_wy16 handed A_log and dt_bias computes the gates of the raw columns a, b (the CPU kernel: the
+    reference gdn_gates, then the op): the same outputs as the gates computed before the op."""
+    import dflash_trt.plugins.torch_ops  # noqa: F401
+    B, T, Hk, Hv, dk, dv = 2, 5, 1, 2, 32, 16
+    q, k, v, _, _, pool = gdn_inputs(B, T, Hk, Hv, dk, dv)
+    a, b, A_log, dt_bias = torch.randn(B, T, Hv) * 8, torch.randn(B, T, Hv), torch.randn(Hv), torch.randn(Hv)
+    got = torch.ops.dflash.gdn_wy16(q, k, v, a, b, pool, None, None, True, A_log, dt_bias)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    want = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, None, None, True)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert (g <= 0).all() and ((beta > 0) & (beta < 1)).all()
 
 
 @pytest.mark.parametrize("L,B,T", [(1, 1, 1), (3, 4, 16), (2, 5, 7)])

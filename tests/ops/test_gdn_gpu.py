@@ -109,6 +109,36 @@ def test_gdn_column_groups_and_zero_slot(monkeypatch, cg):
     assert torch.equal(pool2[[1, 3]], pool[[1, 3]])
 
 
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,T", [(torch.float32, 16), (torch.bfloat16, 1), (torch.bfloat16, 7)])
+def test_gdn_gates_in_kernel(dtype, T, pdtype):
+    """A_log and dt_bias given: the kernel reads the raw gate columns a, b in place (strided slices of one projection
+    row, as the model hands them) and computes g, beta itself == reference.gdn_gates before the kernel, and == the
+    float64 recurrence. a spans softplus's threshold (20) on both sides."""
+    B, Hk, Hv, dk, dv = 2, 2, 4, 128, 128
+    q, k, v, _, _, pool = _inputs(B, T, Hk, Hv, dk, dv, dtype, seed=T, slots=B + 1)
+    gen = torch.Generator().manual_seed(T + 1)
+    proj = (torch.randn(B, T, 3 * Hv + 5, generator=gen) * 8).to(dtype).to(DEV)  # [b | a | other columns]
+    b, a = proj[..., :Hv], proj[..., Hv:2 * Hv]
+    a[0, 0, 0] = 30.0  # over the threshold: softplus(x) = x
+    A_log = (torch.randn(Hv, generator=gen) * 0.5).to(pdtype).to(DEV)
+    dt_bias = torch.randn(Hv, generator=gen).to(pdtype).to(DEV)
+    slot = torch.tensor([2, 0], device=DEV, dtype=torch.int32)
+    got = torch.ops.dflash.gdn_wy16(q, k, v, a, b, pool, slot, None, False, A_log, dt_bias)
+    g, beta = ref_gdn.gdn_gates(a, b, A_log, dt_bias)
+    want = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, None, False)
+    tag = f"{str(dtype)[6:]} T{T} params {str(pdtype)[6:]}"
+    for name, x, y in zip(("o", "k_hat", "v_new", "gamma"), got[:4], want[:4]):
+        tol = 1e-2 if name == "o" and dtype == torch.bfloat16 else 1e-5  # bf16 o: one rounding flip at most
+        record_err(f"gdn gates in kernel vs before, {name} ({tag})", x, y, tol)
+    ro, _ = ref_gdn.gdn_recurrent(*_d(q, k, v, g, beta), pool[slot.long()].double())
+    record_err(f"gdn gates in kernel o vs recurrence ({tag})", got[0], ro, 1e-2 if dtype == torch.bfloat16 else 1e-4)
+    with pytest.raises(KernelError, match="together"):
+        torch.ops.dflash.gdn_wy16(q, k, v, a, b, pool, slot, None, False, A_log, None)
+    with pytest.raises(KernelError, match=r"\[Hv\]"):
+        torch.ops.dflash.gdn_wy16(q, k, v, a, b, pool, slot, None, False, A_log[:2], dt_bias[:2])
+
+
 def _fla():
     try:
         import fla.ops.gated_delta_rule as m
