@@ -1,12 +1,15 @@
 // Gated DeltaNet kernels: chunked WY verify/prefill (GdnChunkWY16) and the fold-accepted commit.
 // Math: DESIGN §3. One CTA per (dv tile of 32*CG columns, v-head, sequence); dv columns of the
 // state are independent in the delta rule, so a CTA owns S[:, tile] (fp32, in registers: warp w
-// holds rows kg*32..kg*32+31 of column lane) for the whole call. GVA native: v-head h reads k-head
-// h / (Hv/Hk). Inputs q,k [B,T,Hk,DK], v [B,T,Hv,DV], g,beta [B,T,Hv], each row (b,t) packed, rows rs_qk /
-// rs_v / rs_gb elements apart: views of wider rows (q|k|v of the conv output, g|beta of one gates tensor) are
-// read in place, no copy kernel before the call. With A_log / dt_bias [Hv] given (dtype p_dt), g and beta are the
-// model's raw gate columns a, b (rows of the input projection) and the gates are computed here, in fp32:
-// g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) (reference.gdn_gates) -- no gate kernels before the call.
+// holds rows kg*RPT..kg*RPT+RPT-1 of column lane) for the whole call. RPT (state rows per thread: 32, 16
+// or 8) trades registers per thread for warps per tile: a narrow grid (batch 1, few heads) is latency
+// bound, and 2-4x the warps on each tile shorten its serial chains (launch._gdn_rpt picks the form).
+// GVA native: v-head h reads k-head h / (Hv/Hk). Inputs q,k [B,T,Hk,DK], v [B,T,Hv,DV], g,beta [B,T,Hv],
+// each row (b,t) packed, rows rs_qk / rs_v / rs_gb elements apart: views of wider rows (q|k|v of the conv
+// output, g|beta of one gates tensor) are read in place, no copy kernel before the call. With A_log /
+// dt_bias [Hv] given (dtype p_dt), g and beta are the model's raw gate columns a, b (rows of the input
+// projection) and the gates are computed here, in fp32: g = -exp(A_log) softplus(a + dt_bias),
+// beta = sigmoid(b) (reference.gdn_gates) -- no gate kernels before the call.
 #include "common.cuh"
 #define CH 16   // fold: rows per smem batch
 #define WS 20   // row stride of the transposed W / Q tiles (bank-conflict free float4 stores)
@@ -14,7 +17,7 @@
 #error "L2EPS (the l2norm epsilon) comes from gdn/spec.py through NVRTC -D options"
 #endif
 
-template <int DK, int CG, int R>
+template <int DK, int CG, int R, int RPT>
 __device__ __forceinline__ void gdn_wy16_body(
     const void* __restrict__ q, const void* __restrict__ k, const void* __restrict__ v, int in_dt,
     const void* __restrict__ g, const void* __restrict__ beta, int gb_dt,
@@ -23,7 +26,8 @@ __device__ __forceinline__ void gdn_wy16_body(
     void* __restrict__ o, int o_dt, float* __restrict__ k_hat, float* __restrict__ v_new,
     float* __restrict__ gamma, float* __restrict__ state_out,
     int T, int Hk, int Hv, int DV, float scale, int rs_qk, int rs_v, int rs_gb) {
-  constexpr int DVT = 32 * CG, KG = DK / 32, NT = DK * CG, NW = NT / 32, KP = DK + 4;
+  constexpr int DVT = 32 * CG, KG = DK / RPT, NT = 32 * KG * CG, NW = NT / 32, KP = DK + 4;
+  static_assert(DK % RPT == 0 && DK >= 32, "state rows per thread");
   static_assert(R * KP <= DK * WS, "Qsh alias");
   static_assert(2 * R * DVT <= 2 * DK * WS, "red alias");
   __shared__ __align__(16) float Ksh[R][KP];
@@ -41,14 +45,14 @@ __device__ __forceinline__ void gdn_wy16_body(
   const int grp = Hv / Hk, hk = hv / grp;
   const i64 sb = slot ? (i64)slot[b] : (i64)b;
 
-  float s[32];  // S[kg*32+m][d0+c]
+  float s[RPT];  // S[kg*RPT+m][d0+c]
   if (sb >= 0) {
-    const float* sp = state + ((sb * Hv + hv) * (i64)DK + kg * 32) * DV + d0 + c;
+    const float* sp = state + ((sb * Hv + hv) * (i64)DK + kg * RPT) * DV + d0 + c;
 #pragma unroll
-    for (int m = 0; m < 32; ++m) s[m] = sp[(i64)m * DV];
+    for (int m = 0; m < RPT; ++m) s[m] = sp[(i64)m * DV];
   } else {
 #pragma unroll
-    for (int m = 0; m < 32; ++m) s[m] = 0.f;
+    for (int m = 0; m < RPT; ++m) s[m] = 0.f;
   }
   const bool need_state = state_out != nullptr;
   float gtot = 0.f;
@@ -57,8 +61,7 @@ __device__ __forceinline__ void gdn_wy16_body(
     const int C = min(R, T - c0);
     // 1. Issue every global load of the chunk first (no load waits behind another), then
     //    l2norm q, k rows (q also * scale); v tile; g, beta with chunk-local cumsum.
-    constexpr int JPW = (2 * R + NW - 1) / NW, E = DK / 32, VPT = R * DVT / NT;
-    static_assert(R * DVT % NT == 0, "v split");
+    constexpr int JPW = (2 * R + NW - 1) / NW, E = DK / 32, VPT = (R * DVT + NT - 1) / NT;
     float x[JPW][E];
 #pragma unroll
     for (int jj = 0; jj < JPW; ++jj) {
@@ -82,7 +85,7 @@ __device__ __forceinline__ void gdn_wy16_body(
 #pragma unroll
     for (int u = 0; u < VPT; ++u) {
       const int e = tid + u * NT, i = e / DVT, cc = e % DVT;
-      xv[u] = i < C ? ldf(v, in_dt, ((i64)b * T + c0 + i) * rs_v + hv * DV + d0 + cc) : 0.f;
+      xv[u] = i < C && e < R * DVT ? ldf(v, in_dt, ((i64)b * T + c0 + i) * rs_v + hv * DV + d0 + cc) : 0.f;
     }
     float gi = 0.f, bi = 0.f;
     if (w == 0 && lane < C) {
@@ -115,7 +118,7 @@ __device__ __forceinline__ void gdn_wy16_body(
 #pragma unroll
     for (int u = 0; u < VPT; ++u) {
       const int e = tid + u * NT;
-      VU[e / DVT][e % DVT] = xv[u];
+      if (e < R * DVT) VU[e / DVT][e % DVT] = xv[u];
     }
     if (w == 0) {
 #pragma unroll
@@ -162,8 +165,24 @@ __device__ __forceinline__ void gdn_wy16_body(
       for (int i = 0; i < R; ++i) Tm[i][lane] = t[i];
     }
     __syncthreads();
-    // 4. W = Tinv diag(beta e^g) K (stored transposed); U = Tinv diag(beta) V.
-    for (int kk = tid; kk < DK; kk += NT) {
+    // 4. W = Tinv diag(beta e^g) K (stored transposed); U = Tinv diag(beta) V: DK + DVT independent column jobs
+    //    over all the CTA's threads (warp-uniform: DK is a multiple of 32).
+    for (int job = tid; job < DK + DVT; job += NT) {
+      if (job >= DK) {
+        const int cc = job - DK;
+        float bv[R];
+#pragma unroll
+        for (int m = 0; m < R; ++m) bv[m] = bet[m] * VU[m][cc];
+#pragma unroll 1
+        for (int i = 0; i < R; ++i) {
+          float acc = 0.f;
+#pragma unroll
+          for (int m = 0; m < R; ++m) acc += Tm[i][m] * bv[m];
+          VU[i][cc] = acc;
+        }
+        continue;
+      }
+      const int kk = job;
       float bk[R];
 #pragma unroll
       for (int m = 0; m < R; ++m) bk[m] = bet[m] * expf(gam[m]) * Ksh[m][kk];
@@ -180,18 +199,6 @@ __device__ __forceinline__ void gdn_wy16_body(
       for (int i4 = 0; i4 < R / 4; ++i4)
         *(float4*)&Wt[kk * WS + 4 * i4] = make_float4(wv[4 * i4], wv[4 * i4 + 1], wv[4 * i4 + 2], wv[4 * i4 + 3]);
     }
-    for (int cc = tid; cc < DVT; cc += NT) {
-      float bv[R];
-#pragma unroll
-      for (int m = 0; m < R; ++m) bv[m] = bet[m] * VU[m][cc];
-#pragma unroll 1
-      for (int i = 0; i < R; ++i) {
-        float acc = 0.f;
-#pragma unroll
-        for (int m = 0; m < R; ++m) acc += Tm[i][m] * bv[m];
-        VU[i][cc] = acc;
-      }
-    }
     if (blockIdx.x == 0) {  // fold data: k_hat (one CTA per k-head), gamma cumulative over all T
       if (k_hat && hv % grp == 0)
         for (int e = tid; e < C * DK; e += NT) {
@@ -201,13 +208,13 @@ __device__ __forceinline__ void gdn_wy16_body(
       if (gamma && tid < C) gamma[((i64)b * T + c0 + tid) * Hv + hv] = gtot + gam[tid];
     }
     __syncthreads();
-    // 5. W.S and Q.S over this warp's 32 state rows.
+    // 5. W.S and Q.S over this warp's RPT state rows.
     float aw[R], aq[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) { aw[i] = 0.f; aq[i] = 0.f; }
 #pragma unroll
-    for (int m = 0; m < 32; ++m) {
-      const int kk = kg * 32 + m;
+    for (int m = 0; m < RPT; ++m) {
+      const int kk = kg * RPT + m;
       const float sv = s[m];
       const float4* wr = (const float4*)&Wt[kk * WS];
       const float4* qr = (const float4*)&Qt[kk * WS];
@@ -256,8 +263,8 @@ __device__ __forceinline__ void gdn_wy16_body(
       for (int i = 0; i < R; ++i) vs[i] = expf(gC - gam[i]) * VU[i][c];
       const float dec = expf(gC);
 #pragma unroll
-      for (int m = 0; m < 32; ++m) {
-        const int kk = kg * 32 + m;
+      for (int m = 0; m < RPT; ++m) {
+        const int kk = kg * RPT + m;
         float acc = dec * s[m];
 #pragma unroll
         for (int i = 0; i < R; ++i) acc += Ksh[i][kk] * vs[i];
@@ -268,9 +275,9 @@ __device__ __forceinline__ void gdn_wy16_body(
     __syncthreads();
   }
   if (need_state) {  // the final state (prefill) is indexed by sequence b; the runtime commits it to the slot
-    float* sp = state_out + (((i64)b * Hv + hv) * (i64)DK + kg * 32) * DV + d0 + c;
+    float* sp = state_out + (((i64)b * Hv + hv) * (i64)DK + kg * RPT) * DV + d0 + c;
 #pragma unroll
-    for (int m = 0; m < 32; ++m) sp[(i64)m * DV] = s[m];
+    for (int m = 0; m < RPT; ++m) sp[(i64)m * DV] = s[m];
   }
 }
 
@@ -353,38 +360,37 @@ __device__ __forceinline__ void gdn_fold_body(
   for (int m = 0; m < NR; ++m) *(float4*)(base + (i64)(r0 + m * RS) * DV) = s[m];
 }
 
-#define GDN_WY16(DK, CG, R, MINB)                                                                     \
-  extern "C" __global__ void __launch_bounds__(DK * CG, MINB) gdn_wy16_dk##DK##_cg##CG##_r##R( \
-      const void* q, const void* k, const void* v, int in_dt, const void* g, const void* beta,    \
-      int gb_dt, const void* A_log, const void* dt_bias, int p_dt, const float* state,            \
-      const int* slot, void* o, int o_dt, float* k_hat, float* v_new, float* gamma,               \
-      float* state_out, int T, int Hk, int Hv, int DV, float scale, int rs_qk, int rs_v,          \
-      int rs_gb) {                                                                                \
-    gdn_wy16_body<DK, CG, R>(q, k, v, in_dt, g, beta, gb_dt, A_log, dt_bias, p_dt, state, slot,   \
-                             o, o_dt, k_hat, v_new, gamma, state_out, T, Hk, Hv, DV, scale,       \
-                             rs_qk, rs_v, rs_gb);                                                 \
+// gdn_wy16_dk{DK}_cg{CG}_p{RPT}_r{R}: CTA of 32 * (DK / RPT) * CG threads, MINB of them per SM at least
+#define GDN_WY16(DK, CG, RPT, R, MINB)                                                                     \
+  extern "C" __global__ void __launch_bounds__(32 * (DK / RPT) * CG, MINB)                                \
+      gdn_wy16_dk##DK##_cg##CG##_p##RPT##_r##R(                                                         \
+          const void* q, const void* k, const void* v, int in_dt, const void* g, const void* beta,        \
+          int gb_dt, const void* A_log, const void* dt_bias, int p_dt, const float* state,                \
+          const int* slot, void* o, int o_dt, float* k_hat, float* v_new, float* gamma,                   \
+          float* state_out, int T, int Hk, int Hv, int DV, float scale, int rs_qk, int rs_v,              \
+          int rs_gb) {                                                                                    \
+    gdn_wy16_body<DK, CG, R, RPT>(q, k, v, in_dt, g, beta, gb_dt, A_log, dt_bias, p_dt, state, slot,      \
+                                  o, o_dt, k_hat, v_new, gamma, state_out, T, Hk, Hv, DV, scale,          \
+                                  rs_qk, rs_v, rs_gb);                                                    \
   }
+// every (DK, CG, RPT) of spec.wy16_variants() at each chunk-row count of spec.CHUNK_ROWS
+#define GDN_WY16_R(DK, CG, RPT, MINB) \
+  GDN_WY16(DK, CG, RPT, 4, MINB) GDN_WY16(DK, CG, RPT, 8, MINB) GDN_WY16(DK, CG, RPT, 16, MINB)
 #define GDN_FOLD(DK, CG)                                                                          \
   extern "C" __global__ void __launch_bounds__(DK * CG) gdn_fold_dk##DK##_cg##CG(                 \
       float* pool, const int* slot, const float* k_hat, const float* v_new, const float* gamma,   \
       const int* n, int B, int num_slots, int T, int Hk, int Hv, int DV) {                        \
     gdn_fold_body<DK, CG>(pool, slot, k_hat, v_new, gamma, n, B, num_slots, T, Hk, Hv, DV);       \
   }
-GDN_WY16(128, 1, 4, 3)
-GDN_WY16(128, 1, 8, 3)
-GDN_WY16(128, 1, 16, 3)
-GDN_WY16(128, 2, 4, 1)
-GDN_WY16(128, 2, 8, 1)
-GDN_WY16(128, 2, 16, 1)
-GDN_WY16(128, 4, 4, 1)
-GDN_WY16(128, 4, 8, 1)
-GDN_WY16(128, 4, 16, 1)
-GDN_WY16(64, 1, 4, 6)
-GDN_WY16(64, 1, 8, 6)
-GDN_WY16(64, 1, 16, 6)
-GDN_WY16(64, 2, 4, 3)
-GDN_WY16(64, 2, 8, 3)
-GDN_WY16(64, 2, 16, 3)
+GDN_WY16_R(128, 1, 32, 3)
+GDN_WY16_R(128, 1, 16, 2)
+GDN_WY16_R(128, 1, 8, 1)
+GDN_WY16_R(128, 2, 32, 1)
+GDN_WY16_R(128, 4, 32, 1)
+GDN_WY16_R(64, 1, 32, 6)
+GDN_WY16_R(64, 1, 16, 3)
+GDN_WY16_R(64, 1, 8, 2)
+GDN_WY16_R(64, 2, 32, 3)
 GDN_FOLD(128, 1)
 GDN_FOLD(128, 2)
 GDN_FOLD(64, 1)

@@ -32,6 +32,17 @@ def _gdn_cg(B, Hv, dk, dv, cg, allowed, variants=spec.WY16_CG):
     return cg
 
 
+def _gdn_rpt(ctas: int, cg: int) -> int:
+    """State rows per thread: spec.auto_rpt of the grid at cg 1 (DFLASH_GDN_RPT overrides); 32 at cg > 1 (a wide
+    grid: only that form is instantiated there)."""
+    if cg > 1:
+        return 32
+    rpt = int(os.environ.get("DFLASH_GDN_RPT", "0"))
+    if rpt and rpt not in spec.WY16_RPT:
+        raise KernelError(f"gdn: DFLASH_GDN_RPT={rpt} must be one of {spec.WY16_RPT} (state rows per thread)")
+    return rpt or spec.auto_rpt(ctas)
+
+
 def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *, B, T, Hk, Hv, dk, dv,
              in_dtype="bfloat16", gb_dtype="float32", o_dtype=None, state_dtype="float32", scale=None,
              stream=0, cg=None, rs_qk=None, rs_v=None, rs_gb=None, A_log=0, dt_bias=0, p_dtype="float32"):
@@ -55,12 +66,14 @@ def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *
     rs_qk, rs_v, rs_gb = rs_qk or Hk * dk, rs_v or Hv * dv, rs_gb or Hv
     kernel_need(rs_qk >= Hk * dk and rs_v >= Hv * dv and rs_gb >= Hv,
                 f"gdn: row strides ({rs_qk}, {rs_v}, {rs_gb}) narrower than a row ({Hk * dk}, {Hv * dv}, {Hv})")
-    fn = get_function("gdn", f"gdn_wy16_dk{dk}_cg{cg}_r{spec.chunk_rows(T)}")
+    ctas = dv // (32 * cg) * Hv * B
+    rpt = _gdn_rpt(ctas, cg)
+    fn = get_function("gdn", spec.wy16_name(dk, cg, rpt, T))
     args = [(q, P), (k, P), (v, P), (idt, I), (g, P), (beta, P), (gdt, I), (A_log, P), (dt_bias, P), (pdt, I),
             (state, P), (slot or 0, P),
             (o, P), (odt, I), (k_hat or 0, P), (v_new or 0, P), (gamma or 0, P), (state_out or 0, P),
             (T, I), (Hk, I), (Hv, I), (dv, I), (scale, F), (rs_qk, I), (rs_v, I), (rs_gb, I)]
-    launch(fn, (dv // (32 * cg), Hv, B), (dk * cg, 1, 1), 0, stream, args)
+    launch(fn, (dv // (32 * cg), Hv, B), (32 * (dk // rpt) * cg, 1, 1), 0, stream, args)
 
 
 def gdn_fold(pool, slot, k_hat, v_new, gamma, n, *, B, T, Hk, Hv, dk, dv, L=1, num_slots=0,

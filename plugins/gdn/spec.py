@@ -24,10 +24,34 @@ FOLD_CG = {64: (1, 2), 128: (1, 2)}
 CHUNK_ROWS = (4, 8, 16)                  # chunk-row variants of gdn_wy16 (the smallest >= min(T, 16))
 # auto cg: the largest allowed one that still gives >= this many CTAs (H200: cg1 best at B=1, cg4 at B>=8)
 AUTO_CG_MIN_CTAS = 256
+WY16_RPT = (32, 16, 8)  # state rows per thread: a CTA has 32 * (dk / rpt) * cg threads
+# rows-per-thread forms instantiated per (dk, cg): the narrow forms only at cg 1 (what a narrow grid runs)
+WY16_FORMS = {(dk, cg): WY16_RPT if cg == 1 else (32,) for dk, cgs in WY16_CG.items() for cg in cgs}
+# auto rpt by grid size. H200, one gdn_wy16 call (us, p32 / p16 / p8): Qwen3.5 0.9B shape at B=1 (128 CTAs) T=16
+# 14.7 / 11.4 / 12.2, T=1 5.4 / 5.4 / 6.2; B=2 (256 CTAs) T=16 17.7 / 15.2 / 23.0; trained pair (8 CTAs) T=16
+# 17.6 / 10.8 / 9.3, T=1 4.8 / 4.4 / 4.6. The rule looks at the grid only, never at T: a verify row and the decode
+# of the same position then sum the state's rows in one order (bf16 verify-vs-decode logits, issue 10).
+WIDE_GRID_CTAS = 512    # from here the grid fills the GPU: 32 rows a thread (fewest warps, least shared traffic)
+NARROW_GRID_CTAS = 32   # under this, 8 rows a thread
 
 
 def chunk_rows(T: int) -> int:
     return next(r for r in CHUNK_ROWS if T <= r or r == CHUNK_ROWS[-1])
+
+
+def auto_rpt(ctas: int) -> int:
+    """State rows per thread of gdn_wy16 for a grid of `ctas` CTAs (the table above WIDE_GRID_CTAS)."""
+    return 32 if ctas >= WIDE_GRID_CTAS else 16 if ctas >= NARROW_GRID_CTAS else 8
+
+
+def wy16_name(dk: int, cg: int, rpt: int, T: int) -> str:
+    return f"gdn_wy16_dk{dk}_cg{cg}_p{rpt}_r{chunk_rows(T)}"
+
+
+def kernel_variants() -> list[str]:
+    """Every kernel kernel.cu instantiates (tests check the PTX holds exactly these)."""
+    wy = [wy16_name(dk, cg, p, r) for (dk, cg), ps in WY16_FORMS.items() for p in ps for r in CHUNK_ROWS]
+    return wy + [f"gdn_fold_dk{dk}_cg{cg}" for dk, cgs in FOLD_CG.items() for cg in cgs]
 
 
 def check_dims(B, T, Hk, Hv, dk, dv, cg=1) -> None:

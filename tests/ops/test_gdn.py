@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.plugins.gdn.reference import gdn_gates
 from dflash_trt.plugins.gdn import launch, spec
 from dflash_trt.plugins.gdn.reference import (
     expand_heads,
     gdn_chunk_wy16,
     gdn_fold,
+    gdn_gates,
     gdn_recurrent,
     l2norm,
 )
@@ -169,6 +169,18 @@ def test_spec_chunk_rows_and_cg():
     assert launch._gdn_cg(1, 32, 128, 128, 0, (1, 2, 4)) == 1    # B = 1: widest grid
     assert launch._gdn_cg(8, 32, 64, 128, 4, (1, 2, 4)) == 2     # no cg 4 kernel at dk 64
     assert launch._gdn_cg(64, 32, 128, 128, 4, (1, 2, 4), spec.FOLD_CG) == 2
+    # rows per thread follow the grid alone (never T): 32 on a wide grid, 16 between, 8 on a narrow one
+    assert [spec.auto_rpt(c) for c in (8, 31, 32, 128, 511, 512, 4096)] == [8, 8, 16, 16, 16, 32, 32]
+    assert launch._gdn_rpt(8, 2) == 32  # only the 32-row form exists at cg > 1
+    assert spec.wy16_name(128, 1, 16, 5) == "gdn_wy16_dk128_cg1_p16_r8"
+
+
+def test_gdn_rpt_override(monkeypatch):
+    monkeypatch.setenv("DFLASH_GDN_RPT", "16")
+    assert launch._gdn_rpt(4096, 1) == 16
+    monkeypatch.setenv("DFLASH_GDN_RPT", "12")
+    with pytest.raises(KernelError, match="DFLASH_GDN_RPT=12"):
+        launch._gdn_rpt(8, 1)
 
 
 @pytest.mark.parametrize("T", [1, 5, 16, 37])

@@ -139,6 +139,24 @@ def test_gdn_gates_in_kernel(dtype, T, pdtype):
         torch.ops.dflash.gdn_wy16(q, k, v, a, b, pool, slot, None, False, A_log[:2], dt_bias[:2])
 
 
+@pytest.mark.parametrize("rpt", ["32", "16", "8"])
+@pytest.mark.parametrize("dk,T", [(128, 1), (128, 16), (128, 37), (64, 5), (64, 16)])
+def test_gdn_rows_per_thread_forms(monkeypatch, rpt, dk, T):
+    """Each state-rows-per-thread form (DFLASH_GDN_RPT) == the float64 chunk reference: o, fold data, final state
+    (several chunks at T=37), with zero-state (slot -1) rows."""
+    monkeypatch.setenv("DFLASH_GDN_RPT", rpt)
+    B, Hk, Hv, dv = 3, 2, 4, 64
+    q, k, v, g, beta, pool = _inputs(B, T, Hk, Hv, dk, dv, torch.float32, seed=int(rpt) + T + dk, slots=B + 1)
+    slot = torch.tensor([3, -1, 1], device=DEV, dtype=torch.int32)
+    o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, None, True)
+    st0 = pool[slot.long().clamp(min=0)].double()
+    st0[1] = 0
+    ref = ref_gdn.gdn_chunk_wy16(*_d(q, k, v, g, beta), st0)
+    for name, x, y in zip(("o", "k_hat", "v_new", "gamma", "state"), (o, kh, vn, gam, fs),
+                          (ref.o, ref.k_hat, ref.v_new, ref.gamma, ref.state)):
+        record_err(f"gdn_wy16 p{rpt} {name} (fp32)", x, y, 1e-4)
+
+
 def _fla():
     try:
         import fla.ops.gated_delta_rule as m

@@ -11,8 +11,8 @@ from dflash_trt.plugins.opspec import KernelError, check_arch
 from dflash_trt.plugins.paged_attention import spec as attention_spec
 
 ENTRIES = {
-    "gdn": [f"gdn_wy16_dk{dk}_cg{cg}_r{r}" for dk in (64, 128) for cg in (1, 2, 4)[: 3 if dk == 128 else 2]
-            for r in (4, 8, 16)]
+    "gdn": [f"gdn_wy16_dk{dk}_cg1_p{p}_r{r}" for dk in (64, 128) for p in (32, 16, 8) for r in (4, 8, 16)]
+    + [f"gdn_wy16_dk{dk}_cg{cg}_p32_r{r}" for dk, cg in ((64, 2), (128, 2), (128, 4)) for r in (4, 8, 16)]
     + ["gdn_fold_dk128_cg1", "gdn_fold_dk128_cg2", "gdn_fold_dk64_cg1", "gdn_fold_dk64_cg2"],
     "conv": ["conv_verify", "conv_roll"],
     "paged_attention": [f"paged_attention_hd{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "f16", "f32")]
@@ -48,10 +48,7 @@ def test_compiles_cubin_sm120(family):
 def test_specs_list_the_instantiated_kernels():
     """The launchers pick kernels by the specs' variant lists: every one must exist in the PTX, and no other."""
     ptx = nvrtc.compile_source("gdn", "compute_90").decode()
-    want = {f"gdn_wy16_dk{dk}_cg{cg}_r{r}" for dk, cgs in gdn_spec.WY16_CG.items() for cg in cgs
-            for r in gdn_spec.CHUNK_ROWS}
-    want |= {f"gdn_fold_dk{dk}_cg{cg}" for dk, cgs in gdn_spec.FOLD_CG.items() for cg in cgs}
-    assert set(re.findall(r"\.entry (\w+)\(", ptx)) == want
+    assert set(re.findall(r"\.entry (\w+)\(", ptx)) == set(gdn_spec.kernel_variants())
     assert set(gdn_spec.WY16_CG) == set(gdn_spec.KERNEL_DK) == set(gdn_spec.FOLD_CG)
     ptx = nvrtc.compile_source("paged_attention", "compute_90").decode()
     rows = lambda h: (attention_spec.rows_per_cta(h), attention_spec.rows_per_cta(h, small=True))  # noqa: E731
