@@ -36,16 +36,16 @@ __device__ __forceinline__ void mma_rows(const uint4*& wg, const uint4*& wh, con
   wh = (const uint4*)(w + (i64)min(n0 + g + 8, N - 1) * K) + c;
 }
 
-// One pass of a lane's loads: chunks ch0 .. ch0+U-1 (32 columns each) of its rows g, g+8 of the tile of w and
-// rows g (, g+8) of x; vectors past K (nv = K / 8) and rows of x past M are zeros.
+// Slots u0 .. u1-1 of a pass of a lane's loads: chunks ch0 + u (32 columns each) of its rows g, g+8 of the tile
+// of w and rows g (, g+8) of x; vectors past K (nv = K / 8) and rows of x past M are zeros.
 template <int NT, int U>
 __device__ __forceinline__ void mma_load(uint4 (&a)[U], uint4 (&b)[U], uint4 (&xv)[NT][U], const uint4* wg,
                                          const uint4* wh, const uint4* const (&xr)[NT], const bool (&xok)[NT], int ch0,
-                                         int nv) {
+                                         int nv, int u0 = 0, int u1 = U) {
   const uint4 zero = make_uint4(0, 0, 0, 0);
   const int c = threadIdx.x & 3;
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
+  for (int u = u0; u < u1; ++u) {
     const int v = (ch0 + u) * 4;
     const bool ok = v + c < nv;
     a[u] = ok ? ld_stream(wg + v) : zero;
@@ -82,19 +82,25 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* _
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
     // A pass's loads are issued before its trip (consumed across the back edge, ptxas cannot sink them next to
-    // their mma: it did when they sat in the loop body, 40 registers and one load in flight); every pass keeps
-    // U * (2 + NT) 16-byte loads in flight per lane.
+    // their mma: it did when they sat in the loop body, 40 registers and one load in flight). Two stages of U/2
+    // slots: a stage's loads for the next pass go out as soon as its mma is done, while the other stage's loads
+    // still fly, so the lane's U * (2 + NT) loads in flight never drain to zero at a pass boundary (a pass is
+    // ~2 us of a CTA's share of HBM at one CTA per SM: the drained wait was a third of an N = 2048 call).
+    constexpr int H = U > 1 ? U / 2 : U;  // slots per stage
     for (int ch0 = warp * U;;) {
+      const int next = ch0 + GEMV_WARPS * U;
+      const bool more = next * 4 < nv;
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+      for (int u = 0; u < U; ++u) {
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
           mma16816<F16>(acc[t], a[u].x, b[u].x, a[u].y, b[u].y, xv[t][u].x, xv[t][u].y);
           mma16816<F16>(acc[t], a[u].z, b[u].z, a[u].w, b[u].w, xv[t][u].z, xv[t][u].w);
         }
-      ch0 += GEMV_WARPS * U;
-      if (ch0 * 4 >= nv) break;
-      mma_load<NT, U>(a, b, xv, wg, wh, xr, xok, ch0, nv);
+        if (u % H == H - 1 && more) mma_load<NT, U>(a, b, xv, wg, wh, xr, xok, next, nv, u + 1 - H, u + 1);
+      }
+      if (!more) break;
+      ch0 = next;
     }
     const int n0 = tile * 16;
     tile += gridDim.x;
