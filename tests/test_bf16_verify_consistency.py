@@ -39,10 +39,15 @@ class Recorder:
         return out
 
 
-# Measured on the H200 (2026-12-01), rows only before the two runs' outputs part: with cuBLAS for the verify
-# block's projections and a 1-row kernel for decode, 1361 rows, max 1.26e-3 (over the bound); with one kernel for
-# 1-16 rows (plugins/gemv: a row's projection does not depend on the rows beside it), 1450 rows, max 3.1e-4,
-# mean 1.1e-5, p99 1.8e-4, DFlash != plain on 2 of 24. What is left is the GDN chunk form vs its recurrence.
+# Measured on the H200, rows only before the two runs' outputs part: with cuBLAS for the verify block's projections
+# and a 1-row kernel for decode, 1361 rows, max 1.26e-3 (over the bound); with one kernel for 1-16 rows
+# (plugins/gemv: a row's projection does not depend on the rows beside it), 1450 rows, max 3.1e-4 (an earlier stop).
+# Stop 25, main before its changes and after them alike: 1391 rows, max 1.585e-3, mean 1.6e-5, p99 2.1e-4, one row
+# >= 1e-3, DFlash != plain on 5 of 24: over the bound. Where the paths part (module hooks, first verify block after
+# prefill, 8 prompts): every RMSNorm, attention, GDN, MLP output and the logits of each verify row whose tokens match
+# are bit-identical to the decode step of that position. What differs is the state carried between steps: the commit
+# folds n accepted GDN rows at once (e^(gamma_n - gamma_i), gamma cumulative) where plain decode folds one a step,
+# an fp32 rounding difference that bf16 roundings downstream then amplify over the 64 tokens.
 def test_bf16_verify_logits_match_decode_logits():
     import torch
 

@@ -27,10 +27,11 @@ AUTO_CG_MIN_CTAS = 256
 WY16_RPT = (32, 16, 8)  # state rows per thread: a CTA has 32 * (dk / rpt) * cg threads
 # rows-per-thread forms instantiated per (dk, cg): the narrow forms only at cg 1 (what a narrow grid runs)
 WY16_FORMS = {(dk, cg): WY16_RPT if cg == 1 else (32,) for dk, cgs in WY16_CG.items() for cg in cgs}
-# auto rpt by grid size. H200, one gdn_wy16 call (us, p32 / p16 / p8): Qwen3.5 0.9B shape at B=1 (128 CTAs) T=16
-# 14.7 / 11.4 / 12.2, T=1 5.4 / 5.4 / 6.2; B=2 (256 CTAs) T=16 17.7 / 15.2 / 23.0; trained pair (8 CTAs) T=16
-# 17.6 / 10.8 / 9.3, T=1 4.8 / 4.4 / 4.6. The rule looks at the grid only, never at T: a verify row and the decode
-# of the same position then sum the state's rows in one order (bf16 verify-vs-decode logits, issue 10).
+# auto rpt by grid size. H200, one gdn_wy16 call in a CUDA graph (us, p32 / p16 / p8): Qwen3.5 0.9B shape at B=1
+# (128 CTAs) T=16 15.1 / 11.7 / 12.4, T=1 5.9 / 6.0 / 6.7; B=2 (256 CTAs) T=16 17.8 / 15.3 / 23.3; trained pair
+# (8 CTAs) T=16 18.0 / 11.3 / 9.8, T=1 5.3 / 4.8 / 5.0; batch 4 (32 CTAs) T=16 19.1 / 11.9 / 10.1. The rule looks at
+# the grid only, never at T: a verify row and the decode of the same position then sum the state's rows in one order
+# (on the trained pair in bf16 their outputs are bit-identical given the same state: tests/test_bf16_verify_consistency).
 WIDE_GRID_CTAS = 512    # from here the grid fills the GPU: 32 rows a thread (fewest warps, least shared traffic)
 NARROW_GRID_CTAS = 32   # under this, 8 rows a thread
 
