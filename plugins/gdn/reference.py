@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from dflash_trt.plugins.gdn.spec import CHUNK, L2NORM_EPS
 
-__all__ = ["GdnOut", "gdn_gates", "l2norm", "expand_heads", "gdn_recurrent", "gdn_chunk_wy16", "gdn_fold", "gdn_fold_layers"]
+__all__ = ["GdnOut", "gdn_gates", "l2norm", "expand_heads", "gdn_recurrent", "gdn_chunk_wy16", "gdn_fold",
+           "gdn_fold_layers"]
 
 
 def _cdtype(*ts):

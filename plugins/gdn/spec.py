@@ -31,7 +31,7 @@ WY16_FORMS = {(dk, cg): WY16_RPT if cg == 1 else (32,) for dk, cgs in WY16_CG.it
 # (128 CTAs) T=16 15.1 / 11.7 / 12.4, T=1 5.9 / 6.0 / 6.7; B=2 (256 CTAs) T=16 17.8 / 15.3 / 23.3; trained pair
 # (8 CTAs) T=16 18.0 / 11.3 / 9.8, T=1 5.3 / 4.8 / 5.0; batch 4 (32 CTAs) T=16 19.1 / 11.9 / 10.1. The rule looks at
 # the grid only, never at T: a verify row and the decode of the same position then sum the state's rows in one order
-# (on the trained pair in bf16 their outputs are bit-identical given the same state: tests/test_bf16_verify_consistency).
+# (trained pair, bf16: their outputs are bit-identical given the same state; tests/test_bf16_verify_consistency.py).
 WIDE_GRID_CTAS = 512    # from here the grid fills the GPU: 32 rows a thread (fewest warps, least shared traffic)
 NARROW_GRID_CTAS = 32   # under this, 8 rows a thread
 
