@@ -94,7 +94,7 @@ def finish(seq, n: int, kv_alloc, page_size: int, ahead: int = 0) -> None:
     reservation's unused tail (keeping `ahead` rows for steps still in flight)."""
     n = int(n)
     if seq.ctx is not None:
-        seq.ctx.finish_append(n, np.arange(seq.seq_len, seq.seq_len + n))
+        seq.ctx.finish_append(n, range(seq.seq_len, seq.seq_len + n))
         seq.ctx.trim(ahead)
     seq.seq_len += n
     keep = _cdiv(seq.seq_len + int(ahead), page_size)

@@ -120,23 +120,27 @@ class CtxWindow:
             self.unreserve(len(self.pages) - keep)
 
     def finish_append(self, n: int, positions) -> None:
-        """Record n written rows (absolute positions), advance end, slide if over capacity."""
+        """Record n written rows (absolute positions: an array, or a range as the commit path passes them), advance
+        end, slide if over capacity."""
         n = int(n)
-        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if pos.shape[0] != n:
-            raise ValueError(f"{n} rows but {pos.shape[0]} positions")
+        if isinstance(positions, range) and positions.step == 1:  # contiguous by construction: no numpy checks
+            pos, first, count = None, positions.start, len(positions)
+        else:
+            pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+            first, count = (int(pos[0]) if pos.size else 0), pos.shape[0]
+        if count != n:
+            raise ValueError(f"{n} rows but {count} positions")
         if len(self.pages) * self.block_size < self.end + n:
             raise RuntimeError("finish_append without a matching plan_append (no pages)")
         if n == 0:
             return
-        prev = int(self._pos[-1]) if self._pos.size else int(pos[0]) - 1
+        prev = int(self._pos[-1]) if self._pos.size else first - 1
         # contiguous from prev + 1 <=> first and last fit and every step is 1 (numpy only past the ends)
-        if (int(pos[0]) != prev + 1 or int(pos[-1]) != prev + n
-                or (n > 2 and not np.array_equal(pos, np.arange(prev + 1, prev + n + 1)))):
-            raise ValueError(
-                f"ctx positions must be contiguous: last {int(prev)}, got {pos.tolist()}"
-            )
-        self._pos = np.concatenate([self._pos, pos])
+        if first != prev + 1 or (pos is not None and (int(pos[-1]) != prev + n or (
+                n > 2 and not np.array_equal(pos, np.arange(prev + 1, prev + n + 1))))):
+            got = list(positions) if pos is None else pos.tolist()
+            raise ValueError(f"ctx positions must be contiguous: last {int(prev)}, got {got}")
+        self._pos = np.concatenate([self._pos, np.arange(first, first + n, dtype=np.int64) if pos is None else pos])
         self.end += n
         self.total += n
         if self.auto_slide and self.end > self.capacity:

@@ -209,3 +209,20 @@ def test_ctx_window_exhaustion_and_contiguity():
         cw.finish_append(2, [0, 2])
     with pytest.raises(ValueError):
         cw.plan_append(9)  # > max_append (default window)
+
+
+def test_ctx_finish_append_range_is_checked_like_an_array():
+    """The commit path hands positions as a range (no numpy per step): the same checks as an array."""
+    cw = CtxWindow(8, 4, BlockAllocator(4))
+    cw.plan_append(3)
+    cw.finish_append(3, range(0, 3))
+    cw.plan_append(3)
+    with pytest.raises(ValueError, match="contiguous: last 2, got \\[4, 5, 6\\]"):
+        cw.finish_append(3, range(4, 7))  # a gap
+    with pytest.raises(ValueError, match="3 rows but 2 positions"):
+        cw.finish_append(3, range(3, 5))
+    with pytest.raises(ValueError, match="contiguous"):
+        cw.finish_append(3, range(3, 9, 2))  # a step of 2 takes the array path's checks
+    assert cw.end == 3 and cw.total == 3  # a refused append changes nothing
+    cw.finish_append(3, range(3, 6))
+    assert cw.positions_visible().tolist() == list(range(6)) and cw.end == 6

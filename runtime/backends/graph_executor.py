@@ -33,10 +33,11 @@ class StepBuffers:
 
     def __init__(self, dev, fields: dict, result_shape: tuple):
         self.dev, self.names, self.shapes, offs = dev, list(fields), dict(fields), {}
+        self.sizes = {name: int(np.prod(shape)) for name, shape in fields.items()}  # once: fill runs every step
         total = 0
-        for name, shape in fields.items():
+        for name in self.names:
             offs[name] = total
-            total += int(np.prod(shape))
+            total += self.sizes[name]
         self.offs, self.numel = offs, total
         self.inp = dev.device_buffer(total)
         self.result = dev.device_buffer(int(np.prod(result_shape))).view(result_shape)
@@ -48,8 +49,8 @@ class StepBuffers:
         self.turn = 0
 
     def _cut(self, flat, name):
-        o, shape = self.offs[name], self.shapes[name]
-        return flat[o:o + int(np.prod(shape))].view(shape)
+        o = self.offs[name]
+        return flat[o:o + self.sizes[name]].view(self.shapes[name])
 
     def fill(self, values: dict) -> int:
         """Write `values` into the next staging copy (waiting for its previous step), copy it to the device;
@@ -59,9 +60,9 @@ class StepBuffers:
         stage, back, ev, recorded = self.sets[i]
         if recorded:
             self.dev.wait(ev)
-        for k in self.names:
-            o, shape = self.offs[k], self.shapes[k]
-            stage[o:o + int(np.prod(shape))] = np.asarray(values[k], dtype=np.int64).reshape(-1)
+        for k in self.names:  # the host's per-step cost at batch 16 is this loop's business: no temporaries
+            o, v = self.offs[k], values[k]
+            stage[o:o + self.sizes[k]] = v.reshape(-1) if isinstance(v, np.ndarray) else v
         self.dev.h2d(self.inp, stage)
         return i
 
