@@ -5,7 +5,7 @@ RoPE at its absolute position, so rows are never recomputed or moved -- only pag
 
 Representation (logical rows index the sequence's page list `pages`):
     row r  ->  page pages[r // block_size], offset r % block_size
-    held rows   [start, end)     positions in `_pos` (absolute, contiguous, len end-start)
+    held rows   [start, end)     absolute positions contiguous, ending at `_last` (O(1) per append)
     visible     [end - ctx_len, end),  ctx_len = min(total appended, window)
 Invariants after every finish_append: 0 <= start < block_size (pages holding only dropped
 rows are freed), end - start >= ctx_len, end <= max(2*window, window + block_size - 1).
@@ -56,7 +56,7 @@ class CtxWindow:
         self.start = 0
         self.end = 0
         self.total = 0  # rows ever appended (== seq_len when every position is appended)
-        self._pos = np.zeros(0, dtype=np.int64)
+        self._last: int | None = None  # absolute position of the newest held row (None: nothing appended)
 
     # ---- queries ----------------------------------------------------------------------
     @property
@@ -83,7 +83,16 @@ class CtxWindow:
 
     def positions_visible(self) -> np.ndarray:
         """Absolute positions of the visible rows (contiguous, ending at the last appended)."""
-        return self._pos[len(self._pos) - self.ctx_len:].copy()
+        return self._positions(self.ctx_len)
+
+    def positions_held(self) -> np.ndarray:
+        """Absolute positions of the held rows [start, end) (what a snapshot saves)."""
+        return self._positions(self.end - self.start)
+
+    def _positions(self, rows: int) -> np.ndarray:
+        if self._last is None or rows <= 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.arange(self._last - rows + 1, self._last + 1, dtype=np.int64)
 
     # ---- append -----------------------------------------------------------------------
     def plan_append(self, n: int) -> tuple[np.ndarray, int]:
@@ -134,13 +143,13 @@ class CtxWindow:
             raise RuntimeError("finish_append without a matching plan_append (no pages)")
         if n == 0:
             return
-        prev = int(self._pos[-1]) if self._pos.size else first - 1
+        prev = self._last if self._last is not None else first - 1
         # contiguous from prev + 1 <=> first and last fit and every step is 1 (numpy only past the ends)
         if first != prev + 1 or (pos is not None and (int(pos[-1]) != prev + n or (
                 n > 2 and not np.array_equal(pos, np.arange(prev + 1, prev + n + 1))))):
             got = list(positions) if pos is None else pos.tolist()
             raise ValueError(f"ctx positions must be contiguous: last {int(prev)}, got {got}")
-        self._pos = np.concatenate([self._pos, np.arange(first, first + n, dtype=np.int64) if pos is None else pos])
+        self._last = prev + n
         self.end += n
         self.total += n
         if self.auto_slide and self.end > self.capacity:
@@ -163,7 +172,6 @@ class CtxWindow:
         if drop:
             self.allocator.free(self.pages[:drop])
             del self.pages[:drop]
-        self._pos = self._pos[len(self._pos) - keep:]
         self.start = new_start - drop * self.block_size
         self.end -= drop * self.block_size
         assert 0 <= self.start < self.block_size and self.end - self.start == keep
@@ -174,4 +182,4 @@ class CtxWindow:
             self.allocator.free(self.pages)
         self.pages = []
         self.start = self.end = self.total = 0
-        self._pos = np.zeros(0, dtype=np.int64)
+        self._last = None

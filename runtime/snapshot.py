@@ -148,8 +148,8 @@ def save_sequence(rt, seq: Sequence, path: str, extra: dict | None = None) -> st
         c = seq.ctx
         held = c.end - c.start
         tensors["ctx_kv"] = dev.gather_rows(rt.pools["dkv_pool"], c.block_table(), c.start, held)
-        # CtxWindow keeps the held rows' positions privately (positions_visible() is only the window)
-        tensors["ctx_pos"] = np.asarray(c._pos, dtype=np.int64)
+        # every held row's position, not only the visible window's (positions_visible)
+        tensors["ctx_pos"] = c.positions_held()
         ctx = {"start": c.start, "end": c.end, "total": c.total, "pages": len(c.pages)}
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     blob = st_save(tensors)
@@ -335,7 +335,7 @@ def restore_sequence(rt, path: str) -> Sequence:
             _put_rows(rt, rt.pools["dkv_pool"], a["ctx_kv"], seq.ctx.pages, c["start"])
             # CtxWindow has no public way to adopt held rows; its fields are set as finish_append would
             seq.ctx.start, seq.ctx.end, seq.ctx.total = c["start"], c["end"], c["total"]
-            seq.ctx._pos = a["ctx_pos"].astype(np.int64)
+            seq.ctx._last = int(a["ctx_pos"][-1]) if a["ctx_pos"].size else None  # contiguous: checked on load
     except BaseException:
         rt.release(seq)  # gives back the slot, the KV pages and the ctx pages taken above
         raise
