@@ -6,10 +6,10 @@
 // bound, and 2-4x the warps on each tile shorten its serial chains (launch._gdn_rpt picks the form).
 // GVA native: v-head h reads k-head h / (Hv/Hk). Inputs q,k [B,T,Hk,DK], v [B,T,Hv,DV], g,beta [B,T,Hv],
 // each row (b,t) packed, rows rs_qk / rs_v / rs_gb elements apart: views of wider rows (q|k|v of the conv
-// output, g|beta of one gates tensor) are read in place, no copy kernel before the call. With A_log /
-// dt_bias [Hv] given (dtype p_dt), g and beta are the model's raw gate columns a, b (rows of the input
-// projection) and the gates are computed here, in fp32: g = -exp(A_log) softplus(a + dt_bias),
-// beta = sigmoid(b) (reference.gdn_gates) -- no gate kernels before the call.
+// output, the gate columns of the input projection) are read in place, no copy kernel before the call.
+// With A_log / dt_bias [Hv] given (dtype p_dt), g and beta are the model's raw gate columns a, b and the
+// gates are computed here, in fp32: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
+// (reference.gdn_gates) -- no gate kernels before the call.
 #include "common.cuh"
 #define CH 16   // fold: rows per smem batch
 #define WS 20   // row stride of the transposed W / Q tiles (bank-conflict free float4 stores)
@@ -373,7 +373,7 @@ __device__ __forceinline__ void gdn_fold_body(
                                   o, o_dt, k_hat, v_new, gamma, state_out, T, Hk, Hv, DV, scale,          \
                                   rs_qk, rs_v, rs_gb);                                                    \
   }
-// every (DK, CG, RPT) of spec.wy16_variants() at each chunk-row count of spec.CHUNK_ROWS
+// every (DK, CG, RPT) of spec.WY16_FORMS at each chunk-row count of spec.CHUNK_ROWS
 #define GDN_WY16_R(DK, CG, RPT, MINB) \
   GDN_WY16(DK, CG, RPT, 4, MINB) GDN_WY16(DK, CG, RPT, 8, MINB) GDN_WY16(DK, CG, RPT, 16, MINB)
 #define GDN_FOLD(DK, CG)                                                                          \

@@ -67,7 +67,7 @@ def _gdn_wy16_cuda(q, k, v, g, beta, state, slot=None, scale=None, output_state=
         A_log, dt_bias = A_log.float(), dt_bias.float()
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
-    # rows read in place at their stride: q/k/v as slices of the conv output, g/beta of one gates tensor
+    # rows read in place at their stride: q/k/v as slices of the conv output, g/beta (or raw a/b) of the projection
     (q, rq), (k, rk), (v, rv) = U.rows(q), U.rows(k), U.rows(v)
     (g, rg), (beta, rb) = U.rows(g, align=4), U.rows(beta, align=4)
     if rq != rk:
