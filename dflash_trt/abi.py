@@ -7,7 +7,7 @@ target_k{K} / target_prefill (T = K, or the prefill chunk):
   in : input_ids[B,T] i64, positions[B,T] i64, slot[B] i64, seq_len[B] i64, block_table[B,MB] i64,
        kv_pool, gdn_pool, conv_pool (+ valid_len[B] i64 for prefill)
   out: argmax[B,T] i64, kv_rows[La,2,B,T,Hkv,hd], conv_cols[Lg,B,T,C], ctx_hidden[B,T,n_taps*H],
-       gdn_k[Lg,B,T,Hk,dk], gdn_v[Lg,B,T,Hv,dv], gdn_gamma[Lg,B,T,Hv]   (verify: fold data)
+       gdn_k[Lg,B,T,Hk,dk], gdn_v[Lg,B,T,Hv,dv], gdn_g[Lg,B,T,Hv], gdn_beta[Lg,B,T,Hv]   (verify: fold data)
        gdn_state[Lg,B,Hv,dk,dv]                                          (prefill: final state instead)
        (+ logits[B,T,V] f32 when sampling)
 drafter_ctx (R rows):  in: ctx_hidden[B,R,n_taps*H], positions[B,R]  out: dkv_rows[Ld,2,B,R,Hkv_d,hd_d]
@@ -163,7 +163,8 @@ def graph_io(name: str, t: TargetConfig, d: DrafterConfig | None, s: PoolSizes, 
         else:
             outs += [("gdn_k", (Lg, B, T, t.lin_num_k_heads, t.lin_k_dim), "float32"),
                      ("gdn_v", (Lg, B, T, t.lin_num_v_heads, t.lin_v_dim), "float32"),
-                     ("gdn_gamma", (Lg, B, T, t.lin_num_v_heads), "float32")]
+                     ("gdn_g", (Lg, B, T, t.lin_num_v_heads), "float32"),
+                     ("gdn_beta", (Lg, B, T, t.lin_num_v_heads), "float32")]
         if want_logits:
             outs.append(("logits", (B, T, t.vocab_size), "float32"))
         return ins, outs

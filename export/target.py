@@ -180,10 +180,11 @@ class GatedDeltaNet(nn.Module):
         cols = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         return cols, z.reshape(B, T, Hv, dv), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
 
-    def forward(self, x, conv_state, state, slot=None):
+    def forward(self, x, conv_state, state, slot=None, valid_len=None):
         """x [B,T,H]; conv_state [B,C,W-1]; state [B,Hv,dk,dv] fp32 (both read-only); with slot [B], conv_state and
-        state are the layer's pools and rows slot[b] the sequences' states. Returns (y [B,T,H], pre-conv cols
-        [B,T,C], GdnOut)."""
+        state are the layer's pools and rows slot[b] the sequences' states. valid_len [B] (prefill): rows past it
+        are padding and GdnOut.state is the state after the valid rows. Returns (y [B,T,H], pre-conv cols [B,T,C],
+        GdnOut)."""
         c = self.cfg
         Hk, Hv, dk, dv = c.lin_num_k_heads, c.lin_num_v_heads, c.lin_k_dim, c.lin_v_dim
         B, T, _ = x.shape
@@ -191,7 +192,7 @@ class GatedDeltaNet(nn.Module):
         mixed = ops.conv_verify(cols, conv_state, self.conv1d.weight[:, 0, :], slot)
         q, k, v = torch.split(mixed, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
         out = ops.gdn_chunk(q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Hv, dv), a, b,
-                            self.A_log, self.dt_bias, state, slot=slot)
+                            self.A_log, self.dt_bias, state, slot=slot, valid_len=valid_len)
         o = self.norm(out.o.to(x.dtype), z)
         return self.out_proj(o.reshape(B, T, Hv * dv)), cols, out
 
@@ -358,7 +359,7 @@ class TargetModel(nn.Module):
         cfg = self.cfg
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, h.dtype)
-        kv_rows, fold_k, fold_v, fold_g, states, cols_all, taps = [], [], [], [], [], [], {}
+        kv_rows, fold, states, cols_all, taps = [], [], [], [], {}
         ia = ig = 0
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)
@@ -367,12 +368,12 @@ class TargetModel(nn.Module):
                 kv_rows.append(torch.stack([k, v]))
                 ia += 1
             else:
-                y, cols, out = layer.linear_attn(x, conv_pool[ig], gdn_pool[ig], slot)
+                y, cols, out = layer.linear_attn(x, conv_pool[ig], gdn_pool[ig], slot, valid_len)
                 cols_all.append(cols)
                 if valid_len is None:
-                    fold_k.append(out.k_hat), fold_v.append(out.v_new), fold_g.append(out.gamma)
+                    fold.append((out.k_hat, out.v, out.g, out.beta))
                 else:
-                    states.append(ops.gdn_fold(gdn_pool[ig, slot].float(), out.k_hat, out.v_new, out.gamma, valid_len))
+                    states.append(out.state)
                 ig += 1
             h = h + y
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -386,7 +387,7 @@ class TargetModel(nn.Module):
             "ctx_hidden": torch.cat([taps[t] for t in self.tap_ids], dim=-1) if self.tap_ids else None,
         }
         if valid_len is None:
-            out.update(gdn_k=torch.stack(fold_k), gdn_v=torch.stack(fold_v), gdn_gamma=torch.stack(fold_g))
+            out.update({name: torch.stack(x) for name, x in zip(("gdn_k", "gdn_v", "gdn_g", "gdn_beta"), zip(*fold))})
         else:
             out["gdn_state"] = torch.stack(states)
         if want_logits:

@@ -83,7 +83,7 @@ def write(dev, pools: dict, out: dict, n, t: WriteTables, dkv_rows=None) -> None
         if out.get("gdn_state") is not None:
             dev.gdn_set(pools["gdn_pool"], t.slot, out["gdn_state"], n)
         else:
-            dev.gdn_fold(pools["gdn_pool"], t.slot, out["gdn_k"], out["gdn_v"], out["gdn_gamma"], n)
+            dev.gdn_fold(pools["gdn_pool"], t.slot, out["gdn_k"], out["gdn_v"], out["gdn_g"], out["gdn_beta"], n)
         dev.conv_roll(pools["conv_pool"], t.slot, out["conv_cols"], n)
     if dkv_rows is not None:
         dev.kv_write(pools["dkv_pool"], dkv_rows, t.ctx_table, t.ctx_start, n)

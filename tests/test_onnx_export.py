@@ -79,7 +79,8 @@ def test_graph_io_shapes_from_the_configs(exported):
         assert outs["argmax"] == (["B", K], "int64") and outs["logits"] == (["B", K, 259], "float32")
         assert outs["kv_rows"] == ([1, 2, "B", K, 2, 16], "float32")
         assert outs["gdn_k"] == ([3, "B", K, 2, 16], "float32") and outs["gdn_v"] == ([3, "B", K, 4, 8], "float32")
-        assert outs["gdn_gamma"] == ([3, "B", K, 4], "float32") and outs["conv_cols"] == ([3, "B", K, conv_dim], "float32")
+        assert outs["gdn_g"] == outs["gdn_beta"] == ([3, "B", K, 4], "float32")
+        assert outs["conv_cols"] == ([3, "B", K, conv_dim], "float32")
         assert outs["ctx_hidden"] == (["B", K, 2 * 64], "float32") and "gdn_state" not in outs
     ins, outs = _io_dicts(exported, PREFILL)
     assert ins["valid_len"] == (["B"], "int64") and ins["input_ids"] == (["B", s.prefill_chunk], "int64")

@@ -81,6 +81,7 @@ def test_kv_write_random_pages():
 
 
 def test_gdn_fold_vs_token_loop():
+    """HostDevice.gdn_fold == the gated delta rule written out per (layer, sequence, row, head) in float64."""
     rng = np.random.default_rng(1)
     L, S, B, T, Hk, Hv, dk, dv = 2, 5, 3, 5, 2, 4, 3, 4
     pool = rng.standard_normal((L, S, Hv, dk, dv)).astype(np.float32)
@@ -90,23 +91,23 @@ def test_gdn_fold_vs_token_loop():
     k = rng.standard_normal((L, B, T, Hk, dk)).astype(np.float32)
     v = rng.standard_normal((L, B, T, Hv, dv)).astype(np.float32)
     g = -rng.uniform(0.0, 2.0, (L, B, T, Hv)).astype(np.float32)
-    gamma = np.cumsum(g, axis=2)
+    beta = rng.uniform(0.0, 1.0, (L, B, T, Hv)).astype(np.float32)
     untouched = pool[:, [0, 1, 2]].copy()  # slot 0 is b=1 (n=0); 1, 2 unused
-    D.gdn_fold(pool, slots, k, v, gamma, n)
+    D.gdn_fold(pool, slots, k, v, g, beta, n)
     rep = Hv // Hk
     for l in range(L):
         for b in range(B):
             for i in range(n[b]):
                 for h in range(Hv):
-                    Sm = ref[l, slots[b], h]
-                    ref[l, slots[b], h] = np.exp(g[l, b, i, h]) * Sm + np.outer(
-                        k[l, b, i, h // rep], v[l, b, i, h]
-                    )
+                    Sm = np.exp(g[l, b, i, h]) * ref[l, slots[b], h]
+                    kk = k[l, b, i, h // rep].astype(np.float64)
+                    u = beta[l, b, i, h] * (v[l, b, i, h] - Sm.T @ kk)
+                    ref[l, slots[b], h] = Sm + np.outer(kk, u)
     np.testing.assert_allclose(pool, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(pool[:, [0, 1, 2]], untouched)
-    # n = 0 for every sequence: nothing changes, even with garbage gamma
+    # n = 0 for every sequence: nothing changes, even with garbage fold data
     before = pool.copy()
-    D.gdn_fold(pool, slots, k, v, np.full_like(gamma, np.nan), np.zeros(B, int))
+    D.gdn_fold(pool, slots, k, v, np.full_like(g, np.nan), beta, np.zeros(B, int))
     np.testing.assert_array_equal(pool, before)
 
 
@@ -116,14 +117,34 @@ def test_gdn_fold_ignores_rows_past_n():
     pool = rng.standard_normal((L, S, H, dk, dv)).astype(np.float32)
     k = rng.standard_normal((L, B, T, H, dk)).astype(np.float32)
     v = rng.standard_normal((L, B, T, H, dv)).astype(np.float32)
-    gamma = np.cumsum(-rng.uniform(0, 1, (L, B, T, H)), axis=2).astype(np.float32)
+    g = -rng.uniform(0, 1, (L, B, T, H)).astype(np.float32)
+    beta = rng.uniform(0, 1, (L, B, T, H)).astype(np.float32)
     p1, p2 = pool.copy(), pool.copy()
-    D.gdn_fold(p1, [0, 1], k, v, gamma, np.array([2, 1]))
-    k2, v2, g2 = k.copy(), v.copy(), gamma.copy()
-    k2[:, 0, 2:] = 1e30; v2[:, 0, 2:] = np.nan; g2[:, 0, 2:] = -1e30
-    k2[:, 1, 1:] = 1e30; v2[:, 1, 1:] = np.nan; g2[:, 1, 1:] = 1e30
-    D.gdn_fold(p2, [0, 1], k2, v2, g2, np.array([2, 1]))
+    D.gdn_fold(p1, [0, 1], k, v, g, beta, np.array([2, 1]))
+    k2, v2, g2, b2 = k.copy(), v.copy(), g.copy(), beta.copy()
+    k2[:, 0, 2:] = 1e30; v2[:, 0, 2:] = np.nan; g2[:, 0, 2:] = -1e30; b2[:, 0, 2:] = np.nan
+    k2[:, 1, 1:] = 1e30; v2[:, 1, 1:] = np.nan; g2[:, 1, 1:] = 1e30; b2[:, 1, 1:] = 1e30
+    with np.errstate(all="ignore"):
+        D.gdn_fold(p2, [0, 1], k2, v2, g2, b2, np.array([2, 1]))
     np.testing.assert_array_equal(p1, p2)
+
+
+def test_gdn_fold_of_n_rows_is_n_one_row_folds():
+    """HostDevice: n rows at once leave exactly the state of n one-row folds (each row rounds to fp32)."""
+    rng = np.random.default_rng(4)
+    L, B, T, H, dk, dv = 2, 3, 6, 2, 4, 3
+    pool = rng.standard_normal((L, B, H, dk, dv)).astype(np.float32)
+    k = rng.standard_normal((L, B, T, H, dk)).astype(np.float32)
+    v = rng.standard_normal((L, B, T, H, dv)).astype(np.float32)
+    g = -rng.uniform(0, 1, (L, B, T, H)).astype(np.float32)
+    beta = rng.uniform(0, 1, (L, B, T, H)).astype(np.float32)
+    n = np.array([6, 3, 1])
+    at_once, steps = pool.copy(), pool.copy()
+    D.gdn_fold(at_once, [0, 1, 2], k, v, g, beta, n)
+    for i in range(T):
+        sl = slice(i, i + 1)
+        D.gdn_fold(steps, [0, 1, 2], k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl], (i < n).astype(int))
+    np.testing.assert_array_equal(at_once, steps)
 
 
 def test_gdn_set():

@@ -69,8 +69,8 @@ def bench_one(B, K, iters, reps, replays, fla, cgs):
     n = torch.full((B,), K, device="cuda", dtype=torch.int32)
     o = torch.empty(B, K, HV, DV, device="cuda", dtype=torch.bfloat16)
     kh = torch.empty(B, K, HK, DK, device="cuda")
-    vn = torch.empty(B, K, HV, DV, device="cuda")
-    gam = torch.empty(B, K, HV, device="cuda")
+    vf = torch.empty(B, K, HV, DV, device="cuda")
+    gf, bf = torch.empty(B, K, HV, device="cuda"), torch.empty(B, K, HV, device="cuda")
     shp = dict(B=B, T=K, Hk=HK, Hv=HV, dk=DK, dv=DV)
     row = {"B": B, "K": K}
 
@@ -79,11 +79,12 @@ def bench_one(B, K, iters, reps, replays, fla, cgs):
             st = torch.cuda.current_stream().cuda_stream
             if verify:
                 launch.gdn_wy16(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), pool.data_ptr(),
-                            slot.data_ptr(), o.data_ptr(), kh.data_ptr(), vn.data_ptr(), gam.data_ptr(), 0,
+                                slot.data_ptr(), o.data_ptr(), kh.data_ptr(), vf.data_ptr(), gf.data_ptr(),
+                                bf.data_ptr(), 0,
                                 in_dtype="bfloat16", gb_dtype="float32", o_dtype="bfloat16", stream=st, cg=cg, **shp)
             if fold:
-                launch.gdn_fold(pool.data_ptr(), slot.data_ptr(), kh.data_ptr(), vn.data_ptr(), gam.data_ptr(),
-                                n.data_ptr(), stream=st, cg=cg, **shp)
+                launch.gdn_fold(pool.data_ptr(), slot.data_ptr(), kh.data_ptr(), vf.data_ptr(), gf.data_ptr(),
+                                bf.data_ptr(), n.data_ptr(), stream=st, cg=cg, **shp)
         return f
 
     row["ours_eager_us"] = _time_eager(ours(0), iters)  # cg 0 = the launcher's automatic choice

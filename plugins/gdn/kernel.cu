@@ -1,4 +1,4 @@
-// Gated DeltaNet kernels: chunked WY verify/prefill (GdnChunkWY16) and the fold-accepted commit.
+// Gated DeltaNet kernels: chunked WY verify/prefill (GdnChunkWY16) and the fold-accepted commit (gdn_fold).
 // Math: DESIGN §3. One CTA per (dv tile of 32*CG columns, v-head, sequence); dv columns of the
 // state are independent in the delta rule, so a CTA owns S[:, tile] (fp32, in registers: warp w
 // holds rows kg*RPT..kg*RPT+RPT-1 of column lane) for the whole call. RPT (state rows per thread: 32, 16
@@ -11,7 +11,6 @@
 // gates are computed here, in fp32: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
 // (reference.gdn_gates) -- no gate kernels before the call.
 #include "common.cuh"
-#define CH 16   // fold: rows per smem batch
 #define WS 20   // row stride of the transposed W / Q tiles (bank-conflict free float4 stores)
 #ifndef L2EPS
 #error "L2EPS (the l2norm epsilon) comes from gdn/spec.py through NVRTC -D options"
@@ -23,8 +22,8 @@ __device__ __forceinline__ void gdn_wy16_body(
     const void* __restrict__ g, const void* __restrict__ beta, int gb_dt,
     const void* __restrict__ A_log, const void* __restrict__ dt_bias, int p_dt,
     const float* __restrict__ state, const int* __restrict__ slot,
-    void* __restrict__ o, int o_dt, float* __restrict__ k_hat, float* __restrict__ v_new,
-    float* __restrict__ gamma, float* __restrict__ state_out,
+    void* __restrict__ o, int o_dt, float* __restrict__ k_hat, float* __restrict__ v_f,
+    float* __restrict__ g_f, float* __restrict__ b_f, float* __restrict__ state_out,
     int T, int Hk, int Hv, int DV, float scale, int rs_qk, int rs_v, int rs_gb) {
   constexpr int DVT = 32 * CG, KG = DK / RPT, NT = 32 * KG * CG, NW = NT / 32, KP = DK + 4;
   static_assert(DK % RPT == 0 && DK >= 32, "state rows per thread");
@@ -55,7 +54,6 @@ __device__ __forceinline__ void gdn_wy16_body(
     for (int m = 0; m < RPT; ++m) s[m] = 0.f;
   }
   const bool need_state = state_out != nullptr;
-  float gtot = 0.f;
 
   for (int c0 = 0; c0 < T; c0 += R) {
     const int C = min(R, T - c0);
@@ -97,6 +95,11 @@ __device__ __forceinline__ void gdn_wy16_body(
         gi = -expf(ldf(A_log, p_dt, hv)) * (x > 20.f ? x : log1pf(expf(x)));
         bi = 1.f / (1.f + expf(-bi));
       }
+      if (blockIdx.x == 0 && g_f) {  // fold data: the row's gates as the recurrence reads them
+        const i64 fi = ((i64)b * T + c0 + lane) * Hv + hv;
+        g_f[fi] = gi;
+        b_f[fi] = bi;
+      }
     }
 #pragma unroll
     for (int jj = 0; jj < JPW; ++jj) {
@@ -117,8 +120,9 @@ __device__ __forceinline__ void gdn_wy16_body(
     }
 #pragma unroll
     for (int u = 0; u < VPT; ++u) {
-      const int e = tid + u * NT;
-      if (e < R * DVT) VU[e / DVT][e % DVT] = xv[u];
+      const int e = tid + u * NT, i = e / DVT, cc = e % DVT;
+      if (e < R * DVT) VU[i][cc] = xv[u];
+      if (v_f && i < C && e < R * DVT) v_f[(((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc] = xv[u];  // fold data
     }
     if (w == 0) {
 #pragma unroll
@@ -199,14 +203,11 @@ __device__ __forceinline__ void gdn_wy16_body(
       for (int i4 = 0; i4 < R / 4; ++i4)
         *(float4*)&Wt[kk * WS + 4 * i4] = make_float4(wv[4 * i4], wv[4 * i4 + 1], wv[4 * i4 + 2], wv[4 * i4 + 3]);
     }
-    if (blockIdx.x == 0) {  // fold data: k_hat (one CTA per k-head), gamma cumulative over all T
-      if (k_hat && hv % grp == 0)
-        for (int e = tid; e < C * DK; e += NT) {
-          const int i = e / DK, d = e % DK;
-          k_hat[(((i64)b * T + c0 + i) * Hk + hk) * DK + d] = Ksh[i][d];
-        }
-      if (gamma && tid < C) gamma[((i64)b * T + c0 + tid) * Hv + hv] = gtot + gam[tid];
-    }
+    if (blockIdx.x == 0 && k_hat && hv % grp == 0)  // fold data: k_hat, one CTA per k-head
+      for (int e = tid; e < C * DK; e += NT) {
+        const int i = e / DK, d = e % DK;
+        k_hat[(((i64)b * T + c0 + i) * Hk + hk) * DK + d] = Ksh[i][d];
+      }
     __syncthreads();
     // 5. W.S and Q.S over this warp's RPT state rows.
     float aw[R], aq[R];
@@ -245,7 +246,6 @@ __device__ __forceinline__ void gdn_wy16_body(
       const int i = e / DVT, cc = e % DVT;
       const float vp = VU[i][cc] - redW[e];
       VU[i][cc] = vp;
-      if (v_new && i < C) v_new[(((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc] = vp;
     }
     __syncthreads();
     for (int e = tid; e < R * DVT; e += NT) {
@@ -270,7 +270,6 @@ __device__ __forceinline__ void gdn_wy16_body(
         for (int i = 0; i < R; ++i) acc += Ksh[i][kk] * vs[i];
         s[m] = acc;
       }
-      gtot += gC;
     }
     __syncthreads();
   }
@@ -281,84 +280,7 @@ __device__ __forceinline__ void gdn_wy16_body(
   }
 }
 
-// Fold the first n[b] rows of fold data into pool[l, slot[b]] in place, every layer l in one launch:
-// S_n = e^{gamma_n} S + sum_{i<n} e^{gamma_n - gamma_i} k_hat_i v'_i^T. n <= 0 or slot < 0: no-op.
-// pool [L, num_slots, Hv, DK, DV]; k_hat [L, B, T, Hk, DK]; v_new [L, B, T, Hv, DV]; gamma [L, B, T, Hv].
-// grid (DV / (32*CG), Hv, L*B): blockIdx.z = l*B + b. n and slot are read on the device (graph capturable).
-template <int DK, int CG>
-__device__ __forceinline__ void gdn_fold_body(
-    float* __restrict__ pool, const int* __restrict__ slot, const float* __restrict__ k_hat,
-    const float* __restrict__ v_new, const float* __restrict__ gamma, const int* __restrict__ n,
-    int B, int num_slots, int T, int Hk, int Hv, int DV) {
-  constexpr int DVT = 32 * CG, NT = DK * CG, C4 = DVT / 4, RS = NT / C4, NR = DK / RS;
-  __shared__ __align__(16) float Ks[CH][DK];
-  __shared__ __align__(16) float Vs[CH][DVT];
-  const int tid = threadIdx.x, c4 = tid % C4, r0 = tid / C4;
-  const int l = blockIdx.z / B, b = blockIdx.z % B;
-  const int hv = blockIdx.y, d0 = blockIdx.x * DVT, hk = hv / (Hv / Hk);
-  int nb = n[b];
-  const i64 sl = slot ? (i64)slot[b] : (i64)b;
-  if (nb <= 0 || sl < 0) return;
-  nb = min(nb, T);
-  // this layer's pool and fold data (the rest of the body indexes within one layer)
-  pool += (i64)l * num_slots * Hv * DK * DV;
-  k_hat += (i64)l * B * T * Hk * DK;
-  v_new += (i64)l * B * T * Hv * DV;
-  gamma += (i64)l * B * T * Hv;
-  float* base = pool + (sl * Hv + hv) * (i64)DK * DV + d0 + 4 * c4;
-  float4 s[NR];
-#pragma unroll
-  for (int m = 0; m < NR; ++m) s[m] = *(const float4*)(base + (i64)(r0 + m * RS) * DV);
-  const float gn = gamma[((i64)b * T + nb - 1) * Hv + hv];
-  const float dec = expf(gn);
-#pragma unroll
-  for (int m = 0; m < NR; ++m) { s[m].x *= dec; s[m].y *= dec; s[m].z *= dec; s[m].w *= dec; }
-  constexpr int D4 = DK / 4, V4 = DVT / 4, KPT = CH * D4 / NT, VPT = CH * V4 / NT;
-  static_assert(CH * D4 % NT == 0 && CH * V4 % NT == 0, "fold split");
-  for (int i0 = 0; i0 < nb; i0 += CH) {
-    const int cnt = min(CH, nb - i0);
-    // all loads of the batch in flight together (float4, fully unrolled)
-    float4 kr[KPT], vr[VPT];
-    float gi[VPT];
-#pragma unroll
-    for (int u = 0; u < KPT; ++u) {
-      const int e = tid + u * NT, i = e / D4, d4 = e % D4;
-      kr[u] = i < cnt ? *(const float4*)(k_hat + (((i64)b * T + i0 + i) * Hk + hk) * DK + 4 * d4)
-                      : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int u = 0; u < VPT; ++u) {
-      const int e = tid + u * NT, i = e / V4, cc4 = e % V4;
-      const i64 idx = ((i64)b * T + i0 + i) * Hv + hv;
-      vr[u] = i < cnt ? *(const float4*)(v_new + idx * DV + d0 + 4 * cc4) : make_float4(0.f, 0.f, 0.f, 0.f);
-      gi[u] = i < cnt ? gamma[idx] : gn;
-    }
-#pragma unroll
-    for (int u = 0; u < KPT; ++u) {
-      const int e = tid + u * NT, i = e / D4, d4 = e % D4;
-      *(float4*)&Ks[i][4 * d4] = kr[u];
-    }
-#pragma unroll
-    for (int u = 0; u < VPT; ++u) {
-      const int e = tid + u * NT, i = e / V4, cc4 = e % V4;
-      const float f = expf(gn - gi[u]);
-      *(float4*)&Vs[i][4 * cc4] = make_float4(f * vr[u].x, f * vr[u].y, f * vr[u].z, f * vr[u].w);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      const float4 vv = *(const float4*)&Vs[i][4 * c4];
-#pragma unroll
-      for (int m = 0; m < NR; ++m) {
-        const float kv = Ks[i][r0 + m * RS];
-        s[m].x += kv * vv.x; s[m].y += kv * vv.y; s[m].z += kv * vv.z; s[m].w += kv * vv.w;
-      }
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int m = 0; m < NR; ++m) *(float4*)(base + (i64)(r0 + m * RS) * DV) = s[m];
-}
+#include "gdn/fold.cuh"  // the commit kernel gdn_fold: its body and GDN_FOLD
 
 // gdn_wy16_dk{DK}_cg{CG}_p{RPT}_r{R}: CTA of 32 * (DK / RPT) * CG threads, MINB of them per SM at least
 #define GDN_WY16(DK, CG, RPT, R, MINB)                                                                     \
@@ -366,22 +288,16 @@ __device__ __forceinline__ void gdn_fold_body(
       gdn_wy16_dk##DK##_cg##CG##_p##RPT##_r##R(                                                         \
           const void* q, const void* k, const void* v, int in_dt, const void* g, const void* beta,        \
           int gb_dt, const void* A_log, const void* dt_bias, int p_dt, const float* state,                \
-          const int* slot, void* o, int o_dt, float* k_hat, float* v_new, float* gamma,                   \
+          const int* slot, void* o, int o_dt, float* k_hat, float* v_f, float* g_f, float* b_f,           \
           float* state_out, int T, int Hk, int Hv, int DV, float scale, int rs_qk, int rs_v,              \
           int rs_gb) {                                                                                    \
     gdn_wy16_body<DK, CG, R, RPT>(q, k, v, in_dt, g, beta, gb_dt, A_log, dt_bias, p_dt, state, slot,      \
-                                  o, o_dt, k_hat, v_new, gamma, state_out, T, Hk, Hv, DV, scale,          \
+                                  o, o_dt, k_hat, v_f, g_f, b_f, state_out, T, Hk, Hv, DV, scale,         \
                                   rs_qk, rs_v, rs_gb);                                                    \
   }
 // every (DK, CG, RPT) of spec.WY16_FORMS at each chunk-row count of spec.CHUNK_ROWS
 #define GDN_WY16_R(DK, CG, RPT, MINB) \
   GDN_WY16(DK, CG, RPT, 4, MINB) GDN_WY16(DK, CG, RPT, 8, MINB) GDN_WY16(DK, CG, RPT, 16, MINB)
-#define GDN_FOLD(DK, CG)                                                                          \
-  extern "C" __global__ void __launch_bounds__(DK * CG) gdn_fold_dk##DK##_cg##CG(                 \
-      float* pool, const int* slot, const float* k_hat, const float* v_new, const float* gamma,   \
-      const int* n, int B, int num_slots, int T, int Hk, int Hv, int DV) {                        \
-    gdn_fold_body<DK, CG>(pool, slot, k_hat, v_new, gamma, n, B, num_slots, T, Hk, Hv, DV);       \
-  }
 GDN_WY16_R(128, 1, 32, 3)
 GDN_WY16_R(128, 1, 16, 2)
 GDN_WY16_R(128, 1, 8, 1)

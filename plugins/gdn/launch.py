@@ -43,12 +43,13 @@ def _gdn_rpt(ctas: int, cg: int) -> int:
     return rpt or spec.auto_rpt(ctas)
 
 
-def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *, B, T, Hk, Hv, dk, dv,
+def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_f, g_f, b_f, state_out, *, B, T, Hk, Hv, dk, dv,
              in_dtype="bfloat16", gb_dtype="float32", o_dtype=None, state_dtype="float32", scale=None,
              stream=0, cg=None, rs_qk=None, rs_v=None, rs_gb=None, A_log=0, dt_bias=0, p_dtype="float32"):
     """GdnChunkWY16. q,k [B,T,Hk,dk], v [B,T,Hv,dv] (in_dtype); g,beta [B,T,Hv]; state fp32
     [*,Hv,dk,dv] (pool rows by slot[B] if slot else [B,...]; slot < 0 = zero state). Outputs: o
-    [B,T,Hv,dv] (o_dtype), optional fold data (k_hat [B,T,Hk,dk], v_new, gamma; fp32) and optional
+    [B,T,Hv,dv] (o_dtype), optional fold data (k_hat [B,T,Hk,dk], v_f [B,T,Hv,dv], g_f, b_f [B,T,Hv]: fp32,
+    the gates computed when A_log is given; all or none) and optional
     final state (state_out [B,Hv,dk,dv], indexed by b).
     rs_qk / rs_v / rs_gb: elements between consecutive (b, t) rows of q and k / v / g and beta (each row packed;
     None: contiguous). q and k at a wider stride must be 16-byte aligned (the kernel's vector loads).
@@ -62,6 +63,7 @@ def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *
     odt = dtype_code(o_dtype or in_dtype, "gdn o")
     pdt = dtype_code(p_dtype, "gdn A_log/dt_bias")
     kernel_need(bool(A_log) == bool(dt_bias), "gdn: A_log and dt_bias come together (in-kernel gates) or not at all")
+    kernel_need(bool(k_hat) == bool(v_f) == bool(g_f) == bool(b_f), "gdn: the fold data outputs come all or none")
     scale = dk ** -0.5 if scale is None else scale
     rs_qk, rs_v, rs_gb = rs_qk or Hk * dk, rs_v or Hv * dv, rs_gb or Hv
     kernel_need(rs_qk >= Hk * dk and rs_v >= Hv * dv and rs_gb >= Hv,
@@ -71,14 +73,14 @@ def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *
     fn = get_function("gdn", spec.wy16_name(dk, cg, rpt, T))
     args = [(q, P), (k, P), (v, P), (idt, I), (g, P), (beta, P), (gdt, I), (A_log, P), (dt_bias, P), (pdt, I),
             (state, P), (slot or 0, P),
-            (o, P), (odt, I), (k_hat or 0, P), (v_new or 0, P), (gamma or 0, P), (state_out or 0, P),
+            (o, P), (odt, I), (k_hat or 0, P), (v_f or 0, P), (g_f or 0, P), (b_f or 0, P), (state_out or 0, P),
             (T, I), (Hk, I), (Hv, I), (dv, I), (scale, F), (rs_qk, I), (rs_v, I), (rs_gb, I)]
     launch(fn, (dv // (32 * cg), Hv, B), (32 * (dk // rpt) * cg, 1, 1), 0, stream, args)
 
 
-def gdn_fold(pool, slot, k_hat, v_new, gamma, n, *, B, T, Hk, Hv, dk, dv, L=1, num_slots=0,
+def gdn_fold(pool, slot, k_hat, v, g, beta, n, *, B, T, Hk, Hv, dk, dv, L=1, num_slots=0,
              state_dtype="float32", stream=0, cg=None):
-    """In place, all L layers in one launch: pool[l, slot[b]] <- state after the first n[b] rows.
+    """In place, all L layers in one launch: pool[l, slot[b]] <- state after the first n[b] rows, one at a time.
     pool [L,num_slots,Hv,dk,dv] fp32; fold data (from gdn_wy16) [L,B,T,...] fp32; n, slot [B] on the device."""
     cg = _gdn_cg(B, Hv, dk, dv, cg, (1, 2, 4), spec.FOLD_CG)
     spec.check_dims(B, T, Hk, Hv, dk, dv, cg)
@@ -87,6 +89,6 @@ def gdn_fold(pool, slot, k_hat, v_new, gamma, n, *, B, T, Hk, Hv, dk, dv, L=1, n
                 f"num_slots={num_slots})")
     kernel_need(L * B <= MAX_GRID_Z, f"gdn_fold: L*B = {L * B} exceeds the grid limit {MAX_GRID_Z}")
     fn = get_function("gdn", f"gdn_fold_dk{dk}_cg{cg}")
-    args = [(pool, P), (slot or 0, P), (k_hat, P), (v_new, P), (gamma, P), (n, P), (B, I), (num_slots, I), (T, I),
+    args = [(pool, P), (slot or 0, P), (k_hat, P), (v, P), (g, P), (beta, P), (n, P), (B, I), (num_slots, I), (T, I),
             (Hk, I), (Hv, I), (dv, I)]
     launch(fn, (dv // (32 * cg), Hv, L * B), (dk * cg, 1, 1), 0, stream, args)

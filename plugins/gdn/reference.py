@@ -56,6 +56,14 @@ def _prep(q, k, v, g, beta, state, scale):
             v.to(dt), g.to(dt), beta.to(dt), state.to(dt))
 
 
+def _recurrent_row(S, k_hat, v, g, beta):
+    """One token of the gated delta rule per v-head (the update gdn_recurrent and gdn_fold share):
+    S' = e^g S; u = beta (v - S'^T k̂); S = S' + k̂ u^T. S [B,Hv,dk,dv]; k_hat [B,Hv,dk]; v [B,Hv,dv]; g, beta [B,Hv]."""
+    S = S * torch.exp(g)[..., None, None]
+    u = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", S, k_hat))
+    return S + k_hat[..., :, None] * u[..., None, :]
+
+
 def gdn_recurrent(q, k, v, g, beta, state, scale=None):
     """Token-by-token gated delta rule (the ground truth, DESIGN §2 step 5).
 
@@ -66,10 +74,7 @@ def gdn_recurrent(q, k, v, g, beta, state, scale=None):
     T = q.shape[1]
     outs = []
     for t in range(T):
-        S = S * torch.exp(g[:, t])[..., None, None]                   # S' = e^g S
-        pred = torch.einsum("bhkv,bhk->bhv", S, kh[:, t])              # S'^T k̂
-        u = beta[:, t, :, None] * (v[:, t] - pred)                     # delta-rule correction
-        S = S + kh[:, t, :, :, None] * u[:, :, None, :]                # + k̂ u^T
+        S = _recurrent_row(S, kh[:, t], v[:, t], g[:, t], beta[:, t])
         outs.append(torch.einsum("bhkv,bhk->bhv", S, qh[:, t]))        # o = S^T q̂
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
     return o.to(q.dtype), S
@@ -79,8 +84,9 @@ class GdnOut(NamedTuple):
     o: torch.Tensor        # [B,T,Hv,dv] (q's dtype)
     state: torch.Tensor    # [B,Hv,dk,dv] final state
     k_hat: torch.Tensor    # [B,T,Hk,dk] l2-normalised k, per K-head
-    v_new: torch.Tensor    # [B,T,Hv,dv] V' rows (== recurrence's u_i)
-    gamma: torch.Tensor    # [B,T,Hv] cumsum of g over all T rows
+    v: torch.Tensor        # [B,T,Hv,dv] v rows   } fold data: the recurrence's inputs of each row, in the
+    g: torch.Tensor        # [B,T,Hv] log-gates   } compute dtype (gdn_fold replays the rows the commit
+    beta: torch.Tensor     # [B,T,Hv] betas       } accepts one at a time)
 
 
 def _inv_unit_lower(A):
@@ -109,7 +115,8 @@ def gdn_chunk_wy16(q, k, v, g, beta, state, scale=None, chunk=CHUNK):
       W = T diag(β e^γ) K, U = T diag(β) V, V' = U - W S,
       O = diag(e^γ) Q S + ((Q K^T) ⊙ M) V'  (M_ij = e^{γ_i-γ_j}, i>=j),
       S_next = e^{γ_C} S + K^T diag(e^{γ_C-γ}) V'.
-    Returns GdnOut(o, state, k_hat, v_new, gamma); gamma is the *global* cumsum (what the fold needs).
+    Returns GdnOut(o, state, k_hat, v, g, beta): the fold data are this op's per-row inputs (v, g, beta as the
+    recurrence reads them), not the chunk's V' -- see gdn_fold.
     """
     assert 1 <= chunk <= CHUNK, "log-depth inverse is exact only for chunk <= 16"
     dt, qh, k_hat, kh, v, g, beta, S = _prep(q, k, v, g, beta, state, scale)
@@ -117,7 +124,7 @@ def gdn_chunk_wy16(q, k, v, g, beta, state, scale=None, chunk=CHUNK):
     # Work head-major: [B,Hv,T,d].
     qh, kh, v = (x.transpose(1, 2) for x in (qh, kh, v))
     g, beta = g.transpose(1, 2), beta.transpose(1, 2)
-    o_chunks, vn_chunks = [], []
+    o_chunks = []
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
         C = c1 - c0
@@ -138,43 +145,32 @@ def gdn_chunk_wy16(q, k, v, g, beta, state, scale=None, chunk=CHUNK):
         gC = gam[..., -1:]                                              # γ_C [B,Hv,1]
         S = torch.exp(gC)[..., None] * S + Kc.transpose(-1, -2) @ (torch.exp(gC - gam)[..., None] * Vn)
         o_chunks.append(O)
-        vn_chunks.append(Vn)
-    if T:
-        o = torch.cat(o_chunks, dim=2).transpose(1, 2)
-        v_new = torch.cat(vn_chunks, dim=2).transpose(1, 2)
-    else:
-        o = v.transpose(1, 2).clone()
-        v_new = o.clone()
-    gamma = torch.cumsum(g, dim=-1).transpose(1, 2)                     # global, not reset per chunk
-    return GdnOut(o.to(q.dtype), S, k_hat, v_new, gamma)
+    o = torch.cat(o_chunks, dim=2).transpose(1, 2) if T else v.transpose(1, 2).clone()
+    return GdnOut(o.to(q.dtype), S, k_hat, v.transpose(1, 2), g.transpose(1, 2), beta.transpose(1, 2))
 
 
-def gdn_fold(state, k_hat, v_new, gamma, n):
-    """State after the first n rows of a verify, from the fold data (DESIGN §3, fold-accepted).
-
-    S_n = e^{γ_n} S0 + Σ_{i<=n} e^{γ_n-γ_i} k̂_i v'_i^T  (1-based i, n in [0, T]; n=0 -> S0).
-    state [B,Hv,dk,dv]; k_hat [B,T,Hk,dk]; v_new [B,T,Hv,dv]; gamma [B,T,Hv]; n int [B].
-    """
-    dt = _cdtype(state, k_hat, v_new, gamma)
-    B, T, Hv, _ = v_new.shape
-    S0, kh = state.to(dt), expand_heads(k_hat.to(dt), Hv)
-    vn, gam = v_new.to(dt), gamma.to(dt)
+def gdn_fold(state, k_hat, v, g, beta, n):
+    """State after the first n rows of a verify, from its fold data (DESIGN §3, fold-accepted): the rows replayed
+    one at a time by the recurrence's own update (_recurrent_row), so folding n rows at once gives the state of n
+    one-row steps exactly, bit for bit -- speculative and plain decoding carry the same GDN state (the fp32 state of
+    a multi-row closed form differs in its last bits, which bf16 logits then amplify; issue 10's KL check).
+    state [B,Hv,dk,dv]; k_hat [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; n int [B] (rows past n[b] are
+    not read: n = 0 leaves S0)."""
+    dt = _cdtype(state, k_hat, v, g, beta)
+    B, T, Hv, _ = v.shape
+    S, kh = state.to(dt), expand_heads(k_hat.to(dt), Hv)
+    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
     n = n.to(device=state.device, dtype=torch.long).reshape(B)
-    # γ_n per sequence (γ_0 = 0): prepend a zero column and gather at n.
-    gam0 = torch.cat([gam.new_zeros(B, 1, Hv), gam], dim=1)             # [B,T+1,Hv]
-    g_n = gam0.gather(1, n.view(B, 1, 1).expand(B, 1, Hv)).squeeze(1)   # [B,Hv]
-    rows = torch.arange(T, device=state.device)
-    take = rows[None, :] < n[:, None]                                    # row i (0-based) < n
-    expo = torch.where(take[..., None], g_n[:, None, :] - gam, gam.new_tensor(float("-inf")))
-    w = torch.exp(expo)                                                  # [B,T,Hv], 0 for rows > n
-    upd = torch.einsum("bthk,bth,bthv->bhkv", kh, w, vn)
-    return torch.exp(g_n)[..., None, None] * S0 + upd
+    for i in range(int(n.max()) if B else 0):
+        nxt = _recurrent_row(S, kh[:, i], v[:, i], g[:, i], beta[:, i])
+        S = torch.where((i < n).view(B, 1, 1, 1), nxt, S)                 # rows past n[b]: no update
+    return S
 
 
-def gdn_fold_layers(state, k_hat, v_new, gamma, n):
+def gdn_fold_layers(state, k_hat, v, g, beta, n):
     """gdn_fold over L layers at once: state [L,B,Hv,dk,dv]; fold data [L,B,T,...]; n [B] (same per layer)."""
     L, B = k_hat.shape[:2]
     flat = lambda x: x.reshape(L * B, *x.shape[2:])  # noqa: E731  layers are independent: fold as L*B rows
     n = n.to(device=state.device, dtype=torch.long).reshape(1, B).expand(L, B).reshape(L * B)
-    out = gdn_fold(flat(state), flat(k_hat), flat(v_new), flat(gamma), n)
+    out = gdn_fold(flat(state), flat(k_hat), flat(v), flat(g), flat(beta), n)
     return out.reshape(L, B, *out.shape[1:])

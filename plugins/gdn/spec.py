@@ -1,13 +1,14 @@
 """The spec of GdnChunkWY16 and of its commit kernel gdn_fold (DESIGN §3). Math: reference.py.
 
-GdnChunkWY16(q, k, v, g, beta, state; scale) -> o, state_out, k_hat, v_new, gamma
+GdnChunkWY16(q, k, v, g, beta, state; scale) -> o, state_out, k_hat, v_f32, g_f32, beta_f32
   q, k [B,T,Hk,dk], v [B,T,Hv,dv] (one float dtype); g, beta [B,T,Hv] (one float dtype);
-  state [B,Hv,dk,dv] float32, read-only. o [B,T,Hv,dv] in q's dtype; state_out [B,Hv,dk,dv],
-  k_hat [B,T,Hk,dk], v_new [B,T,Hv,dv], gamma [B,T,Hv] float32. Value head h reads key head h // (Hv/Hk).
-  scale 0 means dk ** -0.5.
+  state [B,Hv,dk,dv] float32, read-only. o [B,T,Hv,dv] in q's dtype; state_out [B,Hv,dk,dv];
+  fold data (float32): k_hat [B,T,Hk,dk] (l2-normalised k), v_f32 [B,T,Hv,dv], g_f32, beta_f32 [B,T,Hv] (the
+  row inputs as the recurrence reads them). Value head h reads key head h // (Hv/Hk). scale 0 means dk ** -0.5.
 gdn_fold (runtime commit, all layers in one launch): pool [L,slots,Hv,dk,dv] float32 in place;
-  fold data k_hat [L,B,T,Hk,dk], v_new [L,B,T,Hv,dv], gamma [L,B,T,Hv] float32; slot [B] (none: slot b),
-  n [B]: pool[l, slot[b]] <- state after the first n[b] rows; n = 0 or slot < 0 leaves it untouched.
+  fold data k_hat [L,B,T,Hk,dk], v [L,B,T,Hv,dv], g, beta [L,B,T,Hv] float32; slot [B] (none: slot b),
+  n [B]: pool[l, slot[b]] <- state after the first n[b] rows, replayed one row at a time by the recurrence
+  (so n rows at once == n one-row folds, bit for bit); n = 0 or slot < 0 leaves it untouched.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from dflash_trt.plugins.opspec import FLOATS, Attr, OpSpec, Port, check_float_dt
 
 CHUNK = 16  # rows per chunk: (I+A)^-1 = (I-A)(I+A^2)(I+A^4)(I+A^8) is exact only for C <= 16
 L2NORM_EPS = 1e-6  # inside the rsqrt, as HF Qwen3Next's l2norm
+# a raw gate value (a and b both) that makes a row an identity update: softplus and sigmoid of it are exactly 0 in
+# fp32 (exp underflows), so g = 0 and beta = 0 -- how a prefill's padding rows leave the state alone
+IDENTITY_GATE = -1.0e4
 STATE_DTYPES = ("float32",)  # the design keeps GDN state (and fold data) in fp32
 
 # CUDA kernel limits (kernel.cu instantiates exactly these variants)
@@ -66,7 +70,7 @@ def check_dims(B, T, Hk, Hv, dk, dv, cg=1) -> None:
 def _output_shapes(ins):
     q, v = ins[0], ins[2]
     B, T, dk, Hv, dv = q[0], q[1], q[3], v[2], v[3]
-    return [[B, T, Hv, dv], [B, Hv, dk, dv], list(q), [B, T, Hv, dv], [B, T, Hv]]
+    return [[B, T, Hv, dv], [B, Hv, dk, dv], list(q), [B, T, Hv, dv], [B, T, Hv], [B, T, Hv]]
 
 
 def _check_shapes(d, attrs=None):
@@ -88,7 +92,8 @@ SPEC = OpSpec(
     inputs=(Port("q", "x", "[B,T,Hk,dk]"), Port("k", "x", "[B,T,Hk,dk]"), Port("v", "x", "[B,T,Hv,dv]"),
             Port("g", "g", "[B,T,Hv]"), Port("beta", "g", "[B,T,Hv]"), Port("state", "f32", "[B,Hv,dk,dv]")),
     outputs=(Port("o", "x", "[B,T,Hv,dv]"), Port("state_out", "f32", "[B,Hv,dk,dv]"),
-             Port("k_hat", "f32", "[B,T,Hk,dk]"), Port("v_new", "f32", "[B,T,Hv,dv]"), Port("gamma", "f32", "[B,T,Hv]")),
+             Port("k_hat", "f32", "[B,T,Hk,dk]"), Port("v_f32", "f32", "[B,T,Hv,dv]"), Port("g_f32", "f32", "[B,T,Hv]"),
+             Port("beta_f32", "f32", "[B,T,Hv]")),
     attrs=(Attr("scale", "float", 0.0, "0: dk ** -0.5"),),
     groups={"x": FLOATS, "g": FLOATS, "f32": STATE_DTYPES},
     output_shapes=_output_shapes,
@@ -99,13 +104,13 @@ SPEC = OpSpec(
 )
 
 
-def check_fold_shapes(pool, k_hat, v_new, gamma, slot, n) -> None:
+def check_fold_shapes(pool, k_hat, v, g, beta, slot, n) -> None:
     """Shapes of one layer-batched gdn_fold call (tuples; slot None = row b uses slot b)."""
     need(len(pool) == 5, f"gdn_fold: pool {pool} must be [L,slots,Hv,dk,dv]")
     L, S, Hv, dk, dv = pool
     need(len(k_hat) == 5 and k_hat[0] == L and k_hat[4] == dk, f"gdn_fold: k_hat {k_hat} must be [L={L},B,T,Hk,dk={dk}]")
     B, T, Hk = k_hat[1:4]
-    need(v_new == (L, B, T, Hv, dv), f"gdn_fold: v_new {v_new} must be [L,B,T,Hv,dv] = {(L, B, T, Hv, dv)}")
-    need(gamma == (L, B, T, Hv), f"gdn_fold: gamma {gamma} must be [L,B,T,Hv] = {(L, B, T, Hv)}")
+    need(v == (L, B, T, Hv, dv), f"gdn_fold: v {v} must be [L,B,T,Hv,dv] = {(L, B, T, Hv, dv)}")
+    need(g == beta == (L, B, T, Hv), f"gdn_fold: g {g} and beta {beta} must be [L,B,T,Hv] = {(L, B, T, Hv)}")
     need(n == (B,), f"gdn_fold: n {n} must be [B] = {(B,)}")
     need(slot is None and B <= S or slot == (B,), f"gdn_fold: slot {slot} must be [B] = {(B,)} (or none with B <= slots)")

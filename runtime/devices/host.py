@@ -76,20 +76,19 @@ class HostDevice:
         return pool[:, :, bt[logical // bs], logical % bs].copy()
 
     # ---- gated delta net state --------------------------------------------------------
-    def gdn_fold(self, pool, slots, k_hat, v_new, gamma, n) -> None:
-        """Fold n committed rows into each sequence's GDN state (float64 math).
+    def gdn_fold(self, pool, slots, k_hat, v, g, beta, n) -> None:
+        """Fold n committed rows into each sequence's GDN state, one row at a time by the recurrence
+        (S' = e^g S; u = beta (v - S'^T k); S = S' + k u^T), each row in float64 and rounded back to the pool's
+        dtype, so n rows at once == n one-row folds exactly (as the kernel).
 
         pool  [L, num_slots, Hv, dk, dv] float32
         slots [B] int
-        k_hat [L, B, T, Hk, dk]
-        v_new [L, B, T, Hv, dv]   (v' = the delta-rule corrected values)
-        gamma [L, B, T, Hv]       cumsum over T of the log-gates g
+        k_hat [L, B, T, Hk, dk] (l2-normalised keys); v [L, B, T, Hv, dv]; g, beta [L, B, T, Hv]
         n     [B] int
-        S <- e^{gamma[n-1]} S + sum_{i<n} e^{gamma[n-1]-gamma[i]} k_i v'_i^T
-        v-head h uses k-head h // (Hv // Hk). n = 0: state untouched.
+        v-head h uses k-head h // (Hv // Hk). n = 0: state untouched; rows past n[b] are not read.
         """
         L, B, T, Hk, dk = k_hat.shape
-        Hv = v_new.shape[3]
+        Hv = v.shape[3]
         n = _n(n, B, T)
         sel = np.nonzero(n > 0)[0]
         if sel.size == 0:
@@ -97,19 +96,14 @@ class HostDevice:
         ns = n[sel]
         sl = np.asarray(slots, dtype=np.int64).reshape(-1)[sel]
         k = np.repeat(k_hat[:, sel].astype(np.float64), Hv // Hk, axis=3)  # [L,b,T,Hv,dk]
-        v = v_new[:, sel].astype(np.float64)                                # [L,b,T,Hv,dv]
-        g = gamma[:, sel].astype(np.float64)                                # [L,b,T,Hv]
-        mask = np.arange(T)[None, :] < ns[:, None]                          # [b,T]
-        g_last = np.take_along_axis(g, (ns - 1)[None, :, None, None], axis=2)  # [L,b,1,Hv]
-        w = np.where(mask[None, :, :, None], np.exp(np.where(mask[None, :, :, None], g_last - g, 0.0)), 0.0)
-        m = mask[None, :, :, None, None]
-        kw = np.where(m, k * w[..., None], 0.0)  # rows i >= n contribute exactly nothing
-        v = np.where(m, v, 0.0)
-        S = pool[:, sl].astype(np.float64)                                   # [L,b,Hv,dk,dv]
-        S = np.exp(g_last[:, :, 0])[..., None, None] * S + np.einsum(
-            "lbthk,lbthv->lbhkv", kw, v
-        )
-        pool[:, sl] = S.astype(pool.dtype)
+        v, g, beta = (np.asarray(x)[:, sel].astype(np.float64) for x in (v, g, beta))
+        S = pool[:, sl]                                                      # [L,b,Hv,dk,dv]
+        for i in range(int(ns.max())):
+            Sd = S.astype(np.float64) * np.exp(g[:, :, i])[..., None, None]
+            u = beta[:, :, i, :, None] * (v[:, :, i] - np.einsum("lbhkv,lbhk->lbhv", Sd, k[:, :, i]))
+            Sd = Sd + k[:, :, i, :, :, None] * u[..., None, :]
+            S = np.where((i < ns)[None, :, None, None, None], Sd.astype(pool.dtype), S)
+        pool[:, sl] = S
 
     def gdn_set(self, pool, slots, state, n) -> None:
         """Overwrite state (prefill's final state) for sequences with n[b] > 0.

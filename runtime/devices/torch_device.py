@@ -55,11 +55,11 @@ class TorchDevice:
         bt, pos, n = self._i(block_table), self._i(start_row), self._i(n)
         torch.ops.dflash.kv_write(pool, self._t(rows), bt, pos, n)
 
-    def gdn_fold(self, pool, slots, k_hat, v_new, gamma, n) -> None:
+    def gdn_fold(self, pool, slots, k_hat, v, g, beta, n) -> None:
         """pool [L,slots,Hv,dk,dv]; fold data [L,B,T,...]; folds the first n[b] rows into slot[b] (all layers, one op)."""
         slots, n = self._i(slots), self._i(n)
-        k_hat, v_new, gamma = (self._t(x, torch.float32) for x in (k_hat, v_new, gamma))
-        torch.ops.dflash.gdn_fold(pool, slots, k_hat, v_new, gamma, n)
+        k_hat, v, g, beta = (self._t(x, torch.float32) for x in (k_hat, v, g, beta))
+        torch.ops.dflash.gdn_fold(pool, slots, k_hat, v, g, beta, n)
 
     def gdn_set(self, pool, slots, state, n) -> None:
         keep = np.nonzero(np.asarray(self.to_host(n)).reshape(-1) > 0)[0]

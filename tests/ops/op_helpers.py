@@ -72,8 +72,9 @@ def fold_case(L, B, T, Hk, Hv, dk, dv, slots, seed):
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     k_hat = f(L, B, T, Hk, dk)
     k_hat /= np.linalg.norm(k_hat, axis=-1, keepdims=True)
-    gamma = np.cumsum(-rng.uniform(0, 0.5, (L, B, T, Hv)), axis=2).astype(np.float32)
-    return f(L, slots, Hv, dk, dv) * 0.3, k_hat, f(L, B, T, Hv, dv), gamma, slot, n
+    g = -rng.uniform(0, 0.5, (L, B, T, Hv)).astype(np.float32)
+    beta = rng.uniform(0, 1, (L, B, T, Hv)).astype(np.float32)
+    return f(L, slots, Hv, dk, dv) * 0.3, k_hat, f(L, B, T, Hv, dv), g, beta, slot, n
 
 
 def roll_case(L, B, T, C, W, slots, seed):

@@ -62,10 +62,12 @@ def test_chunk_matches_recurrence(T, r):
         out = gdn_chunk_wy16(q, k, v, g, beta, S0)
         assert torch.equal(S0, S0_copy), "initial state must be read-only"
         assert out.o.shape == (B, T, Hk * r, dv) and out.state.shape == (B, Hk * r, dk, dv)
-        assert out.k_hat.shape == (B, T, Hk, dk) and out.gamma.shape == (B, T, Hk * r)
+        assert out.k_hat.shape == (B, T, Hk, dk) and out.g.shape == out.beta.shape == (B, T, Hk * r)
         assert rel(out.o, o_ref) <= tol, (dtype, rel(out.o, o_ref))
         assert rel(out.state, S_ref) <= tol, (dtype, rel(out.state, S_ref))
-        assert torch.allclose(out.gamma, torch.cumsum(g.to(out.gamma.dtype), 1))
+        # the fold data are the row inputs as the recurrence reads them
+        for got, want in ((out.k_hat, l2norm(k)), (out.v, v), (out.g, g), (out.beta, beta)):
+            assert torch.equal(got, want)
 
 
 def test_chunk_smaller_chunks_and_scale():
@@ -76,37 +78,24 @@ def test_chunk_smaller_chunks_and_scale():
         assert rel(out.o, o_ref) < 1e-11 and rel(out.state, S_ref) < 1e-11
 
 
-def _recurrent_u(q, k, v, g, beta, S0):
-    """The recurrence's u_i per row (naive), to check V' rows."""
-    kh = expand_heads(l2norm(k), v.shape[2])
-    S, us = S0, []
-    for t in range(v.shape[1]):
-        S = S * torch.exp(g[:, t])[..., None, None]
-        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, kh[:, t]))
-        S = S + kh[:, t, :, :, None] * u[:, :, None, :]
-        us.append(u)
-    return torch.stack(us, 1)
-
-
 @pytest.mark.parametrize("r", [1, 2])
 @pytest.mark.parametrize("T", [1, 2, 5, 8, 15, 16, 40])
 def test_fold_matches_prefix_recurrence(T, r):
     B, Hk, dk, dv = 3, 2, 8, 6
     q, k, v, g, beta, S0 = make_gdn(B, T, Hk, r, dk, dv, torch.float64, seed=100 + T + r)
     out = gdn_chunk_wy16(q, k, v, g, beta, S0)
-    assert rel(out.v_new, _recurrent_u(q, k, v, g, beta, S0)) < 1e-11
     # Recurrence state after each prefix length m (m = 0 -> S0).
     prefix = [S0] + [gdn_recurrent(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], S0)[1]
                      for m in range(1, T + 1)]
     for n0 in range(T + 1):
         n = torch.tensor([(n0 + 3 * b) % (T + 1) for b in range(B)])  # different n per sequence
         S0_copy = S0.clone()
-        Sn = gdn_fold(S0, out.k_hat, out.v_new, out.gamma, n)
+        Sn = gdn_fold(S0, *out[2:], n)
         assert torch.equal(S0, S0_copy)
         ref = torch.stack([prefix[int(n[b])][b] for b in range(B)])
         assert rel(Sn, ref) < 1e-11, (n, rel(Sn, ref))
     # n = 0 everywhere: unchanged state.
-    Sz = gdn_fold(S0, out.k_hat, out.v_new, out.gamma, torch.zeros(B, dtype=torch.int32))
+    Sz = gdn_fold(S0, *out[2:], torch.zeros(B, dtype=torch.int32))
     assert torch.allclose(Sz, S0, rtol=0, atol=0)
 
 
@@ -115,9 +104,43 @@ def test_fold_float32():
     q, k, v, g, beta, S0 = make_gdn(B, T, 1, 2, 8, 8, torch.float32, seed=5)
     out = gdn_chunk_wy16(q, k, v, g, beta, S0)
     for m in (0, 1, 9, 16):
-        Sn = gdn_fold(S0, out.k_hat, out.v_new, out.gamma, torch.full((B,), m))
+        Sn = gdn_fold(S0, *out[2:], torch.full((B,), m))
         ref = S0 if m == 0 else gdn_recurrent(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], S0)[1]
         assert rel(Sn, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("T", [3, 16])
+def test_fold_of_n_rows_is_n_one_row_folds_bit_for_bit(T):
+    """The commit's contract (issue 10's bf16 KL check): a speculative step that accepts n rows leaves exactly the
+    fp32 state n plain decode steps would -- fold(n rows) == n folds of one row, bit for bit -- while the
+    multi-row closed form S_n = e^(γ_n) S0 + Σ e^(γ_n-γ_i) k̂_i v'_i^T (what the fold computed before) does not."""
+    B = 4
+    q, k, v, g, beta, S0 = make_gdn(B, T, 2, 2, 16, 8, torch.float32, seed=40 + T)
+    out = gdn_chunk_wy16(q, k, v, g, beta, S0)
+    n = torch.tensor([T, T - 1, 1, 0])
+    at_once = gdn_fold(S0, *out[2:], n)
+    S = S0
+    for i in range(T):  # one row a step, each from the step's own fold data (a T=1 verify of that row)
+        one = gdn_chunk_wy16(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1], beta[:, i:i + 1], S)
+        S = gdn_fold(S, *one[2:], (i < n).long())
+    assert torch.equal(at_once, S)
+    # the closed form over the recurrence's u_i rows agrees only to rounding (why the fold replays the rows)
+    gam = torch.cumsum(out.g, 1)                                                   # γ [B,T,Hv]
+    closed = torch.exp(gam[:, -1])[..., None, None] * S0 + torch.einsum(
+        "bthk,bth,bthv->bhkv", expand_heads(out.k_hat, 4), torch.exp(gam[:, -1:] - gam), _v_prime(q, k, v, g, beta, S0))
+    assert rel(closed[0], at_once[0]) < 1e-5 and not torch.equal(closed[0], at_once[0])
+
+
+def _v_prime(q, k, v, g, beta, S0):
+    """The recurrence's u_i rows (the chunk form's V')."""
+    kh = expand_heads(l2norm(k), v.shape[2])
+    S, us = S0, []
+    for t in range(v.shape[1]):
+        S = S * torch.exp(g[:, t])[..., None, None]
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, kh[:, t]))
+        S = S + kh[:, t, :, :, None] * u[:, :, None, :]
+        us.append(u)
+    return torch.stack(us, 1)
 
 
 # ------------------------------------------------------------------------------ ONNX function body
@@ -133,7 +156,7 @@ def test_onnx_body_gdn_chunk_wy16(T, Hk, Hv):
                  beta=rng.uniform(0, 1, (B, T, Hv)).astype(np.float32), state=f(B, Hv, dk, dv))
     got = run_op("GdnChunkWY16", feeds, {"scale": dk ** -0.5})
     ref = gdn_chunk_wy16(*(torch.from_numpy(x) for x in feeds.values()))
-    for name, r in zip(("o", "state_out", "k_hat", "v_new", "gamma"), ref):
+    for name, r in zip(("o", "state_out", "k_hat", "v_f32", "g_f32", "beta_f32"), ref):
         close(got[name], r)
     # and the chunked form is the recurrence
     close(got["state_out"], gdn_recurrent(*(torch.from_numpy(x) for x in feeds.values()))[1])
@@ -152,15 +175,17 @@ def test_onnx_body_gdn_default_scale():
 def test_launchers_validate_before_launch():
     kw = dict(B=1, T=4, Hk=1, Hv=2, dv=128)
     with pytest.raises(KernelError, match="dk=96"):
-        launch.gdn_wy16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, dk=96, **kw)
+        launch.gdn_wy16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, dk=96, **kw)
     with pytest.raises(KernelError, match="int8"):
-        launch.gdn_wy16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, dk=128, in_dtype="int8", **kw)
+        launch.gdn_wy16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, dk=128, in_dtype="int8", **kw)
+    with pytest.raises(KernelError, match="all or none"):
+        launch.gdn_wy16(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, dk=128, **kw)
     with pytest.raises(KernelError, match="state"):
-        launch.gdn_fold(0, 0, 0, 0, 0, 0, dk=128, state_dtype="bfloat16", **kw)
+        launch.gdn_fold(0, 0, 0, 0, 0, 0, 0, dk=128, state_dtype="bfloat16", **kw)
     with pytest.raises(KernelError, match="Hv=3"):
-        launch.gdn_fold(0, 0, 0, 0, 0, 0, B=1, T=1, Hk=2, Hv=3, dk=128, dv=128)
+        launch.gdn_fold(0, 0, 0, 0, 0, 0, 0, B=1, T=1, Hk=2, Hv=3, dk=128, dv=128)
     with pytest.raises(KernelError, match="num_slots"):
-        launch.gdn_fold(0, 0, 0, 0, 0, 0, dk=128, L=3, **kw)  # a layer stride is needed past one layer
+        launch.gdn_fold(0, 0, 0, 0, 0, 0, 0, dk=128, L=3, **kw)  # a layer stride is needed past one layer
 
 
 def test_spec_chunk_rows_and_cg():
@@ -189,14 +214,14 @@ def test_cpu_gdn_ops_equal_reference(T):
     B, Hk, Hv, dk, dv = 3, 1, 2, 32, 16
     q, k, v, g, beta, pool = gdn_inputs(B, T, Hk, Hv, dk, dv, slots=B + 2)
     slot = torch.tensor([4, 0, 2])
-    o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, None, True)
+    o, *fold, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, None, True)
     ref = gdn_chunk_wy16(q, k, v, g, beta, pool[slot.long()])
-    for a, b in zip((o, kh, vn, gam, fs), (ref.o, ref.k_hat, ref.v_new, ref.gamma, ref.state)):
+    for a, b in zip([o, *fold, fs], (ref.o, ref.k_hat, ref.v, ref.g, ref.beta, ref.state)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     n = torch.tensor([T, 0, min(2, T)])
     pool2 = pool.clone()
-    torch.ops.dflash.gdn_fold(pool2[None], slot, kh[None], vn[None], gam[None], n)  # one layer
-    want = gdn_fold(pool[slot.long()], kh, vn, gam, n)
+    torch.ops.dflash.gdn_fold(pool2[None], slot, *(x[None] for x in fold), n)  # one layer
+    want = gdn_fold(pool[slot.long()], *fold, n)
     torch.testing.assert_close(pool2[slot.long()], want, rtol=0, atol=0)
     untouched = [i for i in range(B + 2) if i not in (4, 2)]
     assert torch.equal(pool2[untouched], pool[untouched])
@@ -221,12 +246,11 @@ def test_cpu_gdn_op_gates_equal_gates_before():
 def test_cpu_gdn_fold_all_layers_equals_host_device(L, B, T):
     """One dflash::gdn_fold over all L layers (CPU: the reference) == HostDevice.gdn_fold (float64 numpy)."""
     import dflash_trt.plugins.torch_ops  # noqa: F401
-    pool, k_hat, v_new, gamma, slot, n = fold_case(L, B, T, 2, 4, 16, 8, slots=B + 3, seed=L * 100 + B * 10 + T)
+    pool, *fold, slot, n = fold_case(L, B, T, 2, 4, 16, 8, slots=B + 3, seed=L * 100 + B * 10 + T)
     want = pool.copy()
-    HostDevice().gdn_fold(want, slot, k_hat, v_new, gamma, n)
+    HostDevice().gdn_fold(want, slot, *fold, n)
     got = torch.from_numpy(pool.copy())
-    torch.ops.dflash.gdn_fold(got, torch.from_numpy(slot), *map(torch.from_numpy, (k_hat, v_new, gamma)),
-                              torch.from_numpy(n))
+    torch.ops.dflash.gdn_fold(got, torch.from_numpy(slot), *map(torch.from_numpy, fold), torch.from_numpy(n))
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
     untouched = np.setdiff1d(np.arange(B + 3), slot[n > 0])
     assert np.array_equal(got.numpy()[:, untouched], pool[:, untouched])  # n = 0 and other slots: bit-identical
@@ -234,8 +258,10 @@ def test_cpu_gdn_fold_all_layers_equals_host_device(L, B, T):
 
 def test_cpu_gdn_fold_checks_shapes():
     import dflash_trt.plugins.torch_ops  # noqa: F401
-    pool, k_hat, v_new, gamma, slot, n = (torch.from_numpy(a) for a in fold_case(2, 3, 4, 1, 2, 8, 8, 5, seed=0))
+    pool, k_hat, v, g, beta, slot, n = (torch.from_numpy(a) for a in fold_case(2, 3, 4, 1, 2, 8, 8, 5, seed=0))
     with pytest.raises(ShapeError, match="k_hat"):
-        torch.ops.dflash.gdn_fold(pool, slot, k_hat[:1], v_new, gamma, n)  # fold data of one layer, pool of two
+        torch.ops.dflash.gdn_fold(pool, slot, k_hat[:1], v, g, beta, n)  # fold data of one layer, pool of two
+    with pytest.raises(ShapeError, match="beta"):
+        torch.ops.dflash.gdn_fold(pool, slot, k_hat, v, g, beta[:, :, :2], n)
     with pytest.raises(ShapeError, match="n"):
-        torch.ops.dflash.gdn_fold(pool, slot, k_hat, v_new, gamma, n[:2])
+        torch.ops.dflash.gdn_fold(pool, slot, k_hat, v, g, beta, n[:2])

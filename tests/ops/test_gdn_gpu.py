@@ -28,9 +28,16 @@ def _d(*ts):
     return [x.double() for x in ts]
 
 
-def _fold(pool, slot, kh, vn, gam, n):
-    """dflash::gdn_fold on one layer's pool [slots, ...] (the op commits [L, ...])."""
-    torch.ops.dflash.gdn_fold(pool[None], slot, kh[None], vn[None], gam[None], n)
+def _fold(pool, slot, fold, n):
+    """dflash::gdn_fold on one layer's pool [slots, ...] (the op commits [L, ...]); fold = (k_hat, v, g, beta)."""
+    torch.ops.dflash.gdn_fold(pool[None], slot, *(x[None] for x in fold), n)
+
+
+def _check_fold_data(tag, fold, ref):
+    """The op's fold data == the reference's row inputs (k_hat to rounding; v, g, beta exactly as read)."""
+    record_err(f"gdn_wy16 k_hat{tag}", fold[0], ref.k_hat, 1e-5)
+    for name, x, y in zip(("v", "g", "beta"), fold[1:], (ref.v, ref.g, ref.beta)):
+        assert torch.equal(x.double(), y), name
 
 
 @pytest.mark.parametrize("ratio", [1, 2])
@@ -43,21 +50,19 @@ def test_gdn_verify_and_fold(B, K, ratio):
     S = B + 3
     q, k, v, g, beta, pool = _inputs(B, K, Hk, Hv, dk, dv, dtype, seed=B * 100 + K * 3 + ratio, slots=S)
     slot = torch.randperm(S, device=DEV)[:B].int()
-    o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, None, False)
+    o, *fold, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, None, False)
     assert fs.numel() == 0 and o.dtype == dtype
     ref = ref_gdn.gdn_chunk_wy16(*_d(q, k, v, g, beta), pool[slot.long()].double())
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
     tag = "bf16" if dtype == torch.bfloat16 else "fp32"
     record_err(f"gdn_wy16 o ({tag})", o, ref.o, tol)
-    record_err("gdn_wy16 k_hat", kh, ref.k_hat, 1e-5)
-    record_err("gdn_wy16 v_new", vn, ref.v_new, 1e-4)
-    record_err("gdn_wy16 gamma", gam, ref.gamma, 1e-5)
+    _check_fold_data("", fold, ref)
     # commit: fold the first n rows (n = 0 allowed) into the pool slots in place
     n = torch.randint(0, K + 1, (B,), device=DEV, dtype=torch.int32)
     n[0] = 0 if B > 1 else n[0]
     pool2 = pool.clone()
-    _fold(pool2, slot, kh, vn, gam, n)
-    want = ref_gdn.gdn_fold(pool[slot.long()].double(), ref.k_hat, ref.v_new, ref.gamma, n)
+    _fold(pool2, slot, fold, n)
+    want = ref_gdn.gdn_fold(pool[slot.long()].double(), *ref[2:], n)
     record_err("gdn_fold state", pool2[slot.long()], want, 1e-4)
     mask = torch.ones(S, dtype=torch.bool, device=DEV)
     mask[slot.long()] = False
@@ -79,13 +84,13 @@ def test_gdn_verify_and_fold(B, K, ratio):
 def test_gdn_prefill_final_state(B, T, ratio):
     Hk, dk, dv = 2, 128, 128
     q, k, v, g, beta, st = _inputs(B, T, Hk, Hk * ratio, dk, dv, torch.bfloat16, seed=T + B + ratio)
-    o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, st, None, None, True)
+    o, *fold, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, st, None, None, True)
     ro, rs = ref_gdn.gdn_recurrent(*_d(q, k, v, g, beta, st))
     record_err("gdn prefill o (bf16)", o, ro, 1e-2)
     record_err("gdn prefill final state", fs, rs, 2e-4)
     # fold data stays valid past the first chunk: folding all T rows == final state
     st2 = st.clone()
-    _fold(st2, None, kh, vn, gam, torch.full((B,), T, device=DEV, dtype=torch.int32))
+    _fold(st2, None, fold, torch.full((B,), T, device=DEV, dtype=torch.int32))
     record_err("gdn fold over T>16 rows", st2, rs, 2e-4)
 
 
@@ -95,7 +100,7 @@ def test_gdn_column_groups_and_zero_slot(monkeypatch, cg):
     dk = 64 if cg == "2" else 128
     q, k, v, g, beta, pool = _inputs(3, 9, 1, 2, dk, 128, torch.float32, seed=7, slots=4)
     slot = torch.tensor([2, -1, 0], device=DEV, dtype=torch.int32)
-    o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, 0.2, True)
+    o, *fold, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, 0.2, True)
     st0 = pool[slot.long().clamp(min=0)].double()
     st0[1] = 0
     ref = ref_gdn.gdn_chunk_wy16(*_d(q, k, v, g, beta), st0, scale=0.2)
@@ -103,8 +108,8 @@ def test_gdn_column_groups_and_zero_slot(monkeypatch, cg):
     record_err(f"gdn_wy16 final state (dk{dk} cg{cg})", fs, ref.state, 1e-4)
     pool2 = pool.clone()
     n = torch.tensor([9, 5, 0], device=DEV, dtype=torch.int32)
-    _fold(pool2, slot, kh, vn, gam, n)
-    want = ref_gdn.gdn_fold(st0, ref.k_hat, ref.v_new, ref.gamma, n)
+    _fold(pool2, slot, fold, n)
+    want = ref_gdn.gdn_fold(st0, *ref[2:], n)
     record_err(f"gdn_fold (dk{dk} cg{cg})", pool2[2], want[0], 1e-4)
     assert torch.equal(pool2[[1, 3]], pool[[1, 3]])
 
@@ -128,7 +133,7 @@ def test_gdn_gates_in_kernel(dtype, T, pdtype):
     g, beta = ref_gdn.gdn_gates(a, b, A_log, dt_bias)
     want = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, None, False)
     tag = f"{str(dtype)[6:]} T{T} params {str(pdtype)[6:]}"
-    for name, x, y in zip(("o", "k_hat", "v_new", "gamma"), got[:4], want[:4]):
+    for name, x, y in zip(("o", "k_hat", "v", "g", "beta"), got[:5], want[:5]):
         tol = 1e-2 if name == "o" and dtype == torch.bfloat16 else 1e-5  # bf16 o: one rounding flip at most
         record_err(f"gdn gates in kernel vs before, {name} ({tag})", x, y, tol)
     ro, _ = ref_gdn.gdn_recurrent(*_d(q, k, v, g, beta), pool[slot.long()].double())
@@ -148,13 +153,13 @@ def test_gdn_rows_per_thread_forms(monkeypatch, rpt, dk, T):
     B, Hk, Hv, dv = 3, 2, 4, 64
     q, k, v, g, beta, pool = _inputs(B, T, Hk, Hv, dk, dv, torch.float32, seed=int(rpt) + T + dk, slots=B + 1)
     slot = torch.tensor([3, -1, 1], device=DEV, dtype=torch.int32)
-    o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, None, True)
+    o, *fold, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, pool, slot, None, True)
     st0 = pool[slot.long().clamp(min=0)].double()
     st0[1] = 0
     ref = ref_gdn.gdn_chunk_wy16(*_d(q, k, v, g, beta), st0)
-    for name, x, y in zip(("o", "k_hat", "v_new", "gamma", "state"), (o, kh, vn, gam, fs),
-                          (ref.o, ref.k_hat, ref.v_new, ref.gamma, ref.state)):
+    for name, x, y in zip(("o", "state"), (o, fs), (ref.o, ref.state)):
         record_err(f"gdn_wy16 p{rpt} {name} (fp32)", x, y, 1e-4)
+    _check_fold_data(f" p{rpt}", fold, ref)
 
 
 def _fla():
@@ -170,7 +175,7 @@ def test_gdn_vs_fla_qwen3_next(K):
     fla = _fla()
     B, Hk, Hv, dk, dv = 8, 16, 32, 128, 128
     q, k, v, g, beta, st = _inputs(B, K, Hk, Hv, dk, dv, torch.bfloat16, seed=K)
-    o, kh, vn, gam, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, st, None, None, True)
+    o, *_, fs = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, st, None, None, True)
     fn = fla.fused_recurrent_gated_delta_rule if K == 1 else fla.chunk_gated_delta_rule
     fo, fst = fn(q, k, v, g=g, beta=beta, scale=dk ** -0.5, initial_state=st.clone(), output_final_state=True,
                  use_qk_l2norm_in_kernel=True)
@@ -196,12 +201,12 @@ def test_bad_inputs_raise_before_launch():
 @pytest.mark.parametrize("L,B,T", [(1, 1, 1), (4, 8, 16), (3, 64, 5)])
 def test_gdn_fold_all_layers_kernel_equals_host_device(L, B, T, dk, dv):
     """One gdn_fold launch over all L layers == HostDevice.gdn_fold (float64 numpy), other slots untouched."""
-    pool, k_hat, v_new, gamma, slot, n = fold_case(L, B, T, 2, 4, dk, dv, slots=B + 3, seed=L + B + T + dk)
+    pool, *fold, slot, n = fold_case(L, B, T, 2, 4, dk, dv, slots=B + 3, seed=L + B + T + dk)
     want = pool.copy()
-    HostDevice().gdn_fold(want, slot, k_hat, v_new, gamma, n)
+    HostDevice().gdn_fold(want, slot, *fold, n)
     got = torch.from_numpy(pool).to(DEV)
     t = lambda a: torch.from_numpy(a).to(DEV)  # noqa: E731
-    torch.ops.dflash.gdn_fold(got, t(slot), t(k_hat), t(v_new), t(gamma), t(n))
+    torch.ops.dflash.gdn_fold(got, t(slot), *map(t, fold), t(n))
     record_err(f"gdn_fold all layers vs HostDevice (dk{dk})", got.cpu(), torch.from_numpy(want), 1e-5)
     untouched = np.setdiff1d(np.arange(B + 3), slot[n > 0])
     assert np.array_equal(got.cpu().numpy()[:, untouched], pool[:, untouched])
@@ -214,7 +219,7 @@ def test_cuda_graph_capture_matches_eager():
     slot = torch.arange(B, device=DEV, dtype=torch.int32)
     eager = pool.clone()
     r = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, eager, slot, None, False)
-    _fold(eager, slot, r[1], r[2], r[3], n)
+    _fold(eager, slot, r[1:5], n)
     work = pool.clone()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -224,7 +229,7 @@ def test_cuda_graph_capture_matches_eager():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         r2 = torch.ops.dflash.gdn_wy16(q, k, v, g, beta, work, slot, None, False)
-        _fold(work, slot, r2[1], r2[2], r2[3], n)
+        _fold(work, slot, r2[1:5], n)
     work.copy_(pool)
     graph.replay()
     torch.cuda.synchronize()
@@ -235,19 +240,49 @@ def test_cuda_graph_capture_matches_eager():
 def test_cuda_graph_replays_layer_batched_fold_with_new_n():
     """n and slot are read on the device: one captured all-layer fold replays for new values."""
     L, B, T = 3, 4, 8
-    pool, k_hat, v_new, gamma, slot, n = fold_case(L, B, T, 2, 4, 128, 128, slots=B + 1, seed=11)
+    pool, *fold, slot, n = fold_case(L, B, T, 2, 4, 128, 128, slots=B + 1, seed=11)
     t = lambda a: torch.from_numpy(a).to(DEV)  # noqa: E731
-    work, dslot, dn, kd, vd, gd = t(pool), t(slot).int(), t(n).int(), t(k_hat), t(v_new), t(gamma)
-    torch.ops.dflash.gdn_fold(work.clone(), dslot, kd, vd, gd, dn)  # warm-up: module load outside capture
+    work, dslot, dn, fd = t(pool), t(slot).int(), t(n).int(), [t(x) for x in fold]
+    torch.ops.dflash.gdn_fold(work.clone(), dslot, *fd, dn)  # warm-up: module load outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        torch.ops.dflash.gdn_fold(work, dslot, kd, vd, gd, dn)
+        torch.ops.dflash.gdn_fold(work, dslot, *fd, dn)
     for new_n in (n, np.array([T, 1, 0, 3]), np.zeros(B, np.int64)):
         want = pool.copy()
-        HostDevice().gdn_fold(want, slot, k_hat, v_new, gamma, new_n)
+        HostDevice().gdn_fold(want, slot, *fold, new_n)
         work.copy_(t(pool))
         dn.copy_(t(new_n).int())
         graph.replay()
         torch.cuda.synchronize()
         record_err("gdn_fold graph replay vs HostDevice", work.cpu(), torch.from_numpy(want), 1e-5)
+
+
+@pytest.mark.parametrize("cg", ["1", "2"])
+@pytest.mark.parametrize("B,K,Hk,Hv,dk", [(1, 16, 16, 32, 128), (4, 8, 2, 4, 128), (2, 16, 1, 2, 64)])
+def test_verify_commit_equals_plain_decode_steps_bit_for_bit(monkeypatch, cg, B, K, Hk, Hv, dk):
+    """What the runtime does, both ways, on the kernels: a verify of K rows then the commit of n[b] of them leaves
+    exactly (torch.equal) the fp32 state of n[b] plain decode steps, each a T=1 verify from the previous state and
+    a one-row commit; the fold data of each row are the same bits either way. Checked at both fold column groups
+    (the fold's dk reduction order does not depend on them). This is why speculative and plain bf16 decoding keep
+    one GDN state (issue 10's KL check)."""
+    monkeypatch.setenv("DFLASH_GDN_CG", cg)
+    q, k, v, _, _, pool = _inputs(B, K, Hk, Hv, dk, 128, torch.bfloat16, seed=B * 7 + K + dk, slots=B + 1)
+    gen = torch.Generator().manual_seed(K)
+    a, b = ((torch.randn(B, K, Hv, generator=gen) * 2).bfloat16().to(DEV) for _ in range(2))
+    A_log, dt_bias = (torch.randn(Hv, generator=gen).to(DEV) for _ in range(2))
+    slot = torch.arange(1, B + 1, device=DEV, dtype=torch.int32)
+    n = torch.tensor([K, K // 2, 1, 0][:B], device=DEV, dtype=torch.int32)
+    spec = pool.clone()
+    _, *fold, _ = torch.ops.dflash.gdn_wy16(q, k, v, a, b, spec, slot, None, False, A_log, dt_bias)
+    _fold(spec, slot, fold, n)
+    plain = pool.clone()
+    for i in range(K):
+        rows = [x[:, i:i + 1] for x in (q, k, v, a, b)]
+        _, *one, _ = torch.ops.dflash.gdn_wy16(*rows[:3], rows[3], rows[4], plain, slot, None, False, A_log, dt_bias)
+        live = (i < n).int()
+        for x, y in zip(one, fold):
+            assert torch.equal(x[live.bool()], y[:, i:i + 1][live.bool()])
+        _fold(plain, slot, one, live)
+    assert torch.equal(spec, plain)
+    assert torch.equal(spec[0], pool[0])  # slot 0 holds no sequence here

@@ -34,14 +34,14 @@ class FakeLaunch:
     def __init__(self):
         self.calls = []
 
-    def gdn_wy16(self, q, k, v, g, beta, state, slot, o, k_hat, v_new, gamma, state_out, *, B, T, Hk, Hv, dk, dv,
+    def gdn_wy16(self, q, k, v, g, beta, state, slot, o, k_hat, v_f, g_f, b_f, state_out, *, B, T, Hk, Hv, dk, dv,
                  in_dtype, gb_dtype, o_dtype, state_dtype, scale, stream):
         self.calls.append(("gdn", stream))
         assert slot == 0
         r = gdn_ref.gdn_chunk_wy16(view(q, (B, T, Hk, dk), in_dtype), view(k, (B, T, Hk, dk), in_dtype),
                                    view(v, (B, T, Hv, dv), in_dtype), view(g, (B, T, Hv), gb_dtype),
                                    view(beta, (B, T, Hv), gb_dtype), view(state, (B, Hv, dk, dv), state_dtype), scale)
-        for ptr, val in ((o, r.o), (k_hat, r.k_hat), (v_new, r.v_new), (gamma, r.gamma), (state_out, r.state)):
+        for ptr, val in ((o, r.o), (k_hat, r.k_hat), (v_f, r.v), (g_f, r.g), (b_f, r.beta), (state_out, r.state)):
             view(ptr, tuple(val.shape), "float32").copy_(val)
 
     def conv_verify(self, x, state, slot, weight, y, *, B, T, C, W, x_dtype, s_dtype, w_dtype, y_dtype, stream):
@@ -93,10 +93,10 @@ def test_gdn_enqueue_plumbing(fake, T):
     ins = [r(B, T, Hk, dk), r(B, T, Hk, dk), r(B, T, Hv, dv), -r(B, T, Hv).abs(), r(B, T, Hv).sigmoid(),
            r(B, Hv, dk, dv)]
     outs = [torch.zeros(B, T, Hv, dv), torch.zeros(B, Hv, dk, dv), torch.zeros(B, T, Hk, dk), torch.zeros(B, T, Hv, dv),
-            torch.zeros(B, T, Hv)]
+            torch.zeros(B, T, Hv), torch.zeros(B, T, Hv)]
     _enqueue(P.creators()["GdnChunkWY16"].create_plugin("g", {"scale": 0.2}, C.TensorRTPhase.RUNTIME), ins, outs)
     ref = gdn_ref.gdn_chunk_wy16(*ins, scale=0.2)
-    for got, want in zip(outs, (ref.o, ref.state, ref.k_hat, ref.v_new, ref.gamma)):  # plugin output order
+    for got, want in zip(outs, (ref.o, ref.state, ref.k_hat, ref.v, ref.g, ref.beta)):  # plugin output order
         torch.testing.assert_close(got, want)
     assert fake.calls == [("gdn", 77)]
 

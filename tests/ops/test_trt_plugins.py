@@ -68,8 +68,8 @@ def test_gdn_shapes_types(B, K):
     trt = C.trt
     assert types == [trt.LayerType.PLUGIN_V3]
     assert outs == [("o", (B, K, 4, 32), "float32"), ("state_out", (B, 4, 64, 32), "float32"),
-                    ("k_hat", (B, K, 2, 64), "float32"), ("v_new", (B, K, 4, 32), "float32"),
-                    ("gamma", (B, K, 4), "float32")]
+                    ("k_hat", (B, K, 2, 64), "float32"), ("v_f32", (B, K, 4, 32), "float32"),
+                    ("g_f32", (B, K, 4), "float32"), ("beta_f32", (B, K, 4), "float32")]
     assert plan is not None and plan.nbytes > 0
     assert P.KERNEL_WARNINGS == []  # dk=64, dv=32: the kernels run these
 
@@ -121,7 +121,7 @@ def test_attention_layer_out_of_range_is_a_shape_error():
 def test_output_shapes_pure():
     g = P.PLUGINS["GdnChunkWY16"]({"scale": 0.1})
     ins = [list(a.shape) for a in gdn_inputs(3, 7).values()]
-    assert g.output_shapes(ins) == [[3, 7, 4, 32], [3, 4, 64, 32], [3, 7, 2, 64], [3, 7, 4, 32], [3, 7, 4]]
+    assert g.output_shapes(ins) == [[3, 7, 4, 32], [3, 4, 64, 32], [3, 7, 2, 64], [3, 7, 4, 32], [3, 7, 4], [3, 7, 4]]
     g.check_shapes([tuple(s) for s in ins])
     bad = [tuple(s) for s in ins]
     bad[5] = (3, 4, 32, 64)
@@ -154,7 +154,7 @@ def test_supports_format_combination():
 
 def test_output_types():
     F, H = DT.FLOAT, DT.HALF
-    assert P.PLUGINS["GdnChunkWY16"]().get_output_data_types([H, H, H, F, F, F]) == [H, F, F, F, F]
+    assert P.PLUGINS["GdnChunkWY16"]().get_output_data_types([H, H, H, F, F, F]) == [H, F, F, F, F, F]
     assert P.PLUGINS["CausalConvVerify"]().get_output_data_types([H, F, F]) == [H]
     assert P.PLUGINS["PagedAttention"]().get_output_data_types([H, H, H, F, DT.INT64, DT.INT64, DT.INT64]) == [H]
 
