@@ -178,7 +178,8 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
 def kernel_profile(rt, prompt, keys=(("decode", 1), ("spec", 16)), top: int = 8, replays: int = 5) -> dict:
     """Where a step's GPU time goes: `replays` launches of each key's step as the run launches it (its CUDA graph;
     eager where it has none) on a live sequence under torch.profiler, per launch;
-    {key: {"kernels": count, "busy_ms": total, "top": [(name, ms, calls)]}}. The sequence is thrown away."""
+    {key: {"kernels": count, "busy_ms": total, "top": [(name, ms, calls)], "all": every kernel so}} (the table prints
+    the top; the JSON keeps all). The sequence is thrown away."""
     import torch
 
     from dflash_trt.runtime import commit
@@ -204,9 +205,10 @@ def kernel_profile(rt, prompt, keys=(("decode", 1), ("spec", 16)), top: int = 8,
         for e in prof.key_averages():
             t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
             if t > 0 and e.count > 0:
-                rows.append((e.key[:60], t / 1e3 / replays, e.count // replays))
+                rows.append((e.key[:160], t / 1e3 / replays, e.count // replays))
         rows.sort(key=lambda r: -r[1])
-        out[f"{kind}_k{K}"] = {"kernels": sum(r[2] for r in rows), "busy_ms": sum(r[1] for r in rows), "top": rows[:top]}
+        out[f"{kind}_k{K}"] = {"kernels": sum(r[2] for r in rows), "busy_ms": sum(r[1] for r in rows),
+                               "top": [(n[:60], ms, c) for n, ms, c in rows[:top]], "all": rows}
     rt.release(seq)
     return out
 
