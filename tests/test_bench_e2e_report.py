@@ -165,8 +165,11 @@ def test_kernel_profile_keeps_pools_consistent(tmp_path, monkeypatch):
     held = {"kv_pool": rt.kv_alloc.alloc(2), "dkv_pool": rt.dkv_alloc.alloc(2)}  # another sequence's pages 0, 1
     for name, pages in held.items():
         rt.pools[name][:, :, pages] = 7.0
-    out = kernel_profile(rt, list(range(3, 12)), keys=(("decode", 1), ("spec", 4)), replays=3)
+    prompts = [list(range(3, 12)), list(range(5, 9)), list(range(2, 19))]
+    out = kernel_profile(rt, prompts, keys=(("decode", 1), ("spec", 4)), replays=3)
     assert set(out) == {"decode_k1", "spec_k4"}
+    out = kernel_profile(rt, prompts, batch=2, keys=(("decode", 1), ("spec", 4)), replays=3)
+    assert set(out) == {"decode_k1_b2", "spec_k4_b2"}
     for name, pages in held.items():  # a row past the reservation would land in page 0 (block-table padding)
         assert bool((rt.pools[name][:, :, pages] == 7.0).all()), name
     rt.kv_alloc.free(held["kv_pool"])

@@ -175,27 +175,31 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
             "failed": [str(r.error) for r in reqs if r.error is not None]}
 
 
-def kernel_profile(rt, prompt, keys=(("decode", 1), ("spec", 16)), top: int = 8, replays: int = 5) -> dict:
+def kernel_profile(rt, prompts, batch: int = 1, keys=(("decode", 1), ("spec", 16)), top: int = 8,
+                   replays: int = 5) -> dict:
     """Where a step's GPU time goes: `replays` launches of each key's step as the run launches it (its CUDA graph;
-    eager where it has none) on a live sequence under torch.profiler, per launch;
-    {key: {"kernels": count, "busy_ms": total, "top": [(name, ms, calls)], "all": every kernel so}} (the table prints
-    the top; the JSON keeps all). The sequence is thrown away."""
+    eager where it has none) on `batch` live sequences (prompts[0..batch-1], cycled) under torch.profiler, per
+    launch; {key: {"kernels": count, "busy_ms": total, "top": [(name, ms, calls)], "all": every kernel so}} with
+    key kind_k{K} at batch 1, kind_k{K}_b{batch} above (the table prints the top; the JSON keeps all). The
+    sequences are thrown away."""
     import torch
 
     from dflash_trt.runtime import commit
-    from dflash_trt.runtime.batching import pad_rows
+    from dflash_trt.runtime.batching import bucket_for, pad_rows
 
     ex, out = rt.executor, {}
     keys = [(kind, K) for kind, K in keys if kind != "spec" or rt.dcfg is not None]
-    seq = rt.add_sequence(prompt)
-    rt.prefill(seq)
-    # pages for every launch below: each commits up to K rows past the last (the device advances seq_len itself),
-    # so no write leaves the sequence's own pages
-    commit.reserve(seq, sum(K * (replays + 1) for _, K in keys), rt.kv_alloc, rt.sizes.page_size)
+    seqs = [rt.add_sequence(prompts[i % len(prompts)]) for i in range(batch)]
+    for seq in seqs:
+        rt.prefill(seq)
+        # pages for every launch below: each commits up to K rows past the last (the device advances seq_len
+        # itself), so no write leaves the sequence's own pages
+        commit.reserve(seq, sum(K * (replays + 1) for _, K in keys), rt.kv_alloc, rt.sizes.page_size)
+    B = bucket_for(batch)
     for kind, K in keys:
-        vals = ex._tables(pad_rows([seq]))
-        ex.run_key(kind, K, 1, vals)  # captures on first use; its state advance is thrown away with the sequence
-        _, run = ex.entry(kind, K, 1)
+        vals = ex._tables(pad_rows(seqs))
+        ex.run_key(kind, K, B, vals)  # captures on first use; its state advance is thrown away with the sequences
+        _, run = ex.entry(kind, K, B)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             with rt.device.on_stream():
                 for _ in range(replays):
@@ -207,9 +211,11 @@ def kernel_profile(rt, prompt, keys=(("decode", 1), ("spec", 16)), top: int = 8,
             if t > 0 and e.count > 0:
                 rows.append((e.key[:160], t / 1e3 / replays, e.count // replays))
         rows.sort(key=lambda r: -r[1])
-        out[f"{kind}_k{K}"] = {"kernels": sum(r[2] for r in rows), "busy_ms": sum(r[1] for r in rows),
-                               "top": [(n[:60], ms, c) for n, ms, c in rows[:top]], "all": rows}
-    rt.release(seq)
+        out[f"{kind}_k{K}" + (f"_b{batch}" if batch > 1 else "")] = {
+            "kernels": sum(r[2] for r in rows), "busy_ms": sum(r[1] for r in rows),
+            "top": [(n[:60], ms, c) for n, ms, c in rows[:top]], "all": rows}
+    for seq in seqs:
+        rt.release(seq)
     return out
 
 
