@@ -230,6 +230,20 @@ class Runtime:
         """The prompt through target_prefill chunks; sets and returns seq.bonus, the first new token.
         Once per sequence. A prefill that fails part-way (PoolExhausted) puts the sequence back as
         add_sequence left it (pages and ctx pages given back, state slot zeroed), so a retry is exact."""
+        pending = self.launch_prefill(seq, _api)
+        try:
+            bonus = int(self.executor.collect(pending))
+        except BaseException:
+            self._rewind(seq)
+            raise
+        seq.bonus = bonus
+        return seq.bonus
+
+    def launch_prefill(self, seq: Sequence, _api: str = "prefill"):
+        """prefill() without the wait: the chunks are launched and their rows committed on the host; returns the
+        last chunk's pending result (executor.collect gives the first token). The scheduler collects it with the
+        steps in flight, so a request that joins does not drain them; seq.bonus stays None until then (a device
+        executor keeps the token itself: the next step may already run on it)."""
         self._check_seq(seq, _api)
         if seq.bonus is not None or seq.seq_len:
             raise SequenceError(f"prefill: sequence {seq.seq_id} was already prefilled ({seq.seq_len} rows)")
@@ -244,12 +258,10 @@ class Runtime:
                 commit.reserve(seq, len(chunk), self.kv_alloc, ps)
                 pending = self.executor.launch_prefill(seq, chunk)
                 commit.finish(seq, len(chunk), self.kv_alloc, ps)  # n is the chunk's length: known on the host
-            bonus = int(self.executor.collect(pending))
         except BaseException:
             self._rewind(seq)
             raise
-        seq.bonus = bonus
-        return seq.bonus
+        return pending
 
     def _rewind(self, seq: Sequence) -> None:
         """Back to the fresh state of add_sequence (same slot): the rows a failed prefill committed are dropped."""

@@ -1,6 +1,7 @@
 """Continuous batching at one verify width K (the shape of nano-vllm's LLMEngine.step, small pieces):
 
-  step():  admit   waiting requests join once their prefill ran (chunked, on the executor's device)
+  step():  admit   waiting requests join: their prefill is launched (chunked, on the executor's device) and its
+                   first token collected with the steps in flight, so a join does not drain them
            plan    the running requests that still need tokens, in the smallest batch bucket; pages for each
                    one's worst case reserved (a request that cannot get them fails alone and is freed)
            launch  one step for the whole bucket (executor: host numpy path, or the device's CUDA graphs)
@@ -53,6 +54,13 @@ class Request:
         return self.status == RUNNING and len(self.tokens) + self.inflight < self.max_new_tokens
 
 
+@dataclass(frozen=True)
+class Join:
+    """An admitted request's prefill in flight (its entry in Scheduler.inflight): collecting it emits the first
+    token. A device executor's next step may run on the request before then (the device holds that token)."""
+    req: Request
+
+
 class Scheduler:
     def __init__(self, rt, gamma: int, spec: bool, max_batch: int = BUCKETS[-1]):
         if not 1 <= max_batch <= BUCKETS[-1]:
@@ -64,7 +72,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.inflight: deque = deque()  # (plan, pending handle)
+        self.inflight: deque = deque()  # (plan or Join, pending handle), in launch order
         self._next_id = 0
         self.on_step = None  # hook(rt, request) after each of its steps is finished (tests, tracing)
 
@@ -126,16 +134,23 @@ class Scheduler:
         rt = self.rt
         while self.waiting and len(self.running) < self.max_batch and rt.slots.num_free > 0:
             req = self.waiting.popleft()
+            # one join in flight at a time: an earlier one's first token sits in the prefill key's pinned
+            # staging copy, which this prefill's chunks would reuse before it is read
+            while any(isinstance(p, Join) for p, _ in self.inflight):
+                self._collect(*self.inflight.popleft(), touched)
             try:
                 req.seq = rt.add_sequence(req.prompt, sampling=req.sampling)
                 req.seq.managed = True  # from now on only this scheduler steps or releases it
-                first = rt.prefill(req.seq, _api="_scheduler")
+                pending = rt.launch_prefill(req.seq, _api="_scheduler")
             except (PoolExhausted, ValueError) as e:  # a request that cannot be admitted fails alone
                 self._fail(req, e, touched)
                 continue
             req.status = RUNNING
+            req.inflight += 1  # the first token: wants_step counts it
             self.running.append(req)
-            self._emit(req, [first], touched)
+            self.inflight.append((Join(req), pending))
+            if not self.ex.ahead:  # a host executor's steps read seq.bonus: collect now (nothing else is in flight)
+                self._collect(*self.inflight.pop(), touched)
 
     def _plan(self, touched) -> StepPlan | None:
         rt, K = self.rt, self.K
@@ -158,9 +173,16 @@ class Scheduler:
             return None
         return StepPlan(kind, K, pad_rows([r.seq for r in live]), reqs=live)
 
-    def _collect(self, plan: StepPlan, pending, touched) -> None:
+    def _collect(self, plan: StepPlan | Join, pending, touched) -> None:
         rt = self.rt
         res = self.ex.collect(pending)
+        if isinstance(plan, Join):
+            req = plan.req
+            req.inflight -= 1
+            if req.status == RUNNING:  # else it left while its prefill was in flight
+                req.seq.bonus = int(res)
+                self._emit(req, [req.seq.bonus], touched)
+            return
         accepted = []
         for b, req in enumerate(plan.reqs):
             req.inflight -= 1

@@ -151,6 +151,26 @@ def test_device_step_path_batch_matches_alone(pair, alone, inflight):
     assert full(rt)
 
 
+def test_join_does_not_drain_the_steps_in_flight(pair, alone):
+    """A request that joins mid-run has its prefill launched, then the next step (which already holds it:
+    the device keeps its first token), and only then are the step before and the join collected: the host
+    never waits for the GPU between a join and the next launch. Tokens stay those generated alone."""
+    target, drafter, prompts = pair
+    toks, _ = alone
+    rt = graph_runtime(target, drafter, prompts, toks)
+    ex, log = rt.executor, []
+    for name in ("launch", "launch_prefill", "collect"):
+        fn = getattr(ex, name)
+        setattr(ex, name, lambda *a, _n=name, _f=fn: log.append((_n, a[0])) or _f(*a))
+    got, reqs = run_batch(rt, prompts[:2], [10, 6], [0, 3], gamma=3)
+    assert got[0] == toks[0][:10] and got[1] == toks[1][:6]
+    p1 = [int(t) for t in prompts[1]]
+    i = next(k for k, (n, a) in enumerate(log) if n == "launch_prefill" and a.tokens[:len(p1)] == p1)
+    assert log[i + 1][0] == "launch" and log[i][1] in log[i + 1][1].rows  # the next step, with the joiner
+    assert log[i - 1][0] == "collect" and log[i + 2][0] == "collect"  # the step in flight: collected after
+    assert full(rt)
+
+
 def test_device_step_path_gamma_15_single(pair, alone):
     target, drafter, prompts = pair
     toks, _ = alone

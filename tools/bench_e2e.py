@@ -21,6 +21,8 @@ import time
 
 import numpy as np
 
+from dflash_trt.runtime.batching import PREFILL_STEP
+
 TARGETS = {  # issue 10's bench e2e targets
     "idle_pct_max": 5.0, "plain_tok_s_0p9b": 400.0, "hf_ratio_0p9b": 30.0, "dflash_over_plain_trained": 2.5,
     "batch16_over_batch1": 8.0,
@@ -136,13 +138,14 @@ def step_latency_ms(rt, seq, K: int, reps: int = 20, compiled: bool = False) -> 
 
 
 def step_ms(dev, trace) -> float:
-    """Mean GPU time of one launch (its input copy, graph and read-back), from the trace's events."""
+    """Mean GPU time of one decode / spec launch (its input copy, graph and read-back), from the trace's events."""
     dev.synchronize()
-    return float(np.mean([dev.elapsed_ms(t0, t1) for t0, t1 in trace]))
+    return float(np.mean([dev.elapsed_ms(t0, t1) for t0, t1, kind in trace if kind != PREFILL_STEP]))
 
 
 def idle_pct(dev, trace) -> float:
-    """GPU idle between consecutive steps, as a share of the traced wall time on the GPU."""
+    """GPU idle between consecutive launches (steps and the prefills of requests that join mid-run), as a share
+    of the traced wall time on the GPU."""
     if len(trace) < 2:
         return 0.0
     dev.synchronize()
@@ -150,12 +153,17 @@ def idle_pct(dev, trace) -> float:
     return 100.0 * gaps / dev.elapsed_ms(trace[0][0], trace[-1][1])
 
 
-def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False, temperature: float = 0.0) -> dict:
-    """All prompts join at once; prefill (admit) and decode are timed apart. Returns tokens, tok/s, τ, idle.
-    temperature > 0: every request samples, prompt i with seed i."""
+def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False, temperature: float = 0.0,
+               concurrency: int | None = None) -> dict:
+    """Every prompt is a request; `concurrency` of them (None: all) run at once and the rest join as others
+    leave. The first ones' prefill (admit) is timed apart; a later join's prefill is inside the decode wall
+    time (and in the trace). Returns tokens, tok/s, τ, idle. temperature > 0: every request samples, prompt i
+    with seed i."""
     for i, p in enumerate(prompts):
         rt.add_request(p, max_new, gamma=gamma, spec=spec, temperature=temperature, seed=i if temperature else None)
     sch, dev = rt.scheduler, rt.device
+    if concurrency is not None:
+        sch.max_batch = concurrency
     reqs = list(sch.waiting)
     sch.admit()
     dev.synchronize()
@@ -168,8 +176,9 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
     tr, rt.executor.trace = rt.executor.trace, None
     acc = [a for r in reqs for a in r.accepted]
     new = sum(len(r.tokens) - 1 for r in reqs)
+    steps = [t for t in tr if t[2] != PREFILL_STEP] if tr is not None else None
     return {"tokens": [r.tokens for r in reqs], "tok_s": new / secs, "tau": 1 + float(np.mean(acc)) if acc else 1.0,
-            "accepted": [int(a) for a in acc], "new_tokens": new, "launches": len(tr) if tr is not None else None,
+            "accepted": [int(a) for a in acc], "new_tokens": new, "launches": len(steps) if tr is not None else None,
             "step_ms": step_ms(dev, tr) if tr else None,
             "steps": max(r.steps for r in reqs), "idle_pct": idle_pct(dev, tr) if tr else None,
             "failed": [str(r.error) for r in reqs if r.error is not None]}
@@ -268,7 +277,8 @@ def check_args(a) -> None:
     if not batches or any(not 1 <= b <= BUCKETS[-1] for b in batches):
         raise UsageError(f"--batch wants comma-separated batch sizes in 1..{BUCKETS[-1]}, got {a.batch!r}")
     for flag, v, lo in (("--max-new-tokens", a.max_new_tokens, 1), ("--hf-tokens", a.hf_tokens, 0),
-                        ("--batch1-prompts", a.batch1_prompts, 1), ("--gamma", a.gamma, 1)):
+                        ("--batch1-prompts", a.batch1_prompts, 1), ("--gamma", a.gamma, 1),
+                        ("--requests-per-slot", a.requests_per_slot, 1)):
         if v is not None and v < lo:
             raise UsageError(f"{flag} must be >= {lo}, got {v}")
     try:
@@ -296,6 +306,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", default="0.6,1.0", help="also decode sampling at these temperatures ('': skip)")
     p.add_argument("--hf-tokens", type=int, default=64, help="new tokens of the HF generate() baseline (0: skip)")
     p.add_argument("--batch1-prompts", type=int, default=8, help="batch 1 runs this many prompts one after another")
+    p.add_argument("--requests-per-slot", type=int, default=4,
+                   help="a batch B > 1 serves B x this many requests, B at a time: one joins as another leaves")
     p.add_argument("--step-ks", default=",".join(map(str, range(1, 17))),
                    help="verify widths of the per-K target step latency sweep (default 1..16; 1 and 16 always)")
     p.add_argument("--no-compile", action="store_true", help="run the captured steps without Inductor")

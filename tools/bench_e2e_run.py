@@ -37,21 +37,25 @@ def _progress(key, count=[0]) -> None:  # noqa: B006  (a counter across calls)
 
 
 def _decode(rt, prompts, batch, a, spec, temperature: float = 0.0):
-    """(warm-up run that captures every bucket it will meet, then the measured run)."""
+    """(warm-up run that captures every bucket it will meet, then the measured run). Batch 1: batch1_prompts
+    prompts one after another, each prefill untimed. Batch B > 1: B x requests_per_slot requests (the prompts
+    cycled), B at a time, so the batch stays full until the queue runs dry (the prefills of requests that join
+    mid-run are inside the timed decode, which batch 1 does not pay)."""
     gamma = a.gamma if spec else None
     if batch == 1:
-        work = [[p] for p in prompts[:a.batch1_prompts]]  # one after another; tok/s over all of them
+        work, conc = [[p] for p in prompts[:a.batch1_prompts]], None  # one after another; tok/s over all of them
     else:
-        work = [prompts[:batch]]
-    decode_run(rt, work[0], a.max_new_tokens, gamma, spec, temperature=temperature)  # warm-up (graph captures)
-    runs = [decode_run(rt, w, a.max_new_tokens, gamma, spec, trace=True, temperature=temperature) for w in work]
+        work, conc = [[prompts[i % len(prompts)] for i in range(batch * a.requests_per_slot)]], batch
+    decode_run(rt, work[0], a.max_new_tokens, gamma, spec, temperature=temperature, concurrency=conc)  # warm-up
+    runs = [decode_run(rt, w, a.max_new_tokens, gamma, spec, trace=True, temperature=temperature, concurrency=conc)
+            for w in work]
     secs = sum(r["new_tokens"] / r["tok_s"] for r in runs)
     new, launches = sum(r["new_tokens"] for r in runs), sum(r["launches"] for r in runs)
     acc = [a for r in runs for a in r["accepted"]]
     # pooled over every prompt's steps: tau = mean tokens a spec step commits; tokens per launch also counts
     # the launches whose tokens were cut (max tokens) or dropped (a step in flight when its request ended)
     return {"tok_s": new / secs, "tau": 1 + float(np.mean(acc)) if acc else 1.0,
-            "tokens_per_launch": new / launches if launches else 0.0,
+            "tokens_per_launch": new / launches if launches else 0.0, "requests": sum(len(w) for w in work),
             "step_ms": sum(r["step_ms"] * r["launches"] for r in runs if r["launches"]) / launches if launches else 0.0,
             "idle_pct": float(np.mean([r["idle_pct"] for r in runs if r["idle_pct"] is not None] or [0.0])),
             "tokens": [t for r in runs for t in r["tokens"]], "failed": [f for r in runs for f in r["failed"]]}

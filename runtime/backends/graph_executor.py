@@ -91,7 +91,7 @@ class GraphStepExecutor:
         self.graphs: dict = {}  # key -> replay callable (captured) or None (eager)
         self.eager_keys: set = set()  # keys whose capture failed: they run eagerly (brick guard)
         self.capture_hook = None  # hook(key) inside every capture (tests force a failure with it)
-        self.trace = None  # a list -> (start, end) timing events of every launch are appended (bench)
+        self.trace = None  # a list -> (start, end, kind) timing events of every launch are appended (bench)
         self.on_capture = None  # progress callback(key) while graphs are captured
 
     # ---- buffers and graphs per key ----------------------------------------------------------
@@ -184,9 +184,12 @@ class GraphStepExecutor:
         vals.update(ids=ids, start=[seq.seq_len], valid=[len(chunk)])
         buf, run = self.entry(PREFILL_STEP, C, 1, sampled)
         with self.dev.on_stream():
+            t0 = self._mark()
             i = buf.fill(vals)
             run()
             ev = buf.read_back(i)
+            if t0 is not None:
+                self.trace.append((t0, self._mark(), PREFILL_STEP))
         return (PREFILL_STEP, buf, i, ev)
 
     def launch(self, plan: StepPlan):
@@ -201,7 +204,7 @@ class GraphStepExecutor:
             run()
             ev = buf.read_back(i)
             if t0 is not None:
-                self.trace.append((t0, self._mark()))
+                self.trace.append((t0, self._mark(), plan.kind))
         return (plan.kind, buf, i, ev)
 
     def _mark(self):
