@@ -306,8 +306,9 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", default="0.6,1.0", help="also decode sampling at these temperatures ('': skip)")
     p.add_argument("--hf-tokens", type=int, default=64, help="new tokens of the HF generate() baseline (0: skip)")
     p.add_argument("--batch1-prompts", type=int, default=8, help="batch 1 runs this many prompts one after another")
-    p.add_argument("--requests-per-slot", type=int, default=4,
-                   help="a batch B > 1 serves B x this many requests, B at a time: one joins as another leaves")
+    p.add_argument("--requests-per-slot", type=int, default=1,
+                   help="a batch B > 1 serves B x this many requests, B at a time: one joins as another leaves "
+                        "(1: the B requests start together and the batch drains as they finish)")
     p.add_argument("--step-ks", default=",".join(map(str, range(1, 17))),
                    help="verify widths of the per-K target step latency sweep (default 1..16; 1 and 16 always)")
     p.add_argument("--no-compile", action="store_true", help="run the captured steps without Inductor")

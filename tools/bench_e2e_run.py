@@ -39,8 +39,9 @@ def _progress(key, count=[0]) -> None:  # noqa: B006  (a counter across calls)
 def _decode(rt, prompts, batch, a, spec, temperature: float = 0.0):
     """(warm-up run that captures every bucket it will meet, then the measured run). Batch 1: batch1_prompts
     prompts one after another, each prefill untimed. Batch B > 1: B x requests_per_slot requests (the prompts
-    cycled), B at a time, so the batch stays full until the queue runs dry (the prefills of requests that join
-    mid-run are inside the timed decode, which batch 1 does not pay)."""
+    cycled), B at a time: at 1 they start together (prefills untimed) and the batch drains as they finish; above,
+    the batch stays full until the queue runs dry, and the prefills of the requests that join mid-run are inside
+    the timed decode (batch 1 does not pay them)."""
     gamma = a.gamma if spec else None
     if batch == 1:
         work, conc = [[p] for p in prompts[:a.batch1_prompts]], None  # one after another; tok/s over all of them
