@@ -134,10 +134,6 @@ class Scheduler:
         rt = self.rt
         while self.waiting and len(self.running) < self.max_batch and rt.slots.num_free > 0:
             req = self.waiting.popleft()
-            # one join in flight at a time: an earlier one's first token sits in the prefill key's pinned
-            # staging copy, which this prefill's chunks would reuse before it is read
-            while any(isinstance(p, Join) for p, _ in self.inflight):
-                self._collect(*self.inflight.popleft(), touched)
             try:
                 req.seq = rt.add_sequence(req.prompt, sampling=req.sampling)
                 req.seq.managed = True  # from now on only this scheduler steps or releases it

@@ -171,6 +171,20 @@ def test_join_does_not_drain_the_steps_in_flight(pair, alone):
     assert full(rt)
 
 
+def test_uncollected_results_survive_their_staging_set_being_reused():
+    """Three launches of one key before any is collected (joins' prefills): the third reuses the first one's
+    pinned staging set, and the first result must still read back as it was (fill keeps a copy first)."""
+    from dflash_trt.runtime.backends.graph_executor import STAGING_COPIES, StepBuffers
+
+    buf = StepBuffers(TorchCpuDevice(), {"x": (2,)}, (1, 2))
+    launches = []
+    for v in range(STAGING_COPIES + 1):
+        i = buf.fill({"x": np.array([v, v])})
+        buf.result[:] = 10 * v + 1  # the launch's output, then its read-back
+        launches.append(buf.pending("prefill", i))
+    assert [buf.take(p).tolist() for p in launches] == [[[10 * v + 1] * 2] for v in range(STAGING_COPIES + 1)]
+
+
 def test_device_step_path_gamma_15_single(pair, alone):
     target, drafter, prompts = pair
     toks, _ = alone

@@ -27,6 +27,16 @@ from dflash_trt.runtime.sampling import row_params, samples
 STAGING_COPIES = 2  # a step's staging/readback pair is reused only after the step before last has landed
 
 
+class Pending:
+    """A launch not yet collected: its result sits in staging set i of buf until a later launch of the same key
+    reuses that set; fill() then keeps a copy here first (several prefills of joining requests may be in flight
+    on the prefill key at once)."""
+    __slots__ = ("kind", "buf", "i", "ev", "value")
+
+    def __init__(self, kind, buf, i, ev):
+        self.kind, self.buf, self.i, self.ev, self.value = kind, buf, i, ev, None
+
+
 class StepBuffers:
     """One key's static buffers: an int64 device input buffer cut into named views (filled by ONE copy),
     a device result buffer, and STAGING_COPIES pinned (staging, readback, event) sets."""
@@ -47,6 +57,7 @@ class StepBuffers:
         self.sets = [[dev.staging(total), dev.staging(int(np.prod(result_shape))), dev.new_event(), False]
                      for _ in range(STAGING_COPIES)]
         self.turn = 0
+        self.unread = [None] * STAGING_COPIES  # per set: the Pending whose result is only there
 
     def _cut(self, flat, name):
         o = self.offs[name]
@@ -60,6 +71,9 @@ class StepBuffers:
         stage, back, ev, recorded = self.sets[i]
         if recorded:
             self.dev.wait(ev)
+            if self.unread[i] is not None:  # not collected yet: its result moves out before this launch lands
+                self.unread[i].value = back.reshape(self.result.shape).copy()
+                self.unread[i] = None
         for k in self.names:  # the host's per-step cost at batch 16 is this loop's business: no temporaries
             o, v = self.offs[k], values[k]
             stage[o:o + self.sizes[k]] = v.reshape(-1) if isinstance(v, np.ndarray) else v
@@ -73,6 +87,20 @@ class StepBuffers:
         self.dev.record(s[2])
         s[3] = True
         return s[2]
+
+    def pending(self, kind: str, i: int) -> Pending:
+        """read_back(i), as a handle that collect() reads once its event has landed."""
+        p = self.unread[i] = Pending(kind, self, i, self.read_back(i))
+        return p
+
+    def take(self, p: Pending) -> np.ndarray:
+        """The result of launch p (waits for it); the set is free for reuse afterwards."""
+        if p.value is not None:
+            return p.value
+        self.dev.wait(p.ev)
+        if self.unread[p.i] is p:
+            self.unread[p.i] = None
+        return self.sets[p.i][1].reshape(self.result.shape)
 
 
 class GraphStepExecutor:
@@ -187,10 +215,10 @@ class GraphStepExecutor:
             t0 = self._mark()
             i = buf.fill(vals)
             run()
-            ev = buf.read_back(i)
+            p = buf.pending(PREFILL_STEP, i)
             if t0 is not None:
                 self.trace.append((t0, self._mark(), PREFILL_STEP))
-        return (PREFILL_STEP, buf, i, ev)
+        return p
 
     def launch(self, plan: StepPlan):
         if plan.kind not in (SPEC, DECODE):
@@ -202,10 +230,10 @@ class GraphStepExecutor:
             t0 = self._mark()
             i = buf.fill(tables)
             run()
-            ev = buf.read_back(i)
+            p = buf.pending(plan.kind, i)
             if t0 is not None:
                 self.trace.append((t0, self._mark(), plan.kind))
-        return (plan.kind, buf, i, ev)
+        return p
 
     def _mark(self):
         """A timing event recorded on the stream now (only while tracing)."""
@@ -215,10 +243,8 @@ class GraphStepExecutor:
         self.dev.record(ev)
         return ev
 
-    def collect(self, pending):
-        kind, buf, i, ev = pending
-        self.dev.wait(ev)
-        r = buf.sets[i][1].reshape(buf.result.shape)
+    def collect(self, pending: Pending):
+        kind, r = pending.kind, pending.buf.take(pending)
         if kind == PREFILL_STEP:
             return int(r[0, 0])
         K = r.shape[1] - RESULT_EXTRA
