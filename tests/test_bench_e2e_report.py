@@ -152,6 +152,7 @@ def test_decode_run_traces_every_launch(tmp_path):
     launches.clear()
     r = decode_run(rt, prompts, 12, 3, True, trace=True, concurrency=1)
     assert traces == [False, True] and r["launches"] == len(launches) and r["new_tokens"] == 2 * 11
+    assert r["join_prefill_ms"] > 0  # the second request's prefill, timed by its own trace events
 
 
 def test_kernel_profile_keeps_pools_consistent(tmp_path, monkeypatch):
@@ -190,3 +191,18 @@ def test_step_ks():
 
     assert parse_step_ks("16, 4,1,4") == [1, 4, 16]
     assert parse_step_ks(",".join(map(str, range(1, 17)))) == list(range(1, 17))
+
+
+def test_serving_rows_say_what_the_joiners_prefills_took(capsys):
+    """A run with requests joining mid-run (--requests-per-slot > 1) prints the GPU time of their prefills
+    against the decode wall time; the drain rows print no such line (hand-written figures)."""
+    from dflash_trt.tools.bench_e2e_run import print_table, targets
+
+    r1, r16 = _row(1, 3000.0, 6000.0, 2.8), _row(16, 33000.0, 43000.0, 3.4)
+    r16["dflash"].update(requests=64, join_prefill_ms=61.34, decode_s=0.19)
+    res = _res("models/target", [r1, r16], hf=None)
+    res["targets"] = targets(res, random=False)
+    print_table(res)
+    lines = [x for x in capsys.readouterr().out.splitlines() if "joining mid-run" in x]
+    assert lines == ["batch 16 dflash: 64 requests; prefills of requests joining mid-run 61.3 ms GPU of 190.0 ms "
+                     "decode wall time"]

@@ -181,6 +181,7 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
             "accepted": [int(a) for a in acc], "new_tokens": new, "launches": len(steps) if tr is not None else None,
             "step_ms": step_ms(dev, tr) if tr else None,
             "steps": max(r.steps for r in reqs), "idle_pct": idle_pct(dev, tr) if tr else None,
+            "join_prefill_ms": sum(dev.elapsed_ms(t0, t1) for t0, t1, k in tr if k == PREFILL_STEP) if tr else 0.0,
             "failed": [str(r.error) for r in reqs if r.error is not None]}
 
 
