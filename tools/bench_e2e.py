@@ -137,10 +137,10 @@ def step_latency_ms(rt, seq, K: int, reps: int = 20, compiled: bool = False) -> 
     return dev.elapsed_ms(e0, e1) / reps
 
 
-def step_ms(dev, trace) -> float:
-    """Mean GPU time of one decode / spec launch (its input copy, graph and read-back), from the trace's events."""
+def step_ms(dev, launches) -> float:
+    """Mean GPU time of one launch (its input copy, graph and read-back), from its trace events."""
     dev.synchronize()
-    return float(np.mean([dev.elapsed_ms(t0, t1) for t0, t1, kind in trace if kind != PREFILL_STEP]))
+    return float(np.mean([dev.elapsed_ms(t0, t1) for t0, t1, _ in launches]))
 
 
 def idle_pct(dev, trace) -> float:
@@ -179,7 +179,7 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
     steps = [t for t in tr if t[2] != PREFILL_STEP] if tr is not None else None
     return {"tokens": [r.tokens for r in reqs], "tok_s": new / secs, "tau": 1 + float(np.mean(acc)) if acc else 1.0,
             "accepted": [int(a) for a in acc], "new_tokens": new, "launches": len(steps) if tr is not None else None,
-            "step_ms": step_ms(dev, tr) if tr else None,
+            "step_ms": step_ms(dev, steps) if steps else None,
             "steps": max(r.steps for r in reqs), "idle_pct": idle_pct(dev, tr) if tr else None,
             "join_prefill_ms": sum(dev.elapsed_ms(t0, t1) for t0, t1, k in tr if k == PREFILL_STEP) if tr else 0.0,
             "failed": [str(r.error) for r in reqs if r.error is not None]}
