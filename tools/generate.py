@@ -35,7 +35,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model / KV dtype on cuda (default float32; CPU runs float32)")
     p.add_argument("--compile", action="store_true",
-                   help="cuda + torch: decode/spec steps through Inductor (~2x faster steps, 15-30 s compile per step shape)")
+                   help="cuda + torch: prefill/decode/spec steps through Inductor "
+                        "(~2x faster steps, 15-30 s compile per step shape)")
 
 
 def verify_widths(gamma: int | None, block_size: int | None, spec: bool) -> tuple:

@@ -1,4 +1,4 @@
-"""Inductor for the GPU step (issue 11 item 1): the decode and spec steps of torch_fused_step compiled with
+"""Inductor for the GPU step (issue 11 item 1): the prefill/decode/spec steps of torch_fused_step compiled with
 `torch.compile(fullgraph=True, dynamic=False)`, our kernels (dflash:: custom ops with fake impls) opaque inside.
 
 Why Inductor here rather than hand-fused NVRTC kernels: the step is ~70 small kernels per layer (casts, RMSNorms,
@@ -8,7 +8,9 @@ without a second copy of the model math, and the compiled code is then captured 
 target step K=1 2.37 -> 1.37 ms, K=16 2.75 -> 1.52 ms, 827 -> 314 kernels. GEMMs stay cuBLAS.
 
 Cost: one compile per step key (kind, K, batch bucket), 15-30 s each on first use, done during the warm-up
-before the capture. Prefill is not compiled (its chunk runs once per 64 prompt tokens).
+before the capture. The prefill chunk is compiled too: a request joining a running batch puts its prefill
+between the others' steps, and eager it took ~1.3 ms a 64-token chunk on the H200 (trained pair, bf16), about
+four of their decode steps.
 
 fp32 targets: cuBLAS's heuristics pick kernels of ~37 us for the [16 x 256] x [256 x 768] fp32 GEMMs of a verify
 step (30 of them made the trained pair's compiled spec step 1.91 ms); preferring cuBLASLt, the same step measured
@@ -21,7 +23,7 @@ import warnings
 
 import torch
 
-COMPILED = ("decode", "spec")  # the per-token steps; prefill stays eager (captured as is)
+COMPILED = ("prefill", "decode", "spec")  # every step the executor captures
 RECOMPILE_LIMIT = 64  # keys per step function: batch buckets x K x greedy/sampled
 # Inductor options for the step. max_pointwise_cat_inputs: a torch.stack / cat of more inputs than this (default 8)
 # becomes one copy kernel per input; the step stacks one tensor per GDN layer (fold data, conv columns), so a model
@@ -88,7 +90,7 @@ class CompiledStep:
 
 
 def compile_steps(steps, backend: str = "inductor") -> None:
-    """Replace steps.decode / steps.spec by their compiled versions (in place)."""
+    """Replace steps.prefill / decode / spec by their compiled versions (in place)."""
     for name in COMPILED:
         setattr(steps, name, CompiledStep(getattr(steps, name), backend))
 
