@@ -28,9 +28,9 @@ RECOMPILE_LIMIT = 64  # keys per step function: batch buckets x K x greedy/sampl
 # Inductor options for the step. max_pointwise_cat_inputs: a torch.stack / cat of more inputs than this (default 8)
 # becomes one copy kernel per input; the step stacks one tensor per GDN layer (fold data, conv columns), so a model
 # of 9+ GDN layers (the 0.9B config: 9) paid 4 copy kernels a layer, 27-36 a step, where one kernel per stack does.
-# combo_kernels: independent pointwise kernels (the per-layer stacks of fold data, gate math of separate layers)
-# become one launch. H200, trained pair bf16, batch 1: decode 127 -> 115 kernels (0.215 -> 0.201 ms busy), spec
-# 157 -> 144 (0.375 -> 0.328 ms); compiled target step K=1 0.220 -> 0.195 ms, K=16 0.275 -> 0.245 (two leases).
+# combo_kernels: data-independent kernels share one launch (the decode step's 7 stack kernels of commit data: 2
+# left). H200, trained pair bf16, batch 1, two leases: decode 127 -> 115 kernels (0.215 -> 0.203 ms busy), spec
+# 157 -> 144 (0.375 -> 0.326 ms); compiled target step K=1 0.220 -> 0.195 ms, K=16 0.275 -> 0.258.
 INDUCTOR_OPTIONS = {"max_pointwise_cat_inputs": 128, "combo_kernels": True}
 
 
