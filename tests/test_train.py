@@ -146,6 +146,15 @@ def test_stages_smoke(tmp_path):
     main(["tune", "--models", models, "--work", work, "--n-train", "8", "--n-held", "4", "--steps", "2",
           "--batch", "4", "--new-tokens", "24", "--device", "cpu"])
     assert len(json.load(open(os.path.join(models, "train_log.json")))["drafter_tunes"]) == 1
+    snip = str(tmp_path / "snippets.json")  # the GPU route: snippets chosen here, tune reads no corpus
+    main(["snippets", "--models", models, "--work", work, "--out", snip, "--n-train", "8", "--n-held", "4",
+          "--lengths", "0"])
+    sn = json.load(open(snip))
+    assert len(sn["train"]) == 8 and len(sn["heldout"]) == 4 and all(x.startswith("def ") for x in sn["train"])
+    main(["tune", "--models", models, "--work", str(tmp_path / "elsewhere"), "--snippets", snip, "--steps", "2",
+          "--batch", "4", "--new-tokens", "24", "--device", "cpu", "--replay", "10"])
+    tunes = json.load(open(os.path.join(models, "train_log.json")))["drafter_tunes"]
+    assert len(tunes) == 2 and tunes[1]["snippets_file"] == snip and tunes[1]["n_train"] == 8
 
     tdir, ddir = os.path.join(models, "target"), os.path.join(models, "drafter")
     t = load_target(tdir, torch.float32)
@@ -155,3 +164,10 @@ def test_stages_smoke(tmp_path):
     plain, _ = rt.generate(ids, 12, spec=False)
     spec, st = rt.generate(ids, 12, gamma=4)
     assert spec == plain and 1 <= len(plain) <= 12
+    # the tune data's ragged batch (prompts of different lengths in one Runtime) == each prompt alone
+    from dflash_trt.tools.train.generate import greedy_continue_ragged
+
+    prompts = [ids, codec.encode("def g(a, b):\n    if a:"), ids[:3]]
+    for p, row in zip(prompts, greedy_continue_ragged(t, prompts, 12)):
+        alone, _ = rt.generate(p, 12, spec=False)
+        assert row[:len(p)] == p and row[len(p):len(p) + len(alone)] == alone

@@ -71,7 +71,19 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--lr", type=float, default=1e-3)
     up.add_argument("--anchors", type=int, default=8)
     up.add_argument("--seed", type=int, default=0)
-    up.add_argument("--lengths", type=int, default=8, help="use snippets of the N most common token lengths")
+    up.add_argument("--lengths", type=int, default=8, help="use snippets of the N most common token lengths (0: all)")
+    up.add_argument("--snippets", default=None, help="a `snippets` file instead of the corpus (a GPU machine)")
+    up.add_argument("--dtypes", default="float32", help="target dtypes the data is generated in, comma list")
+    up.add_argument("--replay", type=int, default=64, help="new tokens of the replayed held-out tau")
+    up.add_argument("--seconds", type=float, default=None, help="fit the step count to this budget (not --steps)")
+    sp = sub.add_parser("snippets", help="choose tune's function starts from the corpus -> a JSON file (CPU)")
+    sp.add_argument("--models", default="models")
+    sp.add_argument("--work", default=".train_data")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--n-train", type=int, default=6144)
+    sp.add_argument("--n-held", type=int, default=256)
+    sp.add_argument("--lengths", type=int, default=8, help="the N most common token lengths (0: all)")
+    sp.add_argument("--seed", type=int, default=0)
     up.add_argument("--decay-gamma", type=float, default=7.0, help="loss weight exp(-(j-1)/gamma) of slot j")
     return p
 
@@ -80,7 +92,7 @@ def main(argv=None) -> int:
     from dflash_trt.tools.train.data import prepare
     from dflash_trt.tools.train.save import finalize
     from dflash_trt.tools.train.stages import train
-    from dflash_trt.tools.train.tune import SHIPPED_TUNES, tune
+    from dflash_trt.tools.train.tune import SHIPPED_TUNES, tune, write_snippets
 
     a = parser().parse_args(argv)
     if a.cmd in ("prepare", "all"):
@@ -97,7 +109,10 @@ def main(argv=None) -> int:
     elif a.cmd == "tune":
         tune(a.models, a.work, a.out, n_train=a.n_train, n_held=a.n_held, n_new=a.new_tokens, steps=a.steps,
              batch=a.batch, anchors=a.anchors, lr=a.lr, seed=a.seed, device=a.device, n_lengths=a.lengths,
-             decay_gamma=a.decay_gamma)
+             decay_gamma=a.decay_gamma, snippets=a.snippets, dtypes=tuple(a.dtypes.split(",")), replay=a.replay,
+             seconds=a.seconds)
+    elif a.cmd == "snippets":
+        write_snippets(a.out, a.work, a.models, a.n_train, a.n_held, a.lengths, a.seed)
     elif a.cmd == "finalize":
         finalize(a.src, a.work, a.models, a.target_src)
     return 0

@@ -4,6 +4,8 @@ GPU), so a label is exactly the token the runtime produces; then the target's ta
 sequence through TargetModel.forward_train (one dense pass)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from dflash_trt import PoolSizes, Runtime
@@ -30,44 +32,53 @@ def _runtime(target, n_seqs: int, prompt_len: int, max_len: int) -> Runtime:
 
 
 @torch.no_grad()
-def greedy_continue(target, prompts: torch.Tensor, n_new: int, batch: int) -> torch.Tensor:
-    """prompts [N,P] (one length) -> [N, P+n_new]: n_new greedy tokens each (EOS does not stop them):
-    min(batch, STEP_MAX) sequences live at a time in a small Runtime (host step costs grow with the pools),
-    each prefilled (Runtime.prefill), then Runtime.decode_step over all of them, one step per token."""
-    N, P = prompts.shape
-    B = max(1, min(batch, STEP_MAX, N))
+def greedy_continue_ragged(target, prompts: list[list[int]], n_new: int, batch: int = STEP_MAX) -> list[list[int]]:
+    """Each prompt (any lengths) + n_new greedy tokens, through one small Runtime's continuous batching
+    (Runtime.add_request / step, plain decode): min(batch, STEP_MAX) sequences live at a time (host step costs
+    grow with the pools), a new one joining as one finishes; on a GPU, step t+1 is prepared while step t runs.
+    EOS does not stop a sequence (the runtime's EOS set is emptied): every one gets n_new labels."""
+    B = max(1, min(batch, STEP_MAX, len(prompts)))
+    P = max(len(p) for p in prompts)
     rt = _runtime(target, B, P, P + n_new + PAGE)
-    out = []
-    for i in range(0, N, B):
-        seqs = [rt.add_sequence(p) for p in prompts[i:i + B].tolist()]
-        try:
-            for s in seqs:
-                rt.prefill(s)
-            new = [[s.bonus] for s in seqs]
-            for _ in range(n_new - 1):
-                for toks, t in zip(new, rt.decode_step(seqs)):
-                    toks += t
-        finally:
-            for s in seqs:
-                rt.release(s)
-        out.append(torch.tensor(new, dtype=torch.long))
-    return torch.cat([prompts.cpu().long(), torch.cat(out)], 1).to(prompts.device)
+    rt.eos = set()
+    reqs = [rt.add_request(p, n_new, spec=False) for p in prompts]
+    while rt.has_work:
+        rt.step()
+    bad = [r for r in reqs if r.finish_reason != "length"]
+    if bad:
+        raise RuntimeError(f"greedy_continue: request {bad[0].req_id} ended with {bad[0].finish_reason}: {bad[0].error}")
+    return [p + r.tokens for p, r in zip(prompts, reqs)]
 
 
 @torch.no_grad()
-def tap_rows(target, seqs: torch.Tensor) -> torch.Tensor:
-    """The target's ctx_hidden (its drafter taps) at every position of seqs [N,T], stored bf16."""
-    return target.forward_train(seqs, want_logits=False)["ctx_hidden"].to(torch.bfloat16)
+def greedy_continue(target, prompts: torch.Tensor, n_new: int, batch: int) -> torch.Tensor:
+    """prompts [N,P] (one length) -> [N, P+n_new] (greedy_continue_ragged)."""
+    seqs = greedy_continue_ragged(target, prompts.tolist(), n_new, batch)
+    return torch.tensor(seqs, dtype=torch.long, device=prompts.device)
+
+
+@torch.no_grad()
+def tap_rows(target, seqs: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """The target's ctx_hidden (its drafter taps) at every position of seqs [N,T], stored bf16; chunk
+    sequences at a time (one dense pass each)."""
+    return torch.cat([target.forward_train(seqs[i:i + chunk], want_logits=False)["ctx_hidden"].to(torch.bfloat16)
+                      for i in range(0, seqs.shape[0], chunk)])
+
+
+@contextlib.contextmanager
+def fp32_math():
+    """No TF32 on a GPU while labels are made: the fp32 greedy tokens are the ones the CPU runtime computes."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 @torch.no_grad()
 def continuations(target, prompts: torch.Tensor, n_new: int, batch: int):
-    """(sequences [N,P+n_new], tap rows [N,P+n_new,F] bf16) with fp32 math (no TF32 on a GPU: the labels
-    are the fp32 greedy tokens, as the CPU runtime computes them)."""
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    """(sequences [N,P+n_new], tap rows [N,P+n_new,F] bf16) with fp32 math (fp32_math)."""
+    with fp32_math():
         seqs = greedy_continue(target, prompts, n_new, batch)
         return seqs, tap_rows(target, seqs)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32

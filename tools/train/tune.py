@@ -13,11 +13,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.tools.train.common import Log, autocast, cosine_lr, param_groups, pick_device, round_bf16_
+from dflash_trt.tools.train.common import Log, StepClock, autocast, cosine_lr, param_groups, pick_device, round_bf16_
 from dflash_trt.tools.train.configs import BLOCK
 from dflash_trt.tools.train.data import corpus_files, function_snippets, is_heldout
 from dflash_trt.tools.train.drafter import drafter_loss, eval_drafter, loss_weights, simulate_tau
-from dflash_trt.tools.train.generate import continuations
+from dflash_trt.tools.train.generate import fp32_math, greedy_continue_ragged, tap_rows
 from dflash_trt.tools.train.save import save_dir
 
 # the drafter fine-tunes applied to models/ after the GPU stage, in order (tune's keyword arguments)
@@ -28,45 +28,89 @@ SHIPPED_TUNES = [
 
 
 @torch.no_grad()
-def snippet_data(target, tok, snippets, n_new: int, dev, log, tag, batch: int = 256):
-    """Greedy continuations (n_new tokens) of function-start snippets, grouped by prompt length.
-    Returns seqs [N,Tmax] (right-padded with 0), prompt lengths [N], ctx [N,Tmax,F] bf16 (pad rows 0:
-    a block at anchor a only sees ctx rows < a, and a + BLOCK - 1 < P + n_new, so pads are never read)."""
+def snippet_data(target, tok, snippets, n_new: int, dev, log, tag):
+    """Greedy continuations (n_new tokens) of function-start snippets of any token lengths, through one
+    Runtime (generate.greedy_continue_ragged). Returns seqs [N,Tmax] (right-padded with 0), prompt lengths
+    [N], ctx [N,Tmax,F] bf16 (pad rows follow the sequence, so the causal taps before them are exact; a
+    block at anchor a only sees ctx rows < a, and a + BLOCK - 1 < P + n_new, so pads are never read)."""
     t0 = time.time()
-    groups = {}
-    for ids in (tok.encode(s).ids for s in snippets):
-        groups.setdefault(len(ids), []).append(ids)
-    Tmax = max(groups) + n_new
-    seqs, plens, ctxs = [], [], []
-    for P in sorted(groups):
-        g = groups[P]
-        for i in range(0, len(g), batch):
-            sq, c = continuations(target, torch.tensor(g[i:i + batch], device=dev), n_new, batch)
-            seqs.append(F.pad(sq, (0, Tmax - sq.shape[1])))
-            ctxs.append(F.pad(c, (0, 0, 0, Tmax - sq.shape[1])))
-            plens.append(torch.full((sq.shape[0],), P, device=dev))
-    seqs, plens, ctxs = torch.cat(seqs), torch.cat(plens), torch.cat(ctxs)
+    prompts = [tok.encode(s).ids for s in snippets]
+    with fp32_math():
+        seqs = greedy_continue_ragged(target, prompts, n_new)
+        T = max(len(x) for x in seqs)
+        seqs = torch.tensor([x + [0] * (T - len(x)) for x in seqs], dtype=torch.long, device=dev)
+        ctx = tap_rows(target, seqs)
+    plens = torch.tensor([len(x) for x in prompts], device=dev)
     log(f"snippet data ({tag}): {seqs.shape[0]} function starts + {n_new} greedy tokens, "
-        f"{len(groups)} prompt lengths, {time.time() - t0:.0f} s")
-    return seqs, plens, ctxs
+        f"target {next(target.parameters()).dtype}, {time.time() - t0:.0f} s")
+    return seqs, plens, ctx
 
 
 def pick_snippets(files, tok, n, n_lengths, rng):
     """n snippets whose token lengths are among the n_lengths most common ones (few length groups keep
-    the batched greedy generation cheap on a CPU)."""
+    the batched greedy generation cheap on a CPU; 0: every length)."""
     sn = [x[1] for x in function_snippets(files, tok)]
     lens = [len(tok.encode(x).ids) for x in sn]
-    common = sorted(set(lens), key=lambda L: (-lens.count(L), L))[:n_lengths]
-    sn = [x for x, L in zip(sn, lens) if L in common]
+    if n_lengths:
+        common = sorted(set(lens), key=lambda L: (-lens.count(L), L))[:n_lengths]
+        sn = [x for x, L in zip(sn, lens) if L in common]
     return [sn[i] for i in rng.permutation(len(sn))[:n]]
+
+
+def choose_snippets(work: str, tok, n_train: int, n_held: int, n_lengths: int, seed: int):
+    """(training snippets, held-out snippets) from the corpus prepare used (work/meta.json). The held-out
+    choice is fixed (seed 3, the 4 most common lengths), so every tune reports on the same prompts."""
+    with open(os.path.join(work, "meta.json")) as f:
+        files = corpus_files(json.load(f))
+    tr = pick_snippets([f for f in files if not is_heldout(f[0])], tok, n_train, n_lengths,
+                       np.random.default_rng(seed + 3))
+    he = pick_snippets([f for f in files if is_heldout(f[0])], tok, n_held, 4, np.random.default_rng(3))
+    return tr, he
+
+
+def write_snippets(path: str, work: str, models: str, n_train: int, n_held: int, n_lengths: int, seed: int):
+    """choose_snippets -> path (JSON {"train": [...], "heldout": [...]}, written atomically): what `tune
+    --snippets` reads on a machine whose Python stdlib is not the corpus prepare read."""
+    from dflash_trt.export.checkpoint import load_tokenizer
+
+    tr, he = choose_snippets(work, load_tokenizer(os.path.join(models, "target")), n_train, n_held, n_lengths, seed)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"train": tr, "heldout": he}, f)
+    os.replace(tmp, path)
+    print(f"{path}: {len(tr)} training and {len(he)} held-out function starts")
+
+
+def _data(models, tok, tr_sn, he_sn, n_new, dtypes, taps, dev, log):
+    """Training data over every dtype in dtypes (the training snippets split between them, so the drafter
+    learns each one's hidden states and greedy path; the bf16 target is what the GPU runs) and held-out
+    data per dtype (all held-out snippets each)."""
+    from dflash_trt.export.checkpoint import load_target
+
+    train, held = [], {}
+    for k, name in enumerate(dtypes):
+        t = load_target(os.path.join(models, "target"), getattr(torch, name)).to(dev)
+        t.tap_ids = list(taps)
+        mine = tr_sn[k::len(dtypes)]
+        s, p, c = snippet_data(t, tok, he_sn + mine, n_new, dev, log, f"held-out + train, {name}")  # one Runtime
+        n = len(he_sn)
+        held[name] = (s[:n], p[:n], c[:n])
+        train.append((s[n:], p[n:], c[n:]))
+    T = max(d[0].shape[1] for d in train)
+    pad = [(F.pad(s, (0, T - s.shape[1])), p, F.pad(c, (0, 0, 0, T - c.shape[1]))) for s, p, c in train]
+    return tuple(torch.cat(x) for x in zip(*pad)), held
 
 
 def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_held: int = 256, n_new: int = 80,
          steps: int = 1800, batch: int = 32, anchors: int = 8, lr: float = 1e-3, seed: int = 0, device=None,
-         decay_gamma: float = 7.0, n_lengths: int = 8) -> dict:
+         decay_gamma: float = 7.0, n_lengths: int = 8, snippets: str | None = None,
+         dtypes: tuple[str, ...] = ("float32",), replay: int = 64, seconds: float | None = None) -> dict:
     """Fine-tune models/drafter on the target's continuations of function starts of training files
     (anchors in the first n_new-16 generated positions: the regime of generate/demo); writes out/drafter
-    and appends a report to out/train_log.json's 'drafter_tunes'. Cheap enough for a CPU."""
+    and appends a report to out/train_log.json's 'drafter_tunes'. snippets: a write_snippets file instead
+    of the corpus; dtypes: the target dtypes the data is generated in; replay: new tokens of the replayed
+    held-out tau (exact when replay <= n_new - BLOCK + 2); seconds: fit the step count to this training
+    budget instead of `steps` (common.StepClock). Cheap enough for a CPU at the defaults."""
     from dflash_trt.export.checkpoint import load_drafter, load_target, load_tokenizer
 
     dev = pick_device(device)
@@ -82,23 +126,33 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
         p.requires_grad_(False)
     drafter = load_drafter(ddir, target, torch.float32).to(dev)  # also sets the target's taps
     tok = load_tokenizer(tdir)
-    with open(os.path.join(work, "meta.json")) as f:
-        files = corpus_files(json.load(f))
-    tr_sn = pick_snippets([f for f in files if not is_heldout(f[0])], tok, n_train, n_lengths,
-                          np.random.default_rng(seed + 3))
-    he_sn = pick_snippets([f for f in files if is_heldout(f[0])], tok, n_held, 4, np.random.default_rng(3))  # fixed
+    if snippets:
+        with open(snippets) as f:
+            sn = json.load(f)
+        tr_sn, he_sn = sn["train"][:n_train], sn["heldout"][:n_held]
+    else:
+        tr_sn, he_sn = choose_snippets(work, tok, n_train, n_held, n_lengths, seed)
     with open(os.path.join(tdir, "model.safetensors"), "rb") as f:
-        key = hashlib.sha1(json.dumps([tr_sn, he_sn, n_new]).encode() + f.read()).hexdigest()[:12]
+        key = hashlib.sha1(json.dumps([tr_sn, he_sn, n_new, list(dtypes)]).encode() + f.read()).hexdigest()[:12]
     cache = os.path.join(work, f"tune_data_{key}.pt")  # the continuations depend only on target + snippets
     if os.path.isfile(cache):
-        train_data, held_data = (tuple(t.to(dev) for t in d) for d in torch.load(cache))
+        train_data, held = torch.load(cache)
+        train_data = tuple(t.to(dev) for t in train_data)
+        held = {k: tuple(t.to(dev) for t in v) for k, v in held.items()}
         log(f"snippet data: cached {cache}")
     else:
-        train_data = snippet_data(target, tok, tr_sn, n_new, dev, log, "train")
-        held_data = snippet_data(target, tok, he_sn, n_new, dev, log, "held-out")
-        torch.save([tuple(t.cpu() for t in train_data), tuple(t.cpu() for t in held_data)], cache)
-    before = simulate_tau(drafter, held_data, mask_id, 64, n_new)
-    log(f"drafter before tune: held-out function starts, replayed tau (64 new) mean {before[0]:.2f} pooled {before[1]:.2f}")
+        train_data, held = _data(models, tok, tr_sn, he_sn, n_new, dtypes, target.tap_ids, dev, log)
+        if train_data[2].numel() * 2 < 2**32 and os.path.isdir(work):  # a GPU-sized set is cheaper to remake
+            torch.save([tuple(t.cpu() for t in train_data), {k: tuple(t.cpu() for t in v) for k, v in held.items()}],
+                       cache)
+
+    def report(when):
+        taus = {k: simulate_tau(drafter, d, mask_id, replay, n_new) for k, d in held.items()}
+        log(f"drafter {when} tune: held-out function starts, replayed tau ({replay} new) " +
+            ", ".join(f"{k} mean {t[0]:.2f} pooled {t[1]:.2f}" for k, t in taus.items()))
+        return taus if len(taus) > 1 else next(iter(taus.values()))  # one dtype: the old record's [mean, pooled]
+
+    before = report("before")
 
     seqs, plens, ctx = train_data
     N = seqs.shape[0]
@@ -109,7 +163,8 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
     t0 = time.time()
     perm, pi = torch.randperm(N, device=dev, generator=gdev), 0
     span = n_new - BLOCK + 1  # anchors in [P, P + span): every label is a generated token
-    for step in range(steps):
+    clock, step = StepClock(dev, seconds, None if seconds else steps), 0
+    while step < clock.total:
         if pi + batch > N:
             perm, pi = torch.randperm(N, device=dev, generator=gdev), 0
         idx = perm[pi:pi + batch]
@@ -118,24 +173,28 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
         r = torch.rand(batch, anchors, device=dev, generator=gdev)
         anc = (p[:, None].float() + r * span).long().clamp_(max=p[:, None] + span - 1)
         for gp in opt.param_groups:
-            gp["lr"] = cosine_lr(step, steps, lr, 30)
+            gp["lr"] = cosine_lr(step, clock.schedule_total(), lr, 30)
         with autocast(dev):
             loss, _, _ = drafter_loss(drafter, ctx[idx].float(), seqs[idx], anc, mask_id, w)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
-        if (step + 1) % 50 == 0 or step + 1 == steps:
-            log(f"tune step {step + 1}/{steps} loss {loss.item():.3f}", stage="tune", step=step + 1, loss=loss.item())
+        step += 1
+        ms = clock.tick(step)
+        if ms is not None:
+            log(f"tune: {ms:.1f} ms/step -> {clock.total} steps", ms_per_step=ms, total_steps=clock.total)
+        if step % 50 == 0 or step == clock.total:
+            log(f"tune step {step}/{clock.total} loss {loss.item():.3f}", stage="tune", step=step, loss=loss.item())
     tune_s = time.time() - t0
     round_bf16_(drafter)
-    after = simulate_tau(drafter, held_data, mask_id, 64, n_new)
-    acc, _, _ = eval_drafter(drafter, held_data, mask_id, dev)
-    log(f"drafter after tune: replayed tau (64 new) mean {after[0]:.2f} pooled {after[1]:.2f}; "
-        "per-position accuracy " + " ".join(f"{a:.2f}" for a in acc))
+    after = report("after")
+    acc, _, _ = eval_drafter(drafter, held[dtypes[0]], mask_id, dev)
+    log(f"per-position accuracy ({dtypes[0]} held-out) " + " ".join(f"{a:.2f}" for a in acc))
     save_dir(drafter, dcfg_d, os.path.join(out, "drafter"))
-    rep = dict(device=str(dev), init_drafter=ddir, n_train=N, prompt_lengths=n_lengths, seed=seed,
-               loss_decay_gamma=decay_gamma, n_held=int(held_data[0].shape[0]), new_tokens=n_new, steps=steps,
+    rep = dict(device=str(dev), init_drafter=ddir, n_train=N, prompt_lengths=None if snippets else n_lengths, seed=seed,
+               loss_decay_gamma=decay_gamma, n_held=len(he_sn), new_tokens=n_new, data_dtypes=list(dtypes),
+               replay_new_tokens=replay, snippets_file=snippets, steps=step,
                batch_seqs=batch, anchors_per_seq=anchors, peak_lr=lr, seconds=round(tune_s, 1),
                heldout_replayed_tau_before=before, heldout_replayed_tau_after=after,
                heldout_position_accuracy=acc, events=log.data["events"])
