@@ -43,8 +43,10 @@ package, tools/train_tiny.py, with the same stages, arguments, defaults and seed
       that run's drafter stage hit an anchor rounding bug (fixed), so the drafter was trained in a
       second run `train --init-target <run 1>/target --drafter-seconds 90 --held-prompt-lens 8,32`
       (4535 steps); finalize --src <run 2> --target-src <run 1>
-  tune x len(SHIPPED_TUNES) on CPU, in place (--models models), with the arguments listed there
-      (held-out function starts, replayed tau at 64 new tokens: 2.58 -> 3.14, then 3.23 -> 3.63).
+  tune x len(SHIPPED_TUNES), in place (--models models), with the arguments listed there: two on CPU
+      (held-out function starts, replayed tau at 64 new tokens: 2.58 -> 3.14, then 3.23 -> 3.63), then
+      one on an H200 from a snippets file written on the CPU (the corpus is the 3.11.7 stdlib; the H200
+      has another Python): replayed tau at 128 new tokens, pooled, fp32 3.68 -> 4.23, bf16 3.66 -> 4.21.
   The shipped pair: held-out target loss 1.919 (ppl 6.82); drafter offline tau 9.51 on the GPU
   stage's data.
 
@@ -57,6 +59,9 @@ warmup, so a pinned run has the same LR schedule; GPU bf16 training is not bit-r
   $T finalize --src RUN2 --target-src RUN1 --work .train_data --models models
   $T tune --models models --work .train_data --n-train 6144 --lengths 8 --steps 1800 --lr 1e-3 --decay-gamma 7 --seed 0
   $T tune --models models --work .train_data --n-train 12288 --lengths 24 --steps 2400 --lr 7e-4 --decay-gamma 5 --seed 1
+  $T snippets --work .train_data --out snippets.json --n-train 60000 --n-held 256 --lengths 0     # CPU
+  $T tune --models models --work /tmp/w --snippets snippets.json --n-train 28000 --new-tokens 144 --replay 128 \
+      --dtypes float32,bfloat16 --seconds 180 --batch 64 --anchors 16 --lr 8e-4 --decay-gamma 7 --seed 2  # GPU
   (`all --out RUN` does prepare + train + finalize + both tunes in one go, one run instead of two.)
 
 Speed: training does not go through TargetModel.step (paged attention, fold data, per-sequence
