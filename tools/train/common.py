@@ -93,3 +93,12 @@ class StepClock:
             self.total = max(50, int((self.seconds - (time.time() - self.t0)) / dt) + step)
             return dt * 1000
         return None
+
+
+def log_step(log, clock: StepClock, stage: str, step: int, loss, every: int) -> None:
+    """After step `step` (1-based): the step-count fit when it happens, and the loss every `every` steps."""
+    ms = clock.tick(step)
+    if ms is not None:
+        log(f"{stage}: {ms:.1f} ms/step -> {clock.total} steps", ms_per_step=ms, total_steps=clock.total)
+    if step % every == 0 or step == clock.total:
+        log(f"{stage} step {step}/{clock.total} loss {loss.item():.3f}", stage=stage, step=step, loss=loss.item())

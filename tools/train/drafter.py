@@ -12,7 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.tools.train.common import StepClock, autocast, cosine_lr, param_groups, windows
+from dflash_trt.tools.train.common import StepClock, autocast, cosine_lr, log_step, param_groups, windows
 from dflash_trt.tools.train.configs import BLOCK
 from dflash_trt.tools.train.generate import continuations
 
@@ -104,11 +104,7 @@ def train_drafter(drafter, data, dev, log, seconds, mask_id, steps=None, batch=6
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         step += 1
-        ms = clock.tick(step)
-        if ms is not None:
-            log(f"drafter: {ms:.1f} ms/step -> {clock.total} steps", ms_per_step=ms, total_steps=clock.total)
-        if step % 100 == 0 or step == clock.total:
-            log(f"drafter step {step}/{clock.total} loss {loss.item():.3f}", stage="drafter", step=step, loss=loss.item())
+        log_step(log, clock, "drafter", step, loss, 100)
     return dict(steps=step, seconds=time.time() - clock.t0, batch_seqs=batch, anchors_per_seq=anchors, peak_lr=lr,
                 loss_decay_gamma=decay_gamma, train_seqs=N, seq_len=T)
 

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.tools.train.common import Log, StepClock, autocast, cosine_lr, param_groups, pick_device, round_bf16_
+from dflash_trt.tools.train.common import (Log, StepClock, autocast, cosine_lr, log_step, param_groups, pick_device,
+                                           round_bf16_)
 from dflash_trt.tools.train.configs import BLOCK
 from dflash_trt.tools.train.data import corpus_files, function_snippets, is_heldout
 from dflash_trt.tools.train.drafter import drafter_loss, eval_drafter, loss_weights, simulate_tau
@@ -184,11 +185,7 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         step += 1
-        ms = clock.tick(step)
-        if ms is not None:
-            log(f"tune: {ms:.1f} ms/step -> {clock.total} steps", ms_per_step=ms, total_steps=clock.total)
-        if step % 50 == 0 or step == clock.total:
-            log(f"tune step {step}/{clock.total} loss {loss.item():.3f}", stage="tune", step=step, loss=loss.item())
+        log_step(log, clock, "tune", step, loss, 50)
     tune_s = time.time() - t0
     round_bf16_(drafter)
     after = report("after")
