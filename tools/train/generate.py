@@ -46,7 +46,8 @@ def greedy_continue_ragged(target, prompts: list[list[int]], n_new: int, batch: 
         rt.step()
     bad = [r for r in reqs if r.finish_reason != "length"]
     if bad:
-        raise RuntimeError(f"greedy_continue: request {bad[0].req_id} ended with {bad[0].finish_reason}: {bad[0].error}")
+        r = bad[0]
+        raise RuntimeError(f"greedy_continue: request {r.req_id} ended with {r.finish_reason}: {r.error}")
     return [p + r.tokens for p, r in zip(prompts, reqs)]
 
 
