@@ -124,6 +124,13 @@ def test_cli_help(capsys):
     assert "How models/ was made" in capsys.readouterr().out
 
 
+def test_tune_refuses_bf16_data_on_cpu(tmp_path):
+    from dflash_trt.tools.train.tune import tune
+
+    with pytest.raises(ValueError, match="need a GPU"):
+        tune(str(tmp_path), str(tmp_path), device="cpu", dtypes=("float32", "bfloat16"))
+
+
 def test_stages_smoke(tmp_path):
     """prepare -> train -> finalize -> tune on CPU, tiny; the result loads and generates (spec == plain)."""
     pytest.importorskip("tokenizers")

@@ -118,6 +118,8 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
     from dflash_trt.export.checkpoint import load_drafter, load_target, load_tokenizer
 
     dev = pick_device(device)
+    if dev.type == "cpu" and set(dtypes) != {"float32"}:  # before minutes of work, not after
+        raise ValueError(f"tune: data dtypes {','.join(dtypes)} need a GPU (the CPU runtime runs fp32 targets only)")
     torch.manual_seed(seed)
     out = out or models
     log = Log(None)
