@@ -85,16 +85,18 @@ def write_snippets(path: str, work: str, models: str, n_train: int, n_held: int,
     print(f"{path}: {len(tr)} training and {len(he)} held-out function starts")
 
 
-def _data(models, tok, tr_sn, he_sn, n_new, dtypes, taps, dev, log):
+def _data(models, target, tok, tr_sn, he_sn, n_new, dtypes, dev, log):
     """Training data over every dtype in dtypes (the training snippets split between them, so the drafter
     learns each one's hidden states and greedy path; the bf16 target is what the GPU runs) and held-out
-    data per dtype (all held-out snippets each)."""
+    data per dtype (all held-out snippets each). target: the fp32 one tune already loaded (with its taps)."""
     from dflash_trt.export.checkpoint import load_target
 
     train, held = [], {}
     for k, name in enumerate(dtypes):
-        t = load_target(os.path.join(models, "target"), getattr(torch, name)).to(dev)
-        t.tap_ids = list(taps)
+        t = target
+        if name != "float32":
+            t = load_target(os.path.join(models, "target"), getattr(torch, name)).to(dev)
+            t.tap_ids = list(target.tap_ids)
         mine = tr_sn[k::len(dtypes)]
         s, p, c = snippet_data(t, tok, he_sn + mine, n_new, dev, log, f"held-out + train, {name}")  # one Runtime
         n = len(he_sn)
@@ -147,7 +149,7 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
         held = {k: tuple(t.to(dev) for t in v) for k, v in held.items()}
         log(f"snippet data: cached {cache}")
     else:
-        train_data, held = _data(models, tok, tr_sn, he_sn, n_new, dtypes, target.tap_ids, dev, log)
+        train_data, held = _data(models, target, tok, tr_sn, he_sn, n_new, dtypes, dev, log)
         if train_data[2].numel() * 2 < 2**32 and os.path.isdir(work):  # a GPU-sized set is cheaper to remake
             torch.save([tuple(t.cpu() for t in train_data), {k: tuple(t.cpu() for t in v) for k, v in held.items()}],
                        cache)
@@ -194,8 +196,8 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
     acc, _, _ = eval_drafter(drafter, held[dtypes[0]], mask_id, dev)
     log(f"per-position accuracy ({dtypes[0]} held-out) " + " ".join(f"{a:.2f}" for a in acc))
     save_dir(drafter, dcfg_d, os.path.join(out, "drafter"))
-    rep = dict(device=str(dev), init_drafter=ddir, n_train=N, prompt_lengths=None if snippets else n_lengths, seed=seed,
-               loss_decay_gamma=decay_gamma, n_held=len(he_sn), new_tokens=n_new, data_dtypes=list(dtypes),
+    rep = dict(device=str(dev), init_drafter=ddir, n_train=N, prompt_lengths=None if snippets else n_lengths,
+               seed=seed, loss_decay_gamma=decay_gamma, n_held=len(he_sn), new_tokens=n_new, data_dtypes=list(dtypes),
                replay_new_tokens=replay, snippets_file=snippets, steps=step,
                batch_seqs=batch, anchors_per_seq=anchors, peak_lr=lr, seconds=round(tune_s, 1),
                heldout_replayed_tau_before=before, heldout_replayed_tau_after=after,
