@@ -63,8 +63,17 @@ class FusedSteps:
         wide["seq_len"] = seq_len
         if window is not None:
             wide["kv_start"], wide["kv_len"] = window
-        ix = {k: as_int32(t) for k, t in wide.items()}
-        return ix, (ix if self.graph_int32 else wide)
+        if "ctx_base" in b:  # the commit's first logical ctx row (commit reads it as ix["ctx_start"])
+            wide["ctx_start"] = seq_len - b["ctx_base"]
+        # one cast kernel for all of them (and the one kernel that concatenates them): each index tensor is then a
+        # view of that buffer, where a cast per tensor was a kernel each (6-8 a step)
+        flat = as_int32(torch.cat([t.reshape(-1) for t in wide.values()]))
+        ix, o = {}, 0
+        for k, t in wide.items():
+            ix[k] = flat[o:o + t.numel()].view(t.shape)
+            o += t.numel()
+        gi = ix if self.graph_int32 else {k: t for k, t in wide.items() if k != "ctx_start"}
+        return ix, gi
 
     def _target(self, graph, ids, pos, gi, valid=None, logits=False):
         x = {"input_ids": ids, "positions": pos, "slot": gi["slot"], "seq_len": gi["seq_len"],
@@ -80,7 +89,7 @@ class FusedSteps:
         n = as_int32(n)  # once for the four commit kernels
         dkv = None
         if self.drafter is not None:
-            t.ctx_table, t.ctx_start = ix["ctx_table"], as_int32(seq_len - b["ctx_base"])
+            t.ctx_table, t.ctx_start = ix["ctx_table"], ix["ctx_start"]
             dkv = run_graph(DRAFTER_CTX, self.target, self.drafter,
                             {"ctx_hidden": out["ctx_hidden"], "positions": pos})["dkv_rows"]
         write(self.dev, self.pools, out, n, t, dkv)
