@@ -47,6 +47,19 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+// Programmatic dependent launch (cuda_launch.launch(pdl=True)): a kernel launched that way may start before the
+// previous kernel on its stream has finished (Inductor's PDL kernels let the next one start once their loads are
+// done). pdl_wait() returns once that kernel (and, through its own wait, every earlier one) has completed and its
+// writes are visible: call it before the first read of anything an earlier kernel writes and before the first write.
+// Our kernels never trigger their dependents early (no griddepcontrol.launch_dependents): a dependent that started
+// before our last read could write into memory we still read (Inductor reuses a dead buffer's storage, and its PDL
+// kernels wait only for the buffers the previous kernel names), so the next kernel starts when our CTAs have exited.
+// A no-op in a normal launch and below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 // A 16-byte load of data read once (weight streams): non-coherent path, not kept in L1.
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 v;

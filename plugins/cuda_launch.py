@@ -8,6 +8,7 @@ kernel is actually loaded, so the checks run (and are tested) without a GPU.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 from dflash_trt.plugins import nvrtc
@@ -103,9 +104,43 @@ def resident_ctas(fn, threads: int, smem: int = 0) -> int:
     return n
 
 
-def launch(fn, grid, block, smem, stream, args) -> None:
-    """cuLaunchKernel with `args` as (value, P | I | F) pairs, asynchronously on `stream`."""
+_pdl: dict = {}
+
+
+def pdl_switch() -> bool:
+    """DFLASH_TRT_PDL is not "0": programmatic dependent launch for our kernels (pdl_enabled) and the compiled
+    steps' Triton kernels (torch_compile.INDUCTOR_OPTIONS). "0" turns both off (a same-run A/B)."""
+    return os.environ.get("DFLASH_TRT_PDL", "1") != "0"
+
+
+def pdl_enabled() -> bool:
+    """Whether `launch(..., pdl=True)` uses programmatic dependent launch: compute capability 9.0 or newer (the
+    griddepcontrol instructions) and pdl_switch(). Per context."""
+    key = int(_context())
+    on = _pdl.get(key)
+    if on is None:
+        on = _pdl[key] = device_arch() >= (9, 0) and pdl_switch()
+    return on
+
+
+def launch(fn, grid, block, smem, stream, args, pdl: bool = False) -> None:
+    """cuLaunchKernel with `args` as (value, P | I | F) pairs, asynchronously on `stream`.
+    pdl: the kernel may start while the previous kernel on the stream finishes (programmatic stream
+    serialization, CUDA graphs keep it as a programmatic edge). Only for kernels that run common.cuh's pdl_wait()
+    before they read anything an earlier kernel writes, and before they write anything: what runs before the wait
+    overlaps the previous kernel's tail (gemv: its first weight loads)."""
     cu = driver()
     vals = tuple(int(a) if t in (P, I) else float(a) for a, t in args)
     types = tuple(t for _, t in args)
-    check(cu.cuLaunchKernel(fn, *grid, *block, smem, cu.CUstream(int(stream)), (vals, types), 0), "cuLaunchKernel")
+    if not (pdl and pdl_enabled()):
+        check(cu.cuLaunchKernel(fn, *grid, *block, smem, cu.CUstream(int(stream)), (vals, types), 0), "cuLaunchKernel")
+        return
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+    cfg.sharedMemBytes, cfg.hStream = smem, cu.CUstream(int(stream))
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg.attrs, cfg.numAttrs = [attr], 1
+    check(cu.cuLaunchKernelEx(cfg, fn, (vals, types), 0), "cuLaunchKernelEx")

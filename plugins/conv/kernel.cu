@@ -12,6 +12,7 @@ extern "C" __global__ void conv_verify(const void* __restrict__ x, int x_dt,
                                        const int* __restrict__ slot,
                                        const void* __restrict__ weight, int w_dt,
                                        void* __restrict__ y, int y_dt, int T, int C, int W, int x_rs) {
+  pdl_wait();
   const int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y, b = blockIdx.z;
   if (c >= C) return;
   const i64 sl = slot ? (i64)slot[b] : (i64)b;
@@ -34,6 +35,7 @@ extern "C" __global__ void conv_verify(const void* __restrict__ x, int x_dt,
 extern "C" __global__ void conv_roll(void* __restrict__ pool, int s_dt, const int* __restrict__ slot,
                                      const void* __restrict__ x, int x_dt,
                                      const int* __restrict__ n, int B, int num_slots, int T, int C, int W) {
+  pdl_wait();
   const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y, l = blockIdx.z;
   if (c >= C) return;
   const i64 sl = slot ? (i64)slot[b] : (i64)b;

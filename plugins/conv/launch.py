@@ -24,7 +24,8 @@ def conv_verify(x, state, slot, weight, y, *, B, T, C, W, x_dtype="bfloat16", s_
     args = [(x, P), (dtype_code(x_dtype, "conv x"), I), (state, P), (dtype_code(s_dtype, "conv state"), I),
             (slot or 0, P), (weight, P), (dtype_code(w_dtype, "conv weight"), I), (y, P),
             (dtype_code(y_dtype or x_dtype, "conv y"), I), (T, I), (C, I), (W, I), (x_rs, I)]
-    launch(get_function("conv", "conv_verify"), ((C + THREADS - 1) // THREADS, T, B), (THREADS, 1, 1), 0, stream, args)
+    launch(get_function("conv", "conv_verify"), ((C + THREADS - 1) // THREADS, T, B), (THREADS, 1, 1), 0, stream, args,
+           pdl=True)
 
 
 def conv_roll(pool, slot, x, n, *, B, T, C, W, L=1, num_slots=0, s_dtype="bfloat16", x_dtype="bfloat16", stream=0):
@@ -35,4 +36,5 @@ def conv_roll(pool, slot, x, n, *, B, T, C, W, L=1, num_slots=0, s_dtype="bfloat
                 f"num_slots={num_slots})")
     args = [(pool, P), (dtype_code(s_dtype, "conv state"), I), (slot or 0, P), (x, P), (dtype_code(x_dtype, "conv x"), I),
             (n, P), (B, I), (num_slots, I), (T, I), (C, I), (W, I)]
-    launch(get_function("conv", "conv_roll"), ((C + THREADS - 1) // THREADS, B, L), (THREADS, 1, 1), 0, stream, args)
+    launch(get_function("conv", "conv_roll"), ((C + THREADS - 1) // THREADS, B, L), (THREADS, 1, 1), 0, stream, args,
+           pdl=True)

@@ -109,5 +109,6 @@ __device__ __forceinline__ void gdn_fold_body(
   extern "C" __global__ void __launch_bounds__(DK * CG) gdn_fold_dk##DK##_cg##CG(                 \
       float* pool, const int* slot, const float* k_hat, const float* v, const float* g,           \
       const float* beta, const int* n, int B, int num_slots, int T, int Hk, int Hv, int DV) {     \
+    pdl_wait();                                                                                   \
     gdn_fold_body<DK, CG>(pool, slot, k_hat, v, g, beta, n, B, num_slots, T, Hk, Hv, DV);         \
   }

@@ -291,6 +291,7 @@ __device__ __forceinline__ void gdn_wy16_body(
           const int* slot, void* o, int o_dt, float* k_hat, float* v_f, float* g_f, float* b_f,           \
           float* state_out, int T, int Hk, int Hv, int DV, float scale, int rs_qk, int rs_v,              \
           int rs_gb) {                                                                                    \
+    pdl_wait();                                                                                           \
     gdn_wy16_body<DK, CG, R, RPT>(q, k, v, in_dt, g, beta, gb_dt, A_log, dt_bias, p_dt, state, slot,      \
                                   o, o_dt, k_hat, v_f, g_f, b_f, state_out, T, Hk, Hv, DV, scale,         \
                                   rs_qk, rs_v, rs_gb);                                                    \

@@ -75,7 +75,7 @@ def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_f, g_f, b_f, state_out, 
             (state, P), (slot or 0, P),
             (o, P), (odt, I), (k_hat or 0, P), (v_f or 0, P), (g_f or 0, P), (b_f or 0, P), (state_out or 0, P),
             (T, I), (Hk, I), (Hv, I), (dv, I), (scale, F), (rs_qk, I), (rs_v, I), (rs_gb, I)]
-    launch(fn, (dv // (32 * cg), Hv, B), (32 * (dk // rpt) * cg, 1, 1), 0, stream, args)
+    launch(fn, (dv // (32 * cg), Hv, B), (32 * (dk // rpt) * cg, 1, 1), 0, stream, args, pdl=True)
 
 
 def gdn_fold(pool, slot, k_hat, v, g, beta, n, *, B, T, Hk, Hv, dk, dv, L=1, num_slots=0,
@@ -91,4 +91,4 @@ def gdn_fold(pool, slot, k_hat, v, g, beta, n, *, B, T, Hk, Hv, dk, dv, L=1, num
     fn = get_function("gdn", f"gdn_fold_dk{dk}_cg{cg}")
     args = [(pool, P), (slot or 0, P), (k_hat, P), (v, P), (g, P), (beta, P), (n, P), (B, I), (num_slots, I), (T, I),
             (Hk, I), (Hv, I), (dv, I)]
-    launch(fn, (dv // (32 * cg), Hv, L * B), (dk * cg, 1, 1), 0, stream, args)
+    launch(fn, (dv // (32 * cg), Hv, L * B), (dk * cg, 1, 1), 0, stream, args, pdl=True)

@@ -12,4 +12,4 @@ def gemv(w, x, y, *, M, N, K, dtype="bfloat16", y_fp32=False, stream=0):
     fn = get_function("gemv", spec.kernel_name(M, N, K, dtype))
     tiles = (N + spec.TILE_N - 1) // spec.TILE_N  # persistent CTAs walk the tiles (gemv/mma.cuh)
     launch(fn, (min(tiles, resident_ctas(fn, spec.WARPS * 32)), 1, 1), (spec.WARPS * 32, 1, 1), 0, stream,
-           [(w, P), (x, P), (y, P), (M, I), (N, I), (K, I), (int(bool(y_fp32)), I)])
+           [(w, P), (x, P), (y, P), (M, I), (N, I), (K, I), (int(bool(y_fp32)), I)], pdl=True)

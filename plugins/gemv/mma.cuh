@@ -38,10 +38,9 @@ __device__ __forceinline__ void mma_rows(const uint4*& wg, const uint4*& wh, con
 
 // Slots u0 .. u1-1 of a pass of a lane's loads: chunks ch0 + u (32 columns each) of its rows g, g+8 of the tile
 // of w and rows g (, g+8) of x; vectors past K (nv = K / 8) and rows of x past M are zeros.
-template <int NT, int U>
-__device__ __forceinline__ void mma_load(uint4 (&a)[U], uint4 (&b)[U], uint4 (&xv)[NT][U], const uint4* wg,
-                                         const uint4* wh, const uint4* const (&xr)[NT], const bool (&xok)[NT], int ch0,
-                                         int nv, int u0 = 0, int u1 = U) {
+template <int U>
+__device__ __forceinline__ void mma_load_w(uint4 (&a)[U], uint4 (&b)[U], const uint4* wg, const uint4* wh, int ch0,
+                                           int nv, int u0 = 0, int u1 = U) {
   const uint4 zero = make_uint4(0, 0, 0, 0);
   const int c = threadIdx.x & 3;
 #pragma unroll
@@ -50,9 +49,26 @@ __device__ __forceinline__ void mma_load(uint4 (&a)[U], uint4 (&b)[U], uint4 (&x
     const bool ok = v + c < nv;
     a[u] = ok ? ld_stream(wg + v) : zero;
     b[u] = ok ? ld_stream(wh + v) : zero;
-#pragma unroll
-    for (int t = 0; t < NT; ++t) xv[t][u] = ok && xok[t] ? xr[t][v] : zero;
   }
+}
+template <int NT, int U>
+__device__ __forceinline__ void mma_load_x(uint4 (&xv)[NT][U], const uint4* const (&xr)[NT], const bool (&xok)[NT],
+                                           int ch0, int nv, int u0 = 0, int u1 = U) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const int c = threadIdx.x & 3;
+#pragma unroll
+  for (int u = u0; u < u1; ++u) {
+    const int v = (ch0 + u) * 4;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) xv[t][u] = v + c < nv && xok[t] ? xr[t][v] : zero;
+  }
+}
+template <int NT, int U>
+__device__ __forceinline__ void mma_load(uint4 (&a)[U], uint4 (&b)[U], uint4 (&xv)[NT][U], const uint4* wg,
+                                         const uint4* wh, const uint4* const (&xr)[NT], const bool (&xok)[NT], int ch0,
+                                         int nv, int u0 = 0, int u1 = U) {
+  mma_load_w<U>(a, b, wg, wh, ch0, nv, u0, u1);
+  mma_load_x<NT, U>(xv, xr, xok, ch0, nv, u0, u1);
 }
 
 // Persistent: the grid is the CTAs the device holds at once (launch.py), each CTA walks tiles blockIdx.x,
@@ -76,7 +92,11 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* _
   uint4 a[U], b[U], xv[NT][U];
   int tile = blockIdx.x;
   mma_rows(wg, wh, w, tile * 16, N, K);
-  mma_load<NT, U>(a, b, xv, wg, wh, xr, xok, warp * U, nv);
+  // The first pass's weight loads go out before the PDL wait (weights are never written by a step's kernels): under
+  // a programmatic launch they overlap the previous kernel's tail. x is an earlier kernel's output: after the wait.
+  mma_load_w<U>(a, b, wg, wh, warp * U, nv);
+  pdl_wait();
+  mma_load_x<NT, U>(xv, xr, xok, warp * U, nv);
   for (;;) {
     float acc[NT][4];
 #pragma unroll

@@ -272,6 +272,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
       int p_dt, int layer, int num_blocks, int block_size, const int* block_table, int max_blocks,      \
       const int* kv_start, const int* kv_len, void* o, int o_dt, int T, int Hq, int Hkv, int causal,    \
       int window, float scale, float* ws_acc, float* ws_ml, int tiles, int k_rs, int v_rs) {            \
+    pdl_wait();                                                                                         \
     AttnArgs a;                                                                                         \
     a.q = q, a.k_new = k_new, a.v_new = v_new, a.pool = pool, a.q_dt = q_dt, a.n_dt = n_dt;             \
     a.p_dt = p_dt, a.o_dt = o_dt, a.layer = layer, a.num_blocks = num_blocks;                           \
@@ -299,6 +300,7 @@ PAGED_ATTN_R(256, R_SMALL_256, _small)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) paged_attention_combine(
     const float* __restrict__ ws_acc, const float* __restrict__ ws_ml, void* __restrict__ o, int o_dt,
     int nsplit, int hd) {
+  pdl_wait();
   __shared__ float red[COMBINE_THREADS * 4];
   __shared__ float2 mls[MAX_SPLITS];
   __shared__ float wmax[COMBINE_THREADS / 32], gsum[COMBINE_THREADS];
@@ -359,6 +361,7 @@ extern "C" __global__ void kv_write(void* __restrict__ pool, int p_dt, int num_b
                                     const int* __restrict__ block_table, int max_blocks,
                                     const void* __restrict__ rows, int n_dt, const int* __restrict__ pos,
                                     const int* __restrict__ n, int B, int T, int Hkv, int HD) {
+  pdl_wait();
   const int b = blockIdx.y, l = blockIdx.z, t = blockIdx.x / Hkv, h = blockIdx.x % Hkv;
   if (t >= n[b]) return;
   const int p = pos[b] + t;

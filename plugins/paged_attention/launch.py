@@ -46,10 +46,11 @@ def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, 
     R = spec.cta_rows(hd, Hq // Hkv, T)
     smem = spec.smem_bytes(hd, es, R)
     fn = get_function("paged_attention", spec.kernel_name(hd, pd, nd, R), max_dynamic_smem=smem)
-    launch(fn, (nsplit, Hkv * groups, B), (spec.NT, 1, 1), smem, stream, args)
+    launch(fn, (nsplit, Hkv * groups, B), (spec.NT, 1, 1), smem, stream, args, pdl=True)
     if ws_bytes:
         launch(get_function("paged_attention", "paged_attention_combine"), (B * T * Hq, 1, 1),
-               (spec.COMBINE_THREADS, 1, 1), 0, stream, [(ws_acc, P), (ws_ml, P), (o, P), (o_code, I), (nsplit, I), (hd, I)])
+               (spec.COMBINE_THREADS, 1, 1), 0, stream, [(ws_acc, P), (ws_ml, P), (o, P), (o_code, I), (nsplit, I), (hd, I)],
+               pdl=True)
 
 
 def kv_write(pool, block_table, rows, pos, n, *, B, T, Hkv, hd, L, num_blocks, block_size, max_blocks,
@@ -60,4 +61,5 @@ def kv_write(pool, block_table, rows, pos, n, *, B, T, Hkv, hd, L, num_blocks, b
     args = [(pool, P), (dtype_code(p_dtype, "kv pool"), I), (num_blocks, I), (block_size, I), (block_table, P),
             (max_blocks, I), (rows, P), (dtype_code(n_dtype or p_dtype, "kv rows"), I), (pos, P), (n, P), (B, I),
             (T, I), (Hkv, I), (hd, I)]
-    launch(get_function("paged_attention", "kv_write"), (T * Hkv, B, L), (KV_WRITE_THREADS, 1, 1), 0, stream, args)
+    launch(get_function("paged_attention", "kv_write"), (T * Hkv, B, L), (KV_WRITE_THREADS, 1, 1), 0, stream, args,
+           pdl=True)
