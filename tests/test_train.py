@@ -131,6 +131,24 @@ def test_tune_refuses_bf16_data_on_cpu(tmp_path):
         tune(str(tmp_path), str(tmp_path), device="cpu", dtypes=("float32", "bfloat16"))
 
 
+def test_tune_data_cache_round_trips_without_pickle(tmp_path):
+    """tune's data cache: safetensors, every tensor back bit for bit with its dtype, held-out sets in dtype order,
+    slices of one tensor (shared storage) saved too."""
+    from dflash_trt.tools.train.tune import _load_data, _save_data
+
+    s, p, c = torch.arange(20).view(5, 4), torch.arange(5), torch.randn(5, 3, 8)
+    train = (s[2:], p[2:], c[2:])
+    held = {"float32": (s[:2], p[:2], c[:2]), "bfloat16": (s[:1], p[:1], c[:1].bfloat16())}
+    path = str(tmp_path / "tune_data.safetensors")
+    _save_data(path, train, held)
+    with open(path, "rb") as f:
+        assert not f.read(2).startswith(b"\x80")  # not a pickle stream
+    got_train, got_held = _load_data(path, ("float32", "bfloat16"), torch.device("cpu"))
+    assert list(got_held) == ["float32", "bfloat16"]
+    for a, b in zip(train + held["float32"] + held["bfloat16"], got_train + got_held["float32"] + got_held["bfloat16"]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_stages_smoke(tmp_path):
     """prepare -> train -> finalize -> tune on CPU, tiny; the result loads and generates (spec == plain)."""
     pytest.importorskip("tokenizers")
@@ -153,6 +171,7 @@ def test_stages_smoke(tmp_path):
     main(["tune", "--models", models, "--work", work, "--n-train", "8", "--n-held", "4", "--steps", "2",
           "--batch", "4", "--new-tokens", "24", "--device", "cpu"])
     assert len(json.load(open(os.path.join(models, "train_log.json")))["drafter_tunes"]) == 1
+    assert [f.split(".")[-1] for f in os.listdir(work) if f.startswith("tune_data_")] == ["safetensors"]  # no pickle
     snip = str(tmp_path / "snippets.json")  # the GPU route: snippets chosen here, tune reads no corpus
     main(["snippets", "--models", models, "--work", work, "--out", snip, "--n-train", "8", "--n-held", "4",
           "--lengths", "0"])

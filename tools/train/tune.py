@@ -12,6 +12,9 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save
+
+from dflash_trt.files import write_bytes
 
 from dflash_trt.tools.train.common import (Log, StepClock, autocast, cosine_lr, log_step, param_groups, pick_device,
                                            round_bf16_)
@@ -107,6 +110,23 @@ def _data(models, target, tok, tr_sn, he_sn, n_new, dtypes, dev, log):
     return tuple(torch.cat(x) for x in zip(*pad)), held
 
 
+def _save_data(path: str, train_data, held) -> None:
+    """The tune data (train (seqs, prompt lengths, ctx rows); held-out per dtype) as one safetensors file, atomically:
+    no pickle (torch.save) for data a later run reads back."""
+    flat = {f"train.{i}": t for i, t in enumerate(train_data)}
+    flat.update({f"held.{k}.{i}": t for k, v in held.items() for i, t in enumerate(v)})
+    # copies: slices of one tensor share storage, which safetensors refuses
+    write_bytes(path, save({k: t.detach().to("cpu", copy=True).contiguous() for k, t in flat.items()}))
+
+
+def _load_data(path: str, dtypes, dev):
+    """_save_data's (train_data, held) on `dev`, held in `dtypes` order (the cache key has them)."""
+    flat = load_file(path, device=str(dev))
+    n = lambda pre: sum(k.startswith(pre) for k in flat)  # noqa: E731
+    train = tuple(flat[f"train.{i}"] for i in range(n("train.")))
+    return train, {k: tuple(flat[f"held.{k}.{i}"] for i in range(n(f"held.{k}."))) for k in dtypes}
+
+
 def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_held: int = 256, n_new: int = 80,
          steps: int = 1800, batch: int = 32, anchors: int = 8, lr: float = 1e-3, seed: int = 0, device=None,
          decay_gamma: float = 7.0, n_lengths: int = 8, snippets: str | None = None,
@@ -142,17 +162,14 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
         tr_sn, he_sn = choose_snippets(work, tok, n_train, n_held, n_lengths, seed)
     with open(os.path.join(tdir, "model.safetensors"), "rb") as f:
         key = hashlib.sha1(json.dumps([tr_sn, he_sn, n_new, list(dtypes)]).encode() + f.read()).hexdigest()[:12]
-    cache = os.path.join(work, f"tune_data_{key}.pt")  # the continuations depend only on target + snippets
+    cache = os.path.join(work, f"tune_data_{key}.safetensors")  # the continuations depend only on target + snippets
     if os.path.isfile(cache):
-        train_data, held = torch.load(cache)
-        train_data = tuple(t.to(dev) for t in train_data)
-        held = {k: tuple(t.to(dev) for t in v) for k, v in held.items()}
+        train_data, held = _load_data(cache, dtypes, dev)
         log(f"snippet data: cached {cache}")
     else:
         train_data, held = _data(models, target, tok, tr_sn, he_sn, n_new, dtypes, dev, log)
         if train_data[2].numel() * 2 < 2**32 and os.path.isdir(work):  # a GPU-sized set is cheaper to remake
-            torch.save([tuple(t.cpu() for t in train_data), {k: tuple(t.cpu() for t in v) for k, v in held.items()}],
-                       cache)
+            _save_data(cache, train_data, held)
 
     def report(when):
         taus = {k: simulate_tau(drafter, d, mask_id, replay, n_new) for k, d in held.items()}
