@@ -32,10 +32,12 @@ def test_every_module_has_one_name():
             continue
         importlib.import_module(n)
     by_file = {}
+    env = os.path.realpath(sys.prefix) + os.sep  # a virtual environment inside the checkout (.venv) is not ours
     for name, mod in list(sys.modules.items()):
         f = getattr(mod, "__file__", None)
-        if f and os.path.isabs(f) and os.path.realpath(f).startswith(ROOT + os.sep) and "/tests/" not in f:
-            by_file.setdefault(os.path.realpath(f), set()).add(name)
+        real = os.path.realpath(f) if f and os.path.isabs(f) else ""
+        if real.startswith(ROOT + os.sep) and not real.startswith(env) and "/tests/" not in f:
+            by_file.setdefault(real, set()).add(name)
     twice = {f: sorted(n) for f, n in by_file.items() if len(n) > 1}
     assert not twice, f"source files loaded under two module names: {twice}"
     outside = sorted(n for ns in by_file.values() for n in ns if not n.startswith("dflash_trt"))
