@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save
 
 from dflash_trt.files import write_bytes
-
 from dflash_trt.tools.train.common import (Log, StepClock, autocast, cosine_lr, log_step, param_groups, pick_device,
                                            round_bf16_)
 from dflash_trt.tools.train.configs import BLOCK
