@@ -14,7 +14,7 @@ import torch
 from dflash_trt.plugins import cuda_launch
 
 
-def test_pdl_switch_off_without_cuda_or_by_env(monkeypatch):
+def test_pdl_switch_off_by_env_or_before_sm90(monkeypatch):
     monkeypatch.setattr(cuda_launch, "_pdl", {})
     monkeypatch.setattr(cuda_launch, "_context", lambda: 1)
     monkeypatch.setattr(cuda_launch, "device_arch", lambda: (9, 0))
