@@ -49,7 +49,7 @@ def bench_case(name, hd, T, causal, rows, bw, replays=5):
     hot = _graph_us([call(0)] * N, replays)
     nbytes = 2 * (rows + T) * HKV * hd * 2 + 2 * T * HQ * hd * 2
     floor = nbytes / bw * 1e6
-    tiles, nsplit, groups = spec.split_plan(1, T, HQ, HKV, hd, MB * BS)
+    tiles, nsplit, groups = spec.split_plan(1, T, HQ, HKV, hd, MB * BS, spec.mma_tiles(*("bfloat16",) * 3))
     return {"name": name, "hd": hd, "T": T, "causal": causal, "rows": rows, "cold_us": cold, "hot_us": hot,
             "bytes": nbytes, "floor_us": floor, "cold_over_floor": cold / floor, "layers": N,
             "splits": nsplit, "tiles_per_split": tiles, "row_groups": groups}

@@ -16,19 +16,6 @@
 #error "GEMV_WARPS (warps per CTA) comes from gemv/spec.py through NVRTC -D options"
 #endif
 
-template <bool F16>
-__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-  if (F16)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Lane (g, c)'s row pointers into the tile of w from row n0: rows n0 + g and n0 + g + 8 (clamped to N-1).
 __device__ __forceinline__ void mma_rows(const uint4*& wg, const uint4*& wh, const u16* w, int n0, int N, int K) {
   const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;

@@ -87,21 +87,6 @@ __device__ __forceinline__ void row_bases(int tile, int I, int& r0, int& r1) {
   else { r0 = tile * 32; r1 = tile * 32 + 16; }
 }
 
-template <bool F16>
-__device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-  if (F16)
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // W [E, rows, K] and B rows in one 16-bit dtype (dt); out: h (KIND 0, dt, [P, I]) or y (KIND 1, fp32, [P, H]).
 template <int KIND, bool F16>
 __device__ __forceinline__ void gemm_mma(const u16* __restrict__ W, int rows, int K, const u16* __restrict__ B,

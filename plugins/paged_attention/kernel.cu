@@ -16,24 +16,14 @@
 // Pass 2, paged_attention_combine: one CTA per output row merges the splits' partials.
 // Nothing on the host depends on data: empty splits (past kv_len, before a window, after the causal
 // limit of every row of the CTA) write an empty partial (m = -inf, l = 0) and the combine skips them.
-#include "common.cuh"
 // NT (threads per CTA) and KT (keys per tile, one per lane when scoring) come from paged_attention/spec.py
 // through NVRTC -D options: the launcher sizes grid, shared memory and workspace from them.
 #if !defined(NT) || !defined(KT) || !defined(COMBINE_THREADS) || !defined(MAX_SPLITS)
 #error "NT, KT, COMBINE_THREADS and MAX_SPLITS come from paged_attention/spec.py through NVRTC -D options"
 #endif
-#define NW (NT / 32)
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  unsigned a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+#include "common.cuh"
+#include "tiles.cuh"
+#include "mma.cuh"
 
 // 8 consecutive elements of a shared-memory tile row (element e0, a multiple of 8) as floats.
 template <int TD>
@@ -57,17 +47,6 @@ __device__ __forceinline__ void ld8s(const unsigned char* row, int e0, float* f)
   }
 }
 
-struct AttnArgs {
-  const void *q, *k_new, *v_new, *pool;
-  int q_dt, n_dt, p_dt, o_dt, layer, num_blocks, block_size, max_blocks, T, Hq, Hkv, causal, window, tiles;
-  i64 k_rs, v_rs;  // elements between (b, t) rows of k_new / v_new (slices of wider projection rows)
-  const int *block_table, *kv_start, *kv_len;
-  void* o;
-  float* ws_acc;  // [B*T*Hq][nsplit][HD] unnormalised sums of p * v
-  float* ws_ml;   // [B*T*Hq][nsplit][2] (running max in the exp2 domain, sum of p)
-  float scale;
-};
-
 // TD: the dtype of the shared-memory tiles (the pool's; fp32 when k_new has another dtype than the pool).
 // R: query rows per CTA, a multiple of NW (score rows per warp) and of NT / (HD / 8) (rows per P.V pass).
 template <int HD, int TD, int R>
@@ -77,7 +56,6 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
   constexpr int RP = NT / TPR;        // rows per P.V pass
   constexpr int RPT = R / RP;         // P.V rows per thread
   constexpr int ES = TD == DT_F32 ? 4 : 2;
-  constexpr int CPR = HD * ES / 16;   // 16-byte chunks per K/V row
   constexpr int RS = HD * ES + 16;    // padded tile row stride (bytes): 16-byte reads of 8 lanes hit 32 banks
   extern __shared__ __align__(16) unsigned char smem[];
   float* Qs = (float*)smem;           // [R][HD], pre-scaled by scale * log2(e)
@@ -85,65 +63,13 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
   float* Cs = Ps + R * KT;            // [R] rescale factor of the current tile, then the final sum
   unsigned char* tiles = (unsigned char*)(Cs + R);  // [2 stages][K, V][KT][RS]
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-  const int split = blockIdx.x, nsplit = gridDim.x, b = blockIdx.z;
-  const int hkv = blockIdx.y % a.Hkv, rg = blockIdx.y / a.Hkv;
-  const int G = a.Hq / a.Hkv, T = a.T;
-  const int r0 = rg * R, nr = min(R, G * T - r0);  // this CTA's rows: r0 + [0, nr) of the kv head's G*T
-  const int ks0 = a.kv_start[b], Lc = a.kv_len[b] - ks0, Ltot = Lc + T;
-  const int t_first = r0 / G, t_last = (r0 + nr - 1) / G;
-  const int cta_lim = a.causal ? Lc + t_last + 1 : Ltot;
-  const int cta_lo = a.window > 0 ? max(0, Lc + t_first - a.window + 1) : 0;
-  const int S = a.tiles * KT;
-  const int k0 = max(split * S, cta_lo);
-  const int k1 = split == nsplit - 1 ? cta_lim : min(split * S + S, cta_lim);  // the last split takes any rest
-  auto orow = [&](int r) { const int rr = r0 + r; return ((b * T + rr / G) * a.Hq + hkv * G + rr % G); };
-  if (k0 >= k1) {  // no key of this split is visible to any row of the CTA (never with one split)
-    for (int r = tid; r < nr; r += NT) {
-      float2* ml = (float2*)a.ws_ml + (i64)orow(r) * nsplit + split;
-      *ml = make_float2(-INFINITY, 0.f);
-    }
-    return;
-  }
-  const i64 vofs = (i64)a.num_blocks * a.block_size * a.Hkv * HD;  // K -> V in the pool
-  const i64 lbase = (i64)a.layer * 2 * vofs;
-  // Tile loads: thread owns 16-byte chunk cc of keys jb + JSTEP*u; the page ids of all its keys are read
-  // first (independent loads, one round trip), then every cp.async of the tile is issued.
-  constexpr int JSTEP = NT / CPR, KPT = KT / JSTEP;
-  const int cc = tid % CPR, jb = tid / CPR;
+  const int split = blockIdx.x, nsplit = gridDim.x;
+  const CtaShare c(a, R);
+  const int nr = c.nr, k0 = c.k0, k1 = c.k1;
+  auto orow = [&](int r) { return c.orow(a, r); };
+  if (k0 >= k1) return c.write_empty(a);
   auto load_tile = [&](int stage, int j0, int j1) {
-    unsigned char* base = tiles + stage * 2 * KT * RS;
-    int blk[KPT];
-#pragma unroll
-    for (int u = 0; u < KPT; ++u) {
-      const int j = j0 + jb + JSTEP * u, p = ks0 + j;
-      blk[u] = j < j1 && j < Lc ? a.block_table[(i64)b * a.max_blocks + p / a.block_size] : 0;
-    }
-#pragma unroll
-    for (int u = 0; u < KPT; ++u) {
-      const int jl = jb + JSTEP * u, j = j0 + jl;
-      if (j >= j1) continue;
-      const void *ksrc, *vsrc;
-      i64 e, ve;
-      int sdt;
-      if (j < Lc) {
-        const int p = ks0 + j;
-        ksrc = vsrc = a.pool, sdt = a.p_dt;
-        e = lbase + (((i64)blk[u] * a.block_size + p % a.block_size) * a.Hkv + hkv) * HD;
-        ve = e + vofs;
-      } else {
-        ksrc = a.k_new, vsrc = a.v_new, sdt = a.n_dt;
-        e = ((i64)b * T + (j - Lc)) * a.k_rs + hkv * HD;
-        ve = ((i64)b * T + (j - Lc)) * a.v_rs + hkv * HD;
-      }
-      unsigned char* dst = base + jl * RS + cc * 16;
-      if (sdt == TD) {
-        cp_async16(dst, (const unsigned char*)ksrc + e * ES + cc * 16);
-        cp_async16(dst + KT * RS, (const unsigned char*)vsrc + ve * ES + cc * 16);
-      } else {  // TD is fp32 here: 4 elements per chunk
-        *(float4*)dst = ld4(ksrc, sdt, e + cc * 4);
-        *(float4*)(dst + KT * RS) = ld4(vsrc, sdt, ve + cc * 4);
-      }
-    }
+    load_kv_tile<HD, TD, false>(a, c, tiles + stage * 2 * KT * RS, j0, j1);
   };
   const int ntiles = (k1 - k0 + KT - 1) / KT;
   load_tile(0, k0, min(k0 + KT, k1));
@@ -199,9 +125,9 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
     for (int i = 0; i < RW; ++i) {
       const int r = w + NW * i;
       if (r >= nr) continue;
-      const int t = (r0 + r) / G, j = j0 + lane;
-      const int lim = a.causal ? Lc + t + 1 : Ltot;
-      const int lo = a.window > 0 ? Lc + t - a.window + 1 : 0;
+      const int j = j0 + lane;
+      int lo, lim;
+      c.visible(a, r, lo, lim);
       const float s = lane < nk && j >= lo && j < lim ? dot[i] : -INFINITY;
       const float m_new = fmaxf(m[i], warp_max(s));
       const bool none = m_new == -INFINITY;  // no visible key for this row yet
@@ -266,21 +192,11 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
 // SASS for hd64) and, with per-row branches in the score and P.V loops, 1.5-1.8x slower per call on the H200.
 // The full R (4 rows x 8 dims of acc per thread) fits a verify block; the small R a decode step's GQA group,
 // which at the full R computed 4x (hd128) to 32x (hd64, G=2) the rows it keeps.
-#define PAGED_ATTN(HD, TDN, TD, R, SUF)                                                                 \
-  extern "C" __global__ void __launch_bounds__(NT) paged_attention_hd##HD##_##TDN##SUF(                \
-      const void* q, int q_dt, const void* k_new, const void* v_new, int n_dt, const void* pool,        \
-      int p_dt, int layer, int num_blocks, int block_size, const int* block_table, int max_blocks,      \
-      const int* kv_start, const int* kv_len, void* o, int o_dt, int T, int Hq, int Hkv, int causal,    \
-      int window, float scale, float* ws_acc, float* ws_ml, int tiles, int k_rs, int v_rs) {            \
-    pdl_wait();                                                                                         \
-    AttnArgs a;                                                                                         \
-    a.q = q, a.k_new = k_new, a.v_new = v_new, a.pool = pool, a.q_dt = q_dt, a.n_dt = n_dt;             \
-    a.p_dt = p_dt, a.o_dt = o_dt, a.layer = layer, a.num_blocks = num_blocks;                           \
-    a.block_size = block_size, a.max_blocks = max_blocks, a.T = T, a.Hq = Hq, a.Hkv = Hkv;              \
-    a.causal = causal, a.window = window, a.tiles = tiles, a.block_table = block_table;                 \
-    a.kv_start = kv_start, a.kv_len = kv_len, a.o = o, a.ws_acc = ws_acc, a.ws_ml = ws_ml;              \
-    a.scale = scale, a.k_rs = k_rs, a.v_rs = v_rs;                                                      \
-    attn_split<HD, TD, R>(a);                                                                           \
+#define PAGED_ATTN(HD, TDN, TD, R, SUF)                                                     \
+  extern "C" __global__ void __launch_bounds__(NT) paged_attention_hd##HD##_##TDN##SUF(ATTN_PARAMS) { \
+    pdl_wait();                                                                             \
+    ATTN_ARGS(a);                                                                           \
+    attn_split<HD, TD, R>(a);                                                               \
   }
 #define PAGED_ATTN_R(HD, R, SUF) \
   PAGED_ATTN(HD, bf16, DT_BF16, R, SUF) PAGED_ATTN(HD, f16, DT_F16, R, SUF) PAGED_ATTN(HD, f32, DT_F32, R, SUF)
@@ -291,6 +207,17 @@ PAGED_ATTN_R(128, R_FULL_128, )
 PAGED_ATTN_R(128, R_SMALL_128, _small)
 PAGED_ATTN_R(256, R_FULL_256, )
 PAGED_ATTN_R(256, R_SMALL_256, _small)
+// The tensor-core split pass (mma.cuh) for 16-bit q and K/V tiles: 16 query rows per warp.
+#define PAGED_ATTN_MMA(HD, TDN, F16)                                                                   \
+  extern "C" __global__ void __launch_bounds__(NT) paged_attention_hd##HD##_##TDN##_mma(ATTN_PARAMS) { \
+    pdl_wait();                                                                                  \
+    ATTN_ARGS(a);                                                                                \
+    attn_split_mma<HD, F16>(a);                                                                  \
+  }
+#define PAGED_ATTN_MMA_HD(HD) PAGED_ATTN_MMA(HD, bf16, false) PAGED_ATTN_MMA(HD, f16, true)
+PAGED_ATTN_MMA_HD(64)
+PAGED_ATTN_MMA_HD(128)
+PAGED_ATTN_MMA_HD(256)
 
 // Pass 2: o[row] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits with l_s > 0 (every row
 // has one: its own key, or the new rows). grid (B*T*Hq); COMBINE_THREADS = groups of hd/4 threads (4 dims

@@ -17,7 +17,8 @@ def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, 
                     p_dtype=None, o_dtype=None, workspace=0, stream=0, k_rs=None, v_rs=None):
     """o [B,T,Hq,hd] = attention of q over cached rows [kv_start, kv_len) in pages + T new rows
     (window > 0: sliding, spec.py). Split-KV: `workspace` (device pointer, 16-byte aligned) holds
-    spec.workspace_bytes(B, T, Hq, Hkv, hd, max_blocks * block_size) bytes when that is not 0; the split pass
+    spec.workspace_bytes(B, T, Hq, Hkv, hd, max_blocks * block_size, spec.mma_tiles(...)) bytes when that is not 0
+    (or spec.workspace_bound); the split pass (tensor cores for 16-bit q and K/V tiles, spec.mma_tiles)
     writes fp32 partials there and the combine pass merges them into o (two launches on `stream`).
     k_rs / v_rs: elements between consecutive (b, t) rows of k_new / v_new (None: Hkv * hd, contiguous; a wider
     stride reads a slice of the projection's rows in place, 16-byte aligned)."""
@@ -25,8 +26,10 @@ def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, 
     k_rs, v_rs = k_rs or Hkv * hd, v_rs or Hkv * hd
     kernel_need(min(k_rs, v_rs) >= Hkv * hd, f"paged_attention: k/v row strides ({k_rs}, {v_rs}) < Hkv*hd")
     max_rows = max_blocks * block_size
-    tiles, nsplit, groups = spec.split_plan(B, T, Hq, Hkv, hd, max_rows)
-    ws_bytes = spec.workspace_bytes(B, T, Hq, Hkv, hd, max_rows)
+    pd, nd = p_dtype or q_dtype, n_dtype or q_dtype
+    mma = spec.mma_tiles(q_dtype, pd, nd)
+    tiles, nsplit, groups = spec.split_plan(B, T, Hq, Hkv, hd, max_rows, mma)
+    ws_bytes = spec.workspace_bytes(B, T, Hq, Hkv, hd, max_rows, mma)
     kernel_need(nsplit <= spec.MAX_SPLITS, f"paged_attention: {nsplit} splits > {spec.MAX_SPLITS}")
     kernel_need(ws_bytes == 0 or (workspace and workspace % 16 == 0),
                 f"paged_attention: needs a 16-byte aligned workspace of {ws_bytes} bytes (got {workspace})")
@@ -41,11 +44,9 @@ def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, 
             (kv_len, P), (o, P), (o_code, I), (T, I), (Hq, I), (Hkv, I),
             (int(bool(causal)), I), (max(int(window), 0), I), (scale, F), (ws_acc, P), (ws_ml, P), (tiles, I),
             (k_rs, I), (v_rs, I)]
-    pd, nd = p_dtype or q_dtype, n_dtype or q_dtype
-    es = spec.tile_elem_bytes(pd, nd)
-    R = spec.cta_rows(hd, Hq // Hkv, T)
-    smem = spec.smem_bytes(hd, es, R)
-    fn = get_function("paged_attention", spec.kernel_name(hd, pd, nd, R), max_dynamic_smem=smem)
+    R = spec.cta_rows(hd, Hq // Hkv, T, mma)
+    smem = spec.smem_bytes(hd, spec.tile_elem_bytes(pd, nd), R, mma)
+    fn = get_function("paged_attention", spec.kernel_name(hd, pd, nd, R, mma), max_dynamic_smem=smem)
     launch(fn, (nsplit, Hkv * groups, B), (spec.NT, 1, 1), smem, stream, args, pdl=True)
     if ws_bytes:
         launch(get_function("paged_attention", "paged_attention_combine"), (B * T * Hq, 1, 1),

@@ -35,19 +35,38 @@ def rows_per_cta(hd: int, small: bool = False) -> int:
     return max(8, NT * 8 // hd) if small else 32 * NT // hd
 
 
-def cta_rows(hd: int, G: int, T: int) -> int:
-    """The R the launcher runs for G*T query rows per kv head: the one that pads fewest rows (row groups x R),
-    the full R on a tie (fewer row groups read the K/V tiles fewer times)."""
+MMA_ROWS = 16 * (NT // 32)  # query rows per CTA of the tensor-core split pass (mma.cuh): 16 per warp
+
+
+def mma_tiles(q_dtype: str, p_dtype: str, n_dtype: str) -> bool:
+    """Whether a verify / drafter block runs the tensor-core split pass (mma.cuh): q and the K/V tiles share one
+    16-bit dtype. fp32 tiles (an fp32 model, or new rows of another dtype than the pool) keep the CUDA-core pass."""
+    t = tile_dtype(p_dtype, n_dtype)
+    return t != "float32" and _dtype_name(q_dtype) == t
+
+
+def cta_rows(hd: int, G: int, T: int, mma: bool = False) -> int:
+    """The R the launcher runs for G*T query rows per kv head. CUDA cores: the small R when it pads fewer rows
+    (row groups x R) than the full R, else the full R (fewer row groups read the K/V tiles fewer times). With
+    mma_tiles: the small R only when one small CTA holds them all (a decode step's GQA group), else MMA_ROWS (one
+    CTA on tensor cores beats several small ones that each read the K/V tiles). The small R is below both big
+    ones, so R and `mma` name the kernel."""
     full, small = rows_per_cta(hd), rows_per_cta(hd, small=True)
+    if mma:
+        return small if G * T <= small else MMA_ROWS
     return small if -(-G * T // small) * small < -(-G * T // full) * full else full
 
 
 TILE_SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}  # kernel entry per tile dtype
 
 
+def _dtype_name(d) -> str:
+    return str(d).replace("torch.", "")
+
+
 def tile_dtype(p_dtype: str, n_dtype: str) -> str:
     """The dtype of the shared-memory K/V tiles: the pool's, fp32 when the new rows have another dtype."""
-    p_dtype, n_dtype = (str(d).replace("torch.", "") for d in (p_dtype, n_dtype))
+    p_dtype, n_dtype = _dtype_name(p_dtype), _dtype_name(n_dtype)
     return p_dtype if p_dtype == n_dtype else "float32"
 
 
@@ -55,26 +74,29 @@ def tile_elem_bytes(p_dtype: str, n_dtype: str) -> int:
     return 4 if tile_dtype(p_dtype, n_dtype) == "float32" else 2
 
 
-def kernel_name(hd: int, p_dtype: str, n_dtype: str, rows: int = 0) -> str:
-    """The split pass's entry: paged_attention_hd{hd}_{tile dtype}[_small] (kernel.cu) for `rows` query rows per
-    CTA (0: the full R)."""
-    small = "_small" if rows and rows != rows_per_cta(hd) else ""
-    return f"paged_attention_hd{hd}_{TILE_SUFFIX[tile_dtype(p_dtype, n_dtype)]}{small}"
+def kernel_name(hd: int, p_dtype: str, n_dtype: str, rows: int = 0, mma: bool = False) -> str:
+    """The split pass's entry for `rows` query rows per CTA (0: the full R): paged_attention_hd{hd}_{tile dtype}
+    (kernel.cu, CUDA cores), + _small for the small R, + _mma for MMA_ROWS with mma_tiles (mma.cuh)."""
+    suffix = "_mma" if mma and rows == MMA_ROWS else "_small" if rows and rows != rows_per_cta(hd) else ""
+    return f"paged_attention_hd{hd}_{TILE_SUFFIX[tile_dtype(p_dtype, n_dtype)]}{suffix}"
 
 
-def smem_bytes(hd: int, elem_bytes: int = 4, rows: int = 0) -> int:
-    """Dynamic shared memory of the split pass at head dim hd and `rows` query rows per CTA (0: the full R): Q rows,
-    tile probabilities and rescale factors (fp32) + 2 stages of K and V tiles with 16-byte padded rows."""
+def smem_bytes(hd: int, elem_bytes: int = 4, rows: int = 0, mma: bool = False) -> int:
+    """Dynamic shared memory of the split pass at head dim hd and `rows` query rows per CTA (0: the full R).
+    CUDA cores: Q rows, tile probabilities and rescale factors (fp32) + 2 stages of K and V tiles with 16-byte
+    padded rows. Tensor cores (mma and rows == MMA_ROWS): the 16-bit Q rows and the tiles, all rows padded."""
+    if mma and rows == MMA_ROWS:
+        return (MMA_ROWS + 2 * 2 * KT) * (hd * 2 + 16)
     R = rows or rows_per_cta(hd)
     return R * (hd + KT + 1) * 4 + 2 * 2 * KT * (hd * elem_bytes + 16)
 
 
-def split_plan(B: int, T: int, Hq: int, Hkv: int, hd: int, max_rows: int) -> tuple:
+def split_plan(B: int, T: int, Hq: int, Hkv: int, hd: int, max_rows: int, mma: bool = False) -> tuple:
     """(tiles per split, number of splits, row groups) for at most max_rows cached rows (block table width x
     block_size) + T new rows: about SPLIT_CTAS CTAs, at most ceil(SPLIT_CTAS / (B * Hkv * row groups)) splits
     (the workspace bound below relies on it). Splits cover the cached rows; the last one also takes the
     new rows and anything past max_rows. One split means no workspace and no combine pass."""
-    groups = -(-(Hq // Hkv) * T // cta_rows(hd, Hq // Hkv, T))
+    groups = -(-(Hq // Hkv) * T // cta_rows(hd, Hq // Hkv, T, mma))
     want = min(-(-SPLIT_CTAS // (B * Hkv * groups)), max(1, -(-max_rows // KT)))
     tiles = max(1, -(-max_rows // (want * KT)))
     if tiles > 1 and max_rows - want * (tiles - 1) * KT <= (tiles - 1) * KT:
@@ -83,18 +105,18 @@ def split_plan(B: int, T: int, Hq: int, Hkv: int, hd: int, max_rows: int) -> tup
     return tiles, nsplit, groups
 
 
-def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, hd: int, max_rows: int) -> int:
+def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, hd: int, max_rows: int, mma: bool = False) -> int:
     """fp32 partials of the split pass for exactly these shapes: acc [B*T*Hq, nsplit, hd] then
     (max, sum) [B*T*Hq, nsplit, 2]; 0 for one split."""
-    _, nsplit, _ = split_plan(B, T, Hq, Hkv, hd, max_rows)
+    _, nsplit, _ = split_plan(B, T, Hq, Hkv, hd, max_rows, mma)
     return 0 if nsplit == 1 else B * T * Hq * nsplit * (hd + 2) * 4
 
 
 def workspace_bound(B: int, T: int, Hq: int, hd: int) -> int:
     """>= workspace_bytes of every shape with B' <= B, T' <= T, Hq' <= Hq (any Hkv, max_rows, kernel head dim),
     for a workspace sized once from a profile's max shapes: B*T*Hq*nsplit <= SPLIT_CTAS*R + B*T*Hq since
-    nsplit <= ceil(SPLIT_CTAS / (B*Hkv*groups)) and G*T <= R*groups, R <= the full R of its head dim."""
-    per_cta = max(rows_per_cta(h) * (h + 2) for h in KERNEL_HD)
+    nsplit <= ceil(SPLIT_CTAS / (B*Hkv*groups)) and G*T <= R*groups, R <= max(full R of its head dim, MMA_ROWS)."""
+    per_cta = max(max(rows_per_cta(h), MMA_ROWS) * (h + 2) for h in KERNEL_HD)
     return (SPLIT_CTAS * per_cta + B * T * Hq * (hd + 2)) * 4
 
 

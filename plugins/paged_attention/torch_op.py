@@ -41,7 +41,9 @@ def _paged_attention_cuda(q, k_new, v_new, kv_pool, layer, block_table, kv_start
     (shape,) = spec.SPEC.output_shapes([q.shape])
     o = torch.empty(shape, device=q.device, dtype=q.dtype)
     # split-KV partials, sized from shapes; inside a CUDA graph capture this lives in the graph's pool
-    ws = torch.empty(spec.workspace_bytes(B, T, Hq, Hkv, hd, bt.shape[1] * BS), device=q.device, dtype=torch.uint8)
+    mma = spec.mma_tiles(U.dname(q), U.dname(kv_pool), U.dname(k_new))
+    ws = torch.empty(spec.workspace_bytes(B, T, Hq, Hkv, hd, bt.shape[1] * BS, mma), device=q.device,
+                     dtype=torch.uint8)
     launch.paged_attention(q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), kv_pool.data_ptr(), bt.data_ptr(),
                            ks.data_ptr(), kl.data_ptr(), o.data_ptr(), B=B, T=T, Hq=Hq, Hkv=Hkv, hd=hd, layer=layer,
                            num_blocks=NB, block_size=BS, max_blocks=bt.shape[1], causal=causal, scale=scale,

@@ -52,8 +52,10 @@ def test_specs_list_the_instantiated_kernels():
     assert set(gdn_spec.WY16_CG) == set(gdn_spec.KERNEL_DK) == set(gdn_spec.FOLD_CG)
     ptx = nvrtc.compile_source("paged_attention", "compute_90").decode()
     rows = lambda h: (attention_spec.rows_per_cta(h), attention_spec.rows_per_cta(h, small=True))  # noqa: E731
+    mma = {attention_spec.kernel_name(h, d, d, attention_spec.MMA_ROWS, mma=True) for h in attention_spec.KERNEL_HD
+           for d in ("bfloat16", "float16")}
     assert set(re.findall(r"\.entry (\w+)\(", ptx)) == {attention_spec.kernel_name(h, d, d, r) for h in attention_spec.KERNEL_HD
-                                                          for d in attention_spec.TILE_SUFFIX for r in rows(h)} | {
+                                                          for d in attention_spec.TILE_SUFFIX for r in rows(h)} | mma | {
         "paged_attention_combine", "kv_write"}
 
 

@@ -124,6 +124,26 @@ def test_rows_per_cta_pads_fewest_rows(hd, G, T, want):
     assert spec.workspace_bytes(1, T, G * 2, 2, hd, 8192) <= spec.workspace_bound(1, T, G * 2, hd)
 
 
+@pytest.mark.parametrize("hd,G,T,dtypes,kernel", [
+    (128, 8, 1, ("bfloat16",) * 3, "paged_attention_hd128_bf16_small"),      # decode GQA group: CUDA cores
+    (128, 8, 16, ("bfloat16",) * 3, "paged_attention_hd128_bf16_mma"),       # verify block: tensor cores
+    (64, 2, 16, ("float16",) * 3, "paged_attention_hd64_f16_mma"),           # 32 rows: one mma CTA, not 2 small
+    (256, 1, 5, ("bfloat16",) * 3, "paged_attention_hd256_bf16_small"),      # 5 rows fit one small CTA of 8
+    (128, 8, 16, ("float32",) * 3, "paged_attention_hd128_f32"),             # fp32 scores stay on CUDA cores
+    (128, 8, 16, ("float32", "bfloat16", "bfloat16"), "paged_attention_hd128_bf16"),  # q of another dtype
+])
+def test_tensor_core_pass_takes_16_bit_blocks(hd, G, T, dtypes, kernel):
+    """The launcher's choice: 16-bit q and K/V tiles of a block of rows run mma.cuh (MMA_ROWS rows a CTA); its
+    workspace is within the bound a TensorRT plugin allocates."""
+    from dflash_trt.plugins.paged_attention import spec
+    q, p, n = dtypes
+    mma = spec.mma_tiles(q, p, n)
+    R = spec.cta_rows(hd, G, T, mma)
+    assert spec.kernel_name(hd, p, n, R, mma) == kernel
+    assert spec.split_plan(1, T, G * 2, 2, hd, 8192, mma)[2] == -(-G * T // R)
+    assert spec.workspace_bytes(4, T, G * 2, 2, hd, 8192, mma) <= spec.workspace_bound(4, T, G * 2, hd)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_cpu_attention_ops_equal_reference(causal):
     B, T, Hq, Hkv, hd, L, NB, BS = 2, 3, 4, 2, 16, 2, 12, 4
@@ -273,7 +293,8 @@ def test_paged_attention_kernel_split_kv(case, dtypes):
     dt, ndt = {"bf16": (torch.bfloat16,) * 2, "f16": (torch.float16,) * 2, "f32": (torch.float32,) * 2,
                "f32 rows, bf16 pool": (torch.bfloat16, torch.float32)}[dtypes]
     ins = _split_case(B, T, Hq, Hkv, hd, ctx, kl, ks, dt, ndt, seed=case)
-    assert spec.split_plan(B, T, Hq, Hkv, hd, ins[4].shape[1] * 16)[1] > 1  # the split path is what runs
+    mma = spec.mma_tiles(ins[0].dtype, ins[3].dtype, ins[1].dtype)
+    assert spec.split_plan(B, T, Hq, Hkv, hd, ins[4].shape[1] * 16, mma)[1] > 1  # the split path is what runs
     tol = 2e-5 if dtypes == "f32" else 1.5e-2
     for causal in (True, False):
         o = torch.ops.dflash.paged_attention(*ins[:4], 1, *ins[4:], causal, hd ** -0.5, W)

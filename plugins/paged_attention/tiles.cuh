@@ -1,0 +1,132 @@
+// What both split passes of paged attention share (kernel.cu: CUDA cores; mma.cuh: tensor cores): the arguments,
+// the CTA's share of a call (batch, kv head, query rows, key range), and the cp.async loads of K/V key tiles.
+#pragma once
+#include "common.cuh"
+#define NW (NT / 32)
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+struct AttnArgs {
+  const void *q, *k_new, *v_new, *pool;
+  int q_dt, n_dt, p_dt, o_dt, layer, num_blocks, block_size, max_blocks, T, Hq, Hkv, causal, window, tiles;
+  i64 k_rs, v_rs;  // elements between (b, t) rows of k_new / v_new (slices of wider projection rows)
+  const int *block_table, *kv_start, *kv_len;
+  void* o;
+  float* ws_acc;  // [B*T*Hq][nsplit][HD] unnormalised sums of p * v
+  float* ws_ml;   // [B*T*Hq][nsplit][2] (running max in the exp2 domain, sum of p)
+  float scale;
+};
+
+// The CTA's share, grid (split, row group * Hkv + kv head, batch): query rows r0 + [0, nr) of the kv head's G*T
+// (t-major (t, q-head of the GQA group) pairs) and keys [k0, k1) of the key index space [0, Lc + T).
+struct CtaShare {
+  int b, hkv, G, T, r0, nr, ks0, Lc, Ltot, k0, k1;
+  __device__ __forceinline__ CtaShare(const AttnArgs& a, int R) {
+    const int split = blockIdx.x, nsplit = gridDim.x;
+    b = blockIdx.z, hkv = blockIdx.y % a.Hkv;
+    G = a.Hq / a.Hkv, T = a.T;
+    r0 = (blockIdx.y / a.Hkv) * R, nr = min(R, G * T - r0);
+    ks0 = a.kv_start[b], Lc = a.kv_len[b] - ks0, Ltot = Lc + T;
+    const int t_first = r0 / G, t_last = (r0 + nr - 1) / G;
+    const int cta_lim = a.causal ? Lc + t_last + 1 : Ltot;
+    const int cta_lo = a.window > 0 ? max(0, Lc + t_first - a.window + 1) : 0;
+    const int S = a.tiles * KT;
+    k0 = max(split * S, cta_lo);
+    k1 = split == nsplit - 1 ? cta_lim : min(split * S + S, cta_lim);  // the last split takes any rest
+  }
+  // row of o (and of the workspace) for the CTA's query row r
+  __device__ __forceinline__ int orow(const AttnArgs& a, int r) const {
+    const int rr = r0 + r;
+    return (b * T + rr / G) * a.Hq + hkv * G + rr % G;
+  }
+  // keys [lo, lim) of the key index space are visible to the CTA's query row r
+  __device__ __forceinline__ void visible(const AttnArgs& a, int r, int& lo, int& lim) const {
+    const int t = (r0 + r) / G;
+    lim = a.causal ? Lc + t + 1 : Ltot;
+    lo = a.window > 0 ? Lc + t - a.window + 1 : 0;
+  }
+  // No key of this split is visible to any row of the CTA (never with one split): an empty partial
+  // (m = -inf, l = 0) that the combine pass skips.
+  __device__ __forceinline__ void write_empty(const AttnArgs& a) const {
+    for (int r = threadIdx.x; r < nr; r += NT)
+      ((float2*)a.ws_ml)[(i64)orow(a, r) * gridDim.x + blockIdx.x] = make_float2(-INFINITY, 0.f);
+  }
+};
+
+// Keys [j0, j1) of the key index space -> K and V tiles at `base` ([K, V][KT][RS], RS bytes a padded row, raw bytes
+// in 16-byte chunks when the source has the tile dtype TD). Thread owns chunk cc of keys jb + JSTEP*u; the page ids
+// of all its keys are read first (independent loads, one round trip), then every cp.async of the tile is issued.
+// ZERO: tile rows past j1 are zeroed (the tensor-core pass multiplies whole tiles; p = 0 times a stale NaN is NaN).
+template <int HD, int TD, bool ZERO>
+__device__ __forceinline__ void load_kv_tile(const AttnArgs& a, const CtaShare& c, unsigned char* base, int j0,
+                                             int j1) {
+  constexpr int ES = TD == DT_F32 ? 4 : 2;
+  constexpr int CPR = HD * ES / 16;  // 16-byte chunks per K/V row
+  constexpr int RS = HD * ES + 16;
+  constexpr int JSTEP = NT / CPR, KPT = KT / JSTEP;
+  const int cc = threadIdx.x % CPR, jb = threadIdx.x / CPR;
+  const i64 vofs = (i64)a.num_blocks * a.block_size * a.Hkv * HD;  // K -> V in the pool
+  const i64 lbase = (i64)a.layer * 2 * vofs;
+  int blk[KPT];
+#pragma unroll
+  for (int u = 0; u < KPT; ++u) {
+    const int j = j0 + jb + JSTEP * u, p = c.ks0 + j;
+    blk[u] = j < j1 && j < c.Lc ? a.block_table[(i64)c.b * a.max_blocks + p / a.block_size] : 0;
+  }
+#pragma unroll
+  for (int u = 0; u < KPT; ++u) {
+    const int jl = jb + JSTEP * u, j = j0 + jl;
+    unsigned char* dst = base + jl * RS + cc * 16;
+    if (j >= j1) {
+      if (ZERO) {
+        *(uint4*)dst = make_uint4(0, 0, 0, 0);
+        *(uint4*)(dst + KT * RS) = make_uint4(0, 0, 0, 0);
+      }
+      continue;
+    }
+    const void *ksrc, *vsrc;
+    i64 e, ve;
+    int sdt;
+    if (j < c.Lc) {
+      const int p = c.ks0 + j;
+      ksrc = vsrc = a.pool, sdt = a.p_dt;
+      e = lbase + (((i64)blk[u] * a.block_size + p % a.block_size) * a.Hkv + c.hkv) * HD;
+      ve = e + vofs;
+    } else {
+      ksrc = a.k_new, vsrc = a.v_new, sdt = a.n_dt;
+      e = ((i64)c.b * c.T + (j - c.Lc)) * a.k_rs + c.hkv * HD;
+      ve = ((i64)c.b * c.T + (j - c.Lc)) * a.v_rs + c.hkv * HD;
+    }
+    if (sdt == TD) {
+      cp_async16(dst, (const unsigned char*)ksrc + e * ES + cc * 16);
+      cp_async16(dst + KT * RS, (const unsigned char*)vsrc + ve * ES + cc * 16);
+    } else {  // TD is fp32 here: 4 elements per chunk
+      *(float4*)dst = ld4(ksrc, sdt, e + cc * 4);
+      *(float4*)(dst + KT * RS) = ld4(vsrc, sdt, ve + cc * 4);
+    }
+  }
+}
+
+// The arguments of both split passes' entries (kernel.cu), in the launcher's order (launch.py).
+#define ATTN_PARAMS                                                                                      \
+  const void *q, int q_dt, const void *k_new, const void *v_new, int n_dt, const void *pool, int p_dt,    \
+      int layer, int num_blocks, int block_size, const int *block_table, int max_blocks,                  \
+      const int *kv_start, const int *kv_len, void *o, int o_dt, int T, int Hq, int Hkv, int causal,      \
+      int window, float scale, float *ws_acc, float *ws_ml, int tiles, int k_rs, int v_rs
+#define ATTN_ARGS(a)                                                                                     \
+  AttnArgs a;                                                                                            \
+  a.q = q, a.k_new = k_new, a.v_new = v_new, a.pool = pool, a.q_dt = q_dt, a.n_dt = n_dt;                \
+  a.p_dt = p_dt, a.o_dt = o_dt, a.layer = layer, a.num_blocks = num_blocks;                              \
+  a.block_size = block_size, a.max_blocks = max_blocks, a.T = T, a.Hq = Hq, a.Hkv = Hkv;                 \
+  a.causal = causal, a.window = window, a.tiles = tiles, a.block_table = block_table;                    \
+  a.kv_start = kv_start, a.kv_len = kv_len, a.o = o, a.ws_acc = ws_acc, a.ws_ml = ws_ml;                 \
+  a.scale = scale, a.k_rs = k_rs, a.v_rs = v_rs
