@@ -1,5 +1,6 @@
 """The attention rows of `dflash-trt bench kernels`: dflash::paged_attention (split-KV pass + combine) against
-its own bytes floor, in captured CUDA graphs after warm-up.
+its own bytes floor, in captured CUDA graphs after warm-up. bf16: decode rows run the CUDA-core pass (kernel.cu),
+verify and drafter blocks the tensor-core pass (mma.cuh); `plan` says how the keys were split.
 
 Shapes: the 0.9B Qwen3.5-text attention (Hq 16 / Hkv 2 / hd 128) and Qwen3.5-MoE's (Hq 16 / Hkv 2 / hd 256),
 bf16, batch 1, 16-row pages; decode (T=1, causal), verify (T=16, causal) and the drafter's non-causal block

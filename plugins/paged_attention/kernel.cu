@@ -5,8 +5,9 @@
 // Key index j in [0, Lc + T): j < Lc is cached row kv_start + j, j >= Lc is new row j - Lc.
 // window > 0 (sliding attention): query row t (key index Lc + t) sees key j only if Lc + t - j < window.
 //
-// Pass 1, paged_attention_hd{HD}_{bf16|f16|f32}[_small] (the K/V tile dtype; _small: fewer query rows R per
-// CTA, for a decode step's GQA group of G*T = 8 rows, where a verify block has 128; spec.cta_rows picks):
+// Pass 1, paged_attention_hd{HD}_{bf16|f16|f32}[_small|_mma] (the K/V tile dtype; _small: fewer query rows R per
+// CTA, for a decode step's GQA group of G*T = 8 rows, where a verify block has 128; _mma: the same pass on tensor
+// cores for 16-bit q and tiles, mma.cuh; spec.cta_rows and spec.mma_tiles pick):
 // grid (split, row group * Hkv + kv head, batch). A CTA owns R query rows (t-major (t, q-head of the GQA group)
 // pairs of one kv head) and the keys [split*S, split*S + S) of the key index space, S = tiles_per_split * KT
 // chosen on the host from shapes (spec.py). It streams its keys through a 2-stage cp.async pipeline of KT-key

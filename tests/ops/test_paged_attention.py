@@ -115,8 +115,8 @@ def test_launcher_validates_before_launch():
 @pytest.mark.parametrize("hd,G,T,want", [(128, 8, 1, 8), (128, 8, 16, 32), (64, 2, 1, 16), (64, 2, 16, 16),
                                           (256, 8, 1, 8), (256, 8, 16, 16), (64, 1, 128, 64)])
 def test_rows_per_cta_pads_fewest_rows(hd, G, T, want):
-    """Decode GQA groups (G*T = 8 rows) get the small CTA, verify blocks the full one; the workspace bound covers
-    both (it is taken at the full R)."""
+    """CUDA-core tiles (fp32): decode GQA groups (G*T = 8 rows) get the small CTA, verify blocks the full one; the
+    workspace bound covers both (it is taken at the largest R of any pass)."""
     from dflash_trt.plugins.paged_attention import spec
     assert spec.cta_rows(hd, G, T) == want
     tiles, nsplit, groups = spec.split_plan(1, T, G * 2, 2, hd, 8192)
