@@ -39,7 +39,7 @@ def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, 
     ws_ml = workspace + B * T * Hq * nsplit * hd * 4 if ws_bytes else 0
     o_code = dtype_code(o_dtype or q_dtype, "attn o")
     args = [(q, P), (dtype_code(q_dtype, "attn q"), I), (k_new, P), (v_new, P),
-            (dtype_code(n_dtype or q_dtype, "attn k/v"), I), (pool, P), (dtype_code(p_dtype or q_dtype, "attn kv pool"), I),
+            (dtype_code(nd, "attn k/v"), I), (pool, P), (dtype_code(pd, "attn kv pool"), I),
             (layer, I), (num_blocks, I), (block_size, I), (block_table, P), (max_blocks, I), (kv_start, P),
             (kv_len, P), (o, P), (o_code, I), (T, I), (Hq, I), (Hkv, I),
             (int(bool(causal)), I), (max(int(window), 0), I), (scale, F), (ws_acc, P), (ws_ml, P), (tiles, I),
