@@ -12,7 +12,7 @@ import contextlib
 import numpy as np
 
 from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
-from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, StepResult
+from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, StepResult, pad_rows
 from dflash_trt.runtime.commit import WriteTables, write
 from dflash_trt.runtime.sampling import SamplingError, row_params, samples
 
@@ -90,23 +90,31 @@ class HostStepExecutor:
         write(rt.device, rt.pools, out, n, t, self._ctx_rows(x, out))
 
     # ---- the executor interface ----------------------------------------------------------
-    def launch_prefill(self, seq, chunk: list[int]):
-        """One prefill chunk of `seq` (pages reserved by the caller); returns the pending first token."""
+    def launch_prefill(self, seqs, chunks: list[list[int]]) -> list[int]:
+        """One prefill chunk of each of `seqs` (pages reserved by the caller), batched in their bucket; returns the
+        first token of each (the one a sequence keeps is its last chunk's)."""
         with self._stream():
-            return self._prefill(seq, chunk)
+            return self._prefill(seqs, chunks)
 
-    def _prefill(self, seq, chunk):
+    def _prefill(self, seqs, chunks):
         C = self.rt.sizes.prefill_chunk
-        x = self._rows([seq])
-        ids = np.zeros((1, C), dtype=np.int64)
-        ids[0, : len(chunk)] = chunk
-        valid = np.array([len(chunk)], dtype=np.int64)
-        sampled = samples([seq])
+        rows = pad_rows(seqs)
+        B = len(rows)
+        x = self._rows(rows)
+        ids = np.zeros((B, C), dtype=np.int64)
+        valid = np.zeros(B, dtype=np.int64)  # padding rows: 0, they commit nothing
+        for b, chunk in enumerate(chunks):
+            ids[b, : len(chunk)] = chunk
+            valid[b] = len(chunk)
+        sampled = samples(rows)
         out = self._target(PREFILL, x, ids, {"valid_len": valid}, logits=sampled)
         self._commit(x, out, valid)
+        last = (np.arange(B), np.maximum(valid - 1, 0))
         if sampled:  # the first new token, at position seq_len + len(chunk)
-            return int(self._sampler([seq]).first(out["logits"][:, len(chunk) - 1], x["seq_len"] + len(chunk))[0])
-        return int(out["argmax"][0, len(chunk) - 1])
+            first = self._sampler(rows).first(out["logits"][last], x["seq_len"] + valid)
+        else:
+            first = out["argmax"][last]
+        return [int(t) for t in first[: len(seqs)]]
 
     def _sampler(self, rows):
         from dflash_trt.runtime.sampling import HostSampler

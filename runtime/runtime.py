@@ -20,12 +20,12 @@ import numpy as np
 
 from dflash_trt.abi import MAX_K, PoolSizes, ctx_block_table_width, pool_specs
 from dflash_trt.runtime import commit, snapshot
-from dflash_trt.runtime.batching import BUCKETS, DECODE, SPEC, StepPlan, pad_rows
+from dflash_trt.runtime.batching import BUCKETS, DECODE, PREFILL_BATCH, SPEC, StepPlan, pad_rows
 from dflash_trt.runtime.ctx import CtxWindow
 from dflash_trt.runtime.devices.host import HostDevice
 from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.host_step import HostStepExecutor
-from dflash_trt.runtime.pools import BlockAllocator, SlotPool
+from dflash_trt.runtime.pools import BlockAllocator, PoolExhausted, SlotPool
 from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.runtime.scheduler import FAILED, Request, Scheduler
 from dflash_trt.runtime.sequence import Sequence, SequenceError, token_ids
@@ -230,7 +230,9 @@ class Runtime:
         """The prompt through target_prefill chunks; sets and returns seq.bonus, the first new token.
         Once per sequence. A prefill that fails part-way (PoolExhausted) puts the sequence back as
         add_sequence left it (pages and ctx pages given back, state slot zeroed), so a retry is exact."""
-        pending = self.launch_prefill(seq, _api)
+        pending = self.launch_prefills([seq], _api)[0]
+        if isinstance(pending, Exception):
+            raise pending
         try:
             bonus = int(self.executor.collect(pending))
         except BaseException:
@@ -239,29 +241,66 @@ class Runtime:
         seq.bonus = bonus
         return seq.bonus
 
-    def launch_prefill(self, seq: Sequence, _api: str = "prefill"):
-        """prefill() without the wait: the chunks are launched and their rows committed on the host; returns the
-        last chunk's pending result (executor.collect gives the first token). The scheduler collects it with the
-        steps in flight, so a request that joins does not drain them; seq.bonus stays None until then (a device
+    def launch_prefills(self, seqs: list[Sequence], _api: str = "prefill") -> list:
+        """prefill() of several sequences without the wait. Chunk i of every prompt that has one goes out in
+        launches of up to PREFILL_BATCH rows (requests that join together share them: one launch, not one each);
+        each chunk's rows are committed on the host. Returns per sequence the last chunk's pending result
+        (executor.collect gives the first token), or the PoolExhausted / ValueError that failed it: that sequence
+        alone is put back as add_sequence left it, the others go on. The scheduler collects the results with
+        the steps in flight, so requests that join do not drain them; seq.bonus stays None until then (a device
         executor keeps the token itself: the next step may already run on it)."""
-        self._check_seq(seq, _api)
-        if seq.bonus is not None or seq.seq_len:
-            raise SequenceError(f"prefill: sequence {seq.seq_id} was already prefilled ({seq.seq_len} rows)")
+        for seq in seqs:
+            self._check_seq(seq, _api)
+            if seq.bonus is not None or seq.seq_len:
+                raise SequenceError(f"prefill: sequence {seq.seq_id} was already prefilled ({seq.seq_len} rows)")
         C, ps = self.sizes.prefill_chunk, self.sizes.page_size
-        toks = seq.tokens
-        pending = None
+        out: list = [None] * len(seqs)
+        live = list(range(len(seqs)))
         try:
-            for lo in range(0, len(toks), C):
-                chunk = toks[lo:lo + C]
-                if self.executor.ahead and seq.ctx is not None:
-                    seq.ctx.slide()
-                commit.reserve(seq, len(chunk), self.kv_alloc, ps)
-                pending = self.executor.launch_prefill(seq, chunk)
-                commit.finish(seq, len(chunk), self.kv_alloc, ps)  # n is the chunk's length: known on the host
+            for lo in range(0, max((len(s.tokens) for s in seqs), default=0), C):
+                due = [i for i in live if lo < len(seqs[i].tokens)]
+                for g in range(0, len(due), PREFILL_BATCH):
+                    group = []
+                    for i in due[g:g + PREFILL_BATCH]:
+                        seq = seqs[i]
+                        try:
+                            if self.executor.ahead and seq.ctx is not None:
+                                seq.ctx.slide()
+                            commit.reserve(seq, len(seq.tokens[lo:lo + C]), self.kv_alloc, ps)
+                        except (PoolExhausted, ValueError) as e:  # this sequence fails alone
+                            self._rewind(seq)
+                            out[i] = e
+                            live.remove(i)
+                            continue
+                        group.append(i)
+                    if group:
+                        self._launch_chunk([seqs[i] for i in group], lo, group, out, live)
         except BaseException:
-            self._rewind(seq)
+            for i in live:
+                self._rewind(seqs[i])
             raise
-        return pending
+        return out
+
+    def _launch_chunk(self, seqs: list[Sequence], lo: int, idx: list[int], out: list, live: list) -> None:
+        """Rows [lo, lo + chunk) of each of seqs (pages reserved) as one launch, then committed on the host. A
+        launch the executor refuses (PoolExhausted / ValueError, e.g. a sampling row on graphs without logits)
+        wrote nothing: with several rows, each is retried alone, so only the sequences that cause it fail."""
+        C, ps = self.sizes.prefill_chunk, self.sizes.page_size
+        chunks = [s.tokens[lo:lo + C] for s in seqs]
+        try:
+            pending = self.executor.launch_prefill(seqs, chunks)
+        except (PoolExhausted, ValueError) as e:
+            if len(seqs) > 1:
+                for s, i in zip(seqs, idx):
+                    self._launch_chunk([s], lo, [i], out, live)
+                return
+            self._rewind(seqs[0])
+            out[idx[0]] = e
+            live.remove(idx[0])
+            return
+        for s, i, chunk, p in zip(seqs, idx, chunks, pending):
+            commit.finish(s, len(chunk), self.kv_alloc, ps)  # n = the chunk's length
+            out[i] = p
 
     def _rewind(self, seq: Sequence) -> None:
         """Back to the fresh state of add_sequence (same slot): the rows a failed prefill committed are dropped."""

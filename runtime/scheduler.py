@@ -1,7 +1,8 @@
 """Continuous batching at one verify width K (the shape of nano-vllm's LLMEngine.step, small pieces):
 
-  step():  admit   waiting requests join: their prefill is launched (chunked, on the executor's device) and its
-                   first token collected with the steps in flight, so a join does not drain them
+  step():  admit   waiting requests join: their prefills are launched together (chunked, the joiners' chunks
+                   sharing launches, on the executor's device) and each first token collected with the steps in
+                   flight, so a join does not drain them
            plan    the running requests that still need tokens, in the smallest batch bucket; pages for each
                    one's worst case reserved (a request that cannot get them fails alone and is freed)
            launch  one step for the whole bucket (executor: host numpy path, or the device's CUDA graphs)
@@ -131,15 +132,22 @@ class Scheduler:
         touched.append(req)
 
     def _admit(self, touched) -> None:
-        rt = self.rt
-        while self.waiting and len(self.running) < self.max_batch and rt.slots.num_free > 0:
+        rt, joined = self.rt, []
+        while self.waiting and len(self.running) + len(joined) < self.max_batch and rt.slots.num_free > 0:
             req = self.waiting.popleft()
             try:
                 req.seq = rt.add_sequence(req.prompt, sampling=req.sampling)
-                req.seq.managed = True  # from now on only this scheduler steps or releases it
-                pending = rt.launch_prefill(req.seq, _api="_scheduler")
             except (PoolExhausted, ValueError) as e:  # a request that cannot be admitted fails alone
                 self._fail(req, e, touched)
+                continue
+            req.seq.managed = True  # from now on only this scheduler steps or releases it
+            joined.append(req)
+        if not joined:
+            return
+        # the joiners' prefills together: their chunks share launches (Runtime.launch_prefills)
+        for req, pending in zip(joined, rt.launch_prefills([r.seq for r in joined], _api="_scheduler")):
+            if isinstance(pending, Exception):
+                self._fail(req, pending, touched)
                 continue
             req.status = RUNNING
             req.inflight += 1  # the first token: wants_step counts it

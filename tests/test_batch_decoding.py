@@ -165,9 +165,50 @@ def test_join_does_not_drain_the_steps_in_flight(pair, alone):
     got, reqs = run_batch(rt, prompts[:2], [10, 6], [0, 3], gamma=3)
     assert got[0] == toks[0][:10] and got[1] == toks[1][:6]
     p1 = [int(t) for t in prompts[1]]
-    i = next(k for k, (n, a) in enumerate(log) if n == "launch_prefill" and a.tokens[:len(p1)] == p1)
-    assert log[i + 1][0] == "launch" and log[i][1] in log[i + 1][1].rows  # the next step, with the joiner
+    i = next(k for k, (n, a) in enumerate(log) if n == "launch_prefill" and a[0].tokens[:len(p1)] == p1)
+    assert log[i + 1][0] == "launch" and log[i][1][0] in log[i + 1][1].rows  # the next step, with the joiner
     assert log[i - 1][0] == "collect" and log[i + 2][0] == "collect"  # the step in flight: collected after
+    assert full(rt)
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_joiners_share_prefill_launches(pair, alone, path):
+    """Five requests that join at once: chunk i of every prompt that has one goes out in launches of at most
+    PREFILL_BATCH rows (prompts of 23, 5, 17, 40, 11 tokens in chunks of 16: rounds of 5, 3 and 1 rows), padding
+    rows inert, and every request's tokens stay those generated alone (the ctx invariant checked each step)."""
+    from dflash_trt.runtime.batching import PREFILL_BATCH
+
+    target, drafter, prompts = pair
+    toks, rows = alone
+    if path == "host":
+        rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES, gate=Gate(min_rate=0.0))
+    else:
+        rt = graph_runtime(target, drafter, prompts, toks)
+    sizes, fn = [], rt.executor.launch_prefill
+    rt.executor.launch_prefill = lambda seqs, chunks: sizes.append([len(c) for c in chunks]) or fn(seqs, chunks)
+    log = []
+    got, _ = run_batch(rt, prompts, N_NEW, [0] * 5, gamma=3, check=make_invariant_check(rt, rows, log))
+    assert PREFILL_BATCH == 4 and sizes == [[16, 5, 16, 16], [11], [7, 1, 16], [8]]
+    assert all(got[i] == toks[i][: N_NEW[i]] for i in range(5))
+    assert full(rt)
+
+
+def test_a_joiner_out_of_pages_mid_prefill_fails_alone(pair, alone):
+    """Three joiners share their first prefill launch; the second round cannot get pages for the longest prompt:
+    that request fails alone (its pages given back, its slot zeroed and freed), the others' tokens stay those
+    generated alone, and every pool comes back full."""
+    target, drafter, prompts = pair
+    toks, _ = alone
+    small = PoolSizes(kv_blocks=14, page_size=4, max_seq_len=128, max_seqs=4, dkv_blocks=160, ctx_window=12,
+                      prefill_chunk=16)
+    rt = graph_runtime(target, drafter, prompts, toks, sizes=small)
+    # 11 of 14 pages free; round 1 = 16 rows of the 40-token prompt (4 pages) + 5 + 11 rows (2 + 3 pages): 2 left,
+    # so its second chunk (4 pages) cannot be reserved
+    held = rt.kv_alloc.alloc(3)
+    got, reqs = run_batch(rt, [prompts[3], prompts[1], prompts[4]], [4, 4, 4], [0, 0, 0], gamma=3)
+    rt.kv_alloc.free(held)
+    assert reqs[0].status == "failed" and isinstance(reqs[0].error, PoolExhausted), reqs[0].error
+    assert got[1] == toks[1][:4] and got[2] == toks[4][:4]
     assert full(rt)
 
 

@@ -147,8 +147,8 @@ def test_decode_run_traces_every_launch(tmp_path):
         assert (len(r["accepted"]) > 0) == spec and all(0 <= a <= 3 for a in r["accepted"])
     # one at a time: the second request joins mid-run; its prefill is traced (idle counts it as busy), not a step
     traces = []
-    rt.executor.launch_prefill = lambda seq, chunk, _f=rt.executor.launch_prefill: (
-        traces.append(rt.executor.trace is not None) or _f(seq, chunk))
+    rt.executor.launch_prefill = lambda seqs, chunks, _f=rt.executor.launch_prefill: (
+        traces.append(rt.executor.trace is not None) or _f(seqs, chunks))
     launches.clear()
     r = decode_run(rt, prompts, 12, 3, True, trace=True, concurrency=1)
     assert traces == [False, True] and r["launches"] == len(launches) and r["new_tokens"] == 2 * 11

@@ -247,3 +247,20 @@ def test_ctx_finish_append_range_is_checked_like_an_array():
     assert cw.end == 3 and cw.total == 3  # a refused append changes nothing
     cw.finish_append(3, range(3, 6))
     assert cw.positions_visible().tolist() == list(range(6)) and cw.end == 6
+
+
+def test_torch_gdn_set_padding_rows_never_overwrite_a_live_slot():
+    """A batched prefill's padding rows (n = 0) name slot 0, which a live row of the same launch may hold: the
+    sync-free torch write must leave that row's new state there whatever order the writes land in."""
+    import torch
+
+    from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
+
+    rng = np.random.default_rng(4)
+    st = rng.standard_normal((2, 4, 2, 3, 3)).astype(np.float32)
+    for slots, n in (([0, 1, 0, 0], [5, 3, 0, 0]), ([1, 0, 0, 0], [0, 2, 0, 0]), ([3, 0, 0, 0], [1, 0, 0, 0])):
+        pool = torch.from_numpy(rng.standard_normal((2, 4, 2, 3, 3)).astype(np.float32))
+        want = pool.clone().numpy()
+        D.gdn_set(want, slots, st, np.array(n))  # the host device: only rows with n > 0 write
+        TorchCpuDevice().gdn_set(pool, torch.tensor(slots), torch.from_numpy(st), torch.tensor(n))
+        np.testing.assert_array_equal(pool.numpy(), want)

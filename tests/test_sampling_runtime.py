@@ -146,6 +146,21 @@ def test_backend_without_logits_refused_pools_consistent(pair):
     assert rt.generate(PROMPT, 6)[0] == runtime(pair).generate(PROMPT, 6)[0]  # greedy still fine
 
 
+def test_sampling_joiner_refused_alone_in_a_shared_prefill(pair):
+    """A greedy and a sampling request join together on graphs without logits: their shared prefill launch is
+    refused, each row is retried alone, and only the sampling request fails; the greedy one's tokens are those
+    it gets alone, and every pool comes back full."""
+    t, d = pair
+    rt = Runtime(NoLogits(TorchBackend(t, d)), t.cfg, d.cfg, SIZES, gate=Gate(min_rate=0.0))
+    greedy = rt.add_request(PROMPT, 6, spec=False)
+    sampled = rt.add_request(PROMPT[::-1], 6, spec=False, temperature=1.0, seed=1)
+    while rt.scheduler.has_work:
+        rt.step()
+    assert sampled.status == "failed" and isinstance(sampled.error, SamplingError)
+    assert greedy.status == "finished" and greedy.tokens == runtime(pair).generate(PROMPT, 6)[0]
+    assert rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.slots.num_free == rt.sizes.max_seqs
+
+
 # ---- GPU: the CUDA graphs ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def kernel_pair(tmp_path_factory):

@@ -17,10 +17,12 @@ eagerly from then on; `eager_keys` lists them. On CPU (TorchCpuDevice) every ste
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
-from dflash_trt.runtime.batching import DECODE, PREFILL_STEP, SPEC, StepPlan, StepResult, step_tables
+from dflash_trt.runtime.batching import DECODE, PREFILL_STEP, SPEC, StepPlan, StepResult, pad_rows, step_tables
 from dflash_trt.runtime.backends.torch_fused_step import RESULT_EXTRA, SAMPLING_FIELDS
 from dflash_trt.runtime.sampling import row_params, samples
 
@@ -35,6 +37,12 @@ class Pending:
 
     def __init__(self, kind, buf, i, ev):
         self.kind, self.buf, self.i, self.ev, self.value = kind, buf, i, ev, None
+
+
+class PrefillRow(NamedTuple):
+    """One sequence's share of a batched prefill launch: its row of that launch's result."""
+    p: Pending
+    row: int
 
 
 class StepBuffers:
@@ -94,13 +102,14 @@ class StepBuffers:
         return p
 
     def take(self, p: Pending) -> np.ndarray:
-        """The result of launch p (waits for it); the set is free for reuse afterwards."""
-        if p.value is not None:
-            return p.value
-        self.dev.wait(p.ev)
-        if self.unread[p.i] is p:
-            self.unread[p.i] = None
-        return self.sets[p.i][1].reshape(self.result.shape)
+        """The result of launch p (waits for it), kept with p: the rows of a batched prefill are collected one by
+        one, and the set is free for reuse afterwards."""
+        if p.value is None:
+            self.dev.wait(p.ev)
+            if self.unread[p.i] is p:
+                self.unread[p.i] = None
+            p.value = self.sets[p.i][1].reshape(self.result.shape).copy()
+        return p.value
 
 
 class GraphStepExecutor:
@@ -203,14 +212,21 @@ class GraphStepExecutor:
             t.update({k: (v.view(np.int64) if v.dtype == np.float64 else v) for k, v in row_params(rows).items()})
         return t
 
-    def launch_prefill(self, seq, chunk: list[int]):
+    def launch_prefill(self, seqs, chunks: list[list[int]]) -> list:
+        """One prefill chunk of each of `seqs` as ONE launch in their bucket; returns a handle per sequence
+        (collect gives its first token)."""
         C = self.rt.sizes.prefill_chunk
-        sampled = samples([seq])
-        vals = self._tables([seq], sampled)
-        ids = np.zeros((1, C), dtype=np.int64)
-        ids[0, : len(chunk)] = chunk
-        vals.update(ids=ids, start=[seq.seq_len], valid=[len(chunk)])
-        buf, run = self.entry(PREFILL_STEP, C, 1, sampled)
+        rows = pad_rows(seqs)
+        B = len(rows)
+        sampled = samples(rows)
+        vals = self._tables(rows, sampled)
+        ids = np.zeros((B, C), dtype=np.int64)
+        start, valid = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)  # padding rows: valid 0
+        for b, (seq, chunk) in enumerate(zip(seqs, chunks)):
+            ids[b, : len(chunk)] = chunk
+            start[b], valid[b] = seq.seq_len, len(chunk)
+        vals.update(ids=ids, start=start, valid=valid)
+        buf, run = self.entry(PREFILL_STEP, C, B, sampled)
         with self.dev.on_stream():
             t0 = self._mark()
             i = buf.fill(vals)
@@ -218,7 +234,7 @@ class GraphStepExecutor:
             p = buf.pending(PREFILL_STEP, i)
             if t0 is not None:
                 self.trace.append((t0, self._mark(), PREFILL_STEP))
-        return p
+        return [PrefillRow(p, b) for b in range(len(seqs))]
 
     def launch(self, plan: StepPlan):
         if plan.kind not in (SPEC, DECODE):
@@ -243,9 +259,9 @@ class GraphStepExecutor:
         self.dev.record(ev)
         return ev
 
-    def collect(self, pending: Pending):
-        kind, r = pending.kind, pending.buf.take(pending)
-        if kind == PREFILL_STEP:
-            return int(r[0, 0])
+    def collect(self, pending):
+        if isinstance(pending, PrefillRow):
+            return int(pending.p.buf.take(pending.p)[pending.row, 0])
+        r = pending.buf.take(pending)
         K = r.shape[1] - RESULT_EXTRA
-        return StepResult(r[:, :K].copy(), r[:, K].copy(), r[:, K + 2].copy(), r[:, K + 3].copy())
+        return StepResult(r[:, :K], r[:, K], r[:, K + 2], r[:, K + 3])  # r: this launch's own copy (take)

@@ -17,11 +17,15 @@ from dflash_trt.runtime.devices.torch_device import TorchDevice
 
 class TorchStepIO:
     def gdn_set(self, pool, slots, state, n) -> None:
-        """pool[:, slot[b]] <- state[:, b] where n[b] > 0, with no host sync (prefill commits in a graph).
-        Rows with n = 0 write back what they read, so slots must be distinct (prefill runs one sequence)."""
+        """pool[:, slot[b]] <- state[:, b] where n[b] > 0, with no host sync (prefill commits in a graph). Every row
+        writes, so a slot that several rows name (a batched prefill's padding rows share slot 0 with whichever
+        sequence holds it) must get the same value from all of them: each row writes the state of the row with
+        n > 0 that names its slot (live slots are distinct), or what the slot holds when there is none."""
         sl = self._t(slots, torch.int64).reshape(-1)
-        keep = (self._t(n).reshape(-1) > 0).view((1, -1) + (1,) * (pool.dim() - 2))
-        pool[:, sl] = torch.where(keep, self._t(state).to(pool.dtype), pool[:, sl])
+        keep = self._t(n).reshape(-1) > 0
+        owner = (sl[:, None] == sl[None, :]) & keep[None, :]  # [row, row]: which kept row names my slot
+        src = self._t(state).to(pool.dtype)[:, owner.to(torch.int64).argmax(1)]
+        pool[:, sl] = torch.where(owner.any(1).view((1, -1) + (1,) * (pool.dim() - 2)), src, pool[:, sl])
 
     def zero_slot(self, pool, slot: int) -> None:
         with self.on_stream():
