@@ -145,7 +145,13 @@ class Scheduler:
         if not joined:
             return
         # the joiners' prefills together: their chunks share launches (Runtime.launch_prefills)
-        for req, pending in zip(joined, rt.launch_prefills([r.seq for r in joined], _api="_scheduler")):
+        try:
+            results = rt.launch_prefills([r.seq for r in joined], _api="_scheduler")
+        except BaseException as e:  # not one request's fault (the launch itself broke): none keeps its slot
+            for req in joined:
+                self._fail(req, e, touched)
+            raise
+        for req, pending in zip(joined, results):
             if isinstance(pending, Exception):
                 self._fail(req, pending, touched)
                 continue

@@ -212,6 +212,24 @@ def test_a_joiner_out_of_pages_mid_prefill_fails_alone(pair, alone):
     assert full(rt)
 
 
+def test_a_broken_prefill_launch_fails_its_joiners_and_frees_them(pair, alone):
+    """The executor itself breaks during the joiners' shared prefill (not one request's fault): the error reaches
+    the caller, every joiner is failed with it and gives back its slot and pages; the runtime serves the next
+    request normally."""
+    target, drafter, prompts = pair
+    toks, _ = alone
+    rt = graph_runtime(target, drafter, prompts, toks)
+    fn = rt.executor.launch_prefill
+    rt.executor.launch_prefill = lambda seqs, chunks: (_ for _ in ()).throw(RuntimeError("device lost"))
+    reqs = [rt.add_request(p, 4, gamma=3) for p in prompts[:3]]
+    with pytest.raises(RuntimeError, match="device lost"):
+        rt.step()
+    assert all(r.status == "failed" and "device lost" in str(r.error) for r in reqs) and full(rt)
+    rt.executor.launch_prefill = fn
+    got, _ = run_batch(rt, prompts[:1], [6], [0], gamma=3)
+    assert got[0] == toks[0][:6] and full(rt)
+
+
 def test_uncollected_results_survive_their_staging_set_being_reused():
     """Three launches of one key before any is collected (joins' prefills): the third reuses the first one's
     pinned staging set, and the first result must still read back as it was (fill keeps a copy first)."""
