@@ -38,9 +38,14 @@ def kernel_need(cond, msg: str) -> None:
         raise KernelError(msg)
 
 
+def dtype_name(d) -> str:
+    """'bfloat16' for 'bfloat16', 'torch.bfloat16' or torch.bfloat16 (no torch import here)."""
+    return str(d).replace("torch.", "")
+
+
 def dtype_code(name, what: str, allowed=tuple(KERNEL_DTYPES)) -> int:
     """The kernel dtype code of `name` ('bfloat16', 'torch.bfloat16', ...) or KernelError naming `what`."""
-    name = str(name).replace("torch.", "")
+    name = dtype_name(name)
     if name not in allowed:
         raise KernelError(f"{what}: unsupported dtype {name}; supported: {', '.join(allowed)}")
     return KERNEL_DTYPES[name]
@@ -119,6 +124,6 @@ class OpSpec:
 def check_float_dtypes(op: str, dtypes) -> None:
     """Every floating dtype among `dtypes` must be one the kernels load (KERNEL_DTYPES)."""
     for t in dtypes:
-        t = str(t).replace("torch.", "")
+        t = dtype_name(t)
         if not t.startswith(("int", "uint", "bool")) and t not in KERNEL_DTYPES:
             raise KernelError(f"{op}: dtype {t} not supported by the kernels ({list(KERNEL_DTYPES)})")

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from dflash_trt.plugins.opspec import KernelError
+from dflash_trt.plugins.opspec import KernelError, dtype_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
            "int32": torch.int32, "int64": torch.int64}
@@ -52,7 +52,7 @@ def ptr(t: Optional[Tensor]) -> int:
 
 def dname(t) -> str:
     """torch dtype (or tensor) -> spec dtype name ('bfloat16')."""
-    return str(getattr(t, "dtype", t)).replace("torch.", "")
+    return dtype_name(getattr(t, "dtype", t))
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 
-from dflash_trt.plugins.opspec import FLOATS, INTS, Attr, OpSpec, Port, check_float_dtypes, kernel_need, need
+from dflash_trt.plugins.opspec import (FLOATS, INTS, Attr, OpSpec, Port, check_float_dtypes, dtype_name, kernel_need,
+                                       need)
 
 KERNEL_HD = (64, 128, 256)  # head dims the attention kernel is instantiated for
 NT, KT = 128, 32            # kernel tiling: threads per CTA, keys per K/V tile (kernel.cu)
@@ -42,7 +43,7 @@ def mma_tiles(q_dtype: str, p_dtype: str, n_dtype: str) -> bool:
     """Whether a verify / drafter block runs the tensor-core split pass (mma.cuh): q and the K/V tiles share one
     16-bit dtype. fp32 tiles (an fp32 model, or new rows of another dtype than the pool) keep the CUDA-core pass."""
     t = tile_dtype(p_dtype, n_dtype)
-    return t != "float32" and _dtype_name(q_dtype) == t
+    return t != "float32" and dtype_name(q_dtype) == t
 
 
 def cta_rows(hd: int, G: int, T: int, mma: bool = False) -> int:
@@ -60,13 +61,9 @@ def cta_rows(hd: int, G: int, T: int, mma: bool = False) -> int:
 TILE_SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}  # kernel entry per tile dtype
 
 
-def _dtype_name(d) -> str:
-    return str(d).replace("torch.", "")
-
-
 def tile_dtype(p_dtype: str, n_dtype: str) -> str:
     """The dtype of the shared-memory K/V tiles: the pool's, fp32 when the new rows have another dtype."""
-    p_dtype, n_dtype = _dtype_name(p_dtype), _dtype_name(n_dtype)
+    p_dtype, n_dtype = dtype_name(p_dtype), dtype_name(n_dtype)
     return p_dtype if p_dtype == n_dtype else "float32"
 
 
