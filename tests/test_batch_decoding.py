@@ -285,3 +285,56 @@ def test_bad_requests_are_refused_before_any_pool_is_touched(pair, prompt, max_n
     with pytest.raises(err, match=msg):
         rt.add_request(prompt, max_new, gamma=3)
     assert full(rt) and (rt.scheduler is None or not rt.scheduler.has_work)
+
+
+def test_a_batch_ending_together_refills_without_draining(pair, alone):
+    """Eight plain requests of one length run four at a time, so four end on the same step. With more state slots
+    than rows, their successors join while that last step is in flight: the host never collects with nothing else
+    queued while requests wait (the GPU never drains between the two groups), a step admits at most PREFILL_BATCH
+    of them, and every request's tokens stay those generated alone."""
+    from dflash_trt.runtime.batching import PREFILL_BATCH
+
+    target, drafter, prompts = pair
+    toks, _ = alone
+    sizes = PoolSizes(kv_blocks=160, page_size=4, max_seq_len=128, max_seqs=12, dkv_blocks=160, ctx_window=12,
+                      prefill_chunk=16)
+    rt = graph_runtime(target, drafter, prompts, toks, sizes=sizes)
+    order = [0, 1, 2, 3, 4, 0, 2, 4, 1, 3]
+    reqs = [rt.add_request(prompts[i], 7, spec=False) for i in order]
+    sch, ex = rt.scheduler, rt.executor
+    sch.max_batch = 4
+    drains, admitted, fn = [], [], ex.collect
+    ex.collect = lambda p: drains.append(not sch.inflight and bool(sch.waiting)) or fn(p)
+    while sch.has_work:
+        n = len(sch.waiting)
+        sch.step()
+        admitted.append(n - len(sch.waiting))
+    assert not any(drains), drains
+    assert admitted[0] == 4 and max(admitted[1:]) <= PREFILL_BATCH and sum(admitted) == len(order)
+    assert all(r.tokens == toks[i][:7] for r, i in zip(reqs, order))
+    assert full(rt)
+
+
+def test_the_admission_cap_per_step_while_steps_are_in_flight(pair, alone):
+    """Nine requests end on one step of a batch of nine; their nine successors join over the next steps at most
+    PREFILL_BATCH a step (4, 4, 1), and none of them waits for the batch to drain."""
+    from dflash_trt.runtime.batching import PREFILL_BATCH
+
+    target, drafter, prompts = pair
+    toks, _ = alone
+    sizes = PoolSizes(kv_blocks=400, page_size=4, max_seq_len=128, max_seqs=18, dkv_blocks=400, ctx_window=12,
+                      prefill_chunk=16)
+    rt = graph_runtime(target, drafter, prompts, toks, sizes=sizes)
+    order = [i % 5 for i in range(18)]
+    reqs = [rt.add_request(prompts[i], 5, spec=False) for i in order]
+    sch = rt.scheduler
+    sch.max_batch = 9
+    admitted = []
+    while sch.has_work:
+        n = len(sch.waiting)
+        sch.step()
+        admitted.append(n - len(sch.waiting))
+    joins = [a for a in admitted[1:] if a]
+    assert admitted[0] == 9 and joins == [PREFILL_BATCH, PREFILL_BATCH, 9 - 2 * PREFILL_BATCH], admitted
+    assert all(r.tokens == toks[i][:5] for r, i in zip(reqs, order))
+    assert full(rt)

@@ -70,6 +70,21 @@ def test_trained_pair_engines_build_and_are_loadable(built):
     assert set(man.data["engines"]["target_k16"]["plugins"]) == {"GdnChunkWY16", "CausalConvVerify", "PagedAttention"}
 
 
+def test_buckets_stop_at_the_widest_when_slots_outnumber_rows():
+    """More state slots than the widest bucket (slots for requests that finish while others join): the buckets
+    stop at 16; a static-batch export keeps its batch."""
+    from dataclasses import asdict
+
+    from dflash_trt.abi import PoolSizes
+    from dflash_trt.manifest import Manifest
+    from dflash_trt.runtime.backends.trt_plan import buckets
+
+    sizes = asdict(PoolSizes(max_seqs=32))
+    assert buckets(Manifest({"batch": None, "sizes": sizes})) == [1, 2, 4, 8, 16]
+    assert buckets(Manifest({"batch": None, "sizes": {**sizes, "max_seqs": 5}})) == [1, 2, 4, 8]
+    assert buckets(Manifest({"batch": 2, "sizes": sizes})) == [2]
+
+
 @pytest.mark.parametrize("kind", list(GRAPHS_BY_KIND))
 def test_binding_plan_matches_abi_and_pools(built, kind):
     """Oracle: abi.graph_io evaluated at each concrete bucket, and the pools the Runtime allocates."""

@@ -117,7 +117,7 @@ def run(a) -> int:
                            else load_pair(a.model, a.drafter, dtype, dev.device))
     batches = [int(b) for b in a.batch.split(",")]
     temps = [float(t) for t in getattr(a, "temperatures", "").split(",") if t.strip()]
-    sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=16, dkv_blocks=16 * 64 + 64,
+    sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=32, dkv_blocks=16 * 64 + 64,
                       ctx_window=1024, prefill_chunk=64)
     be = _backend(a, target, drafter, sizes, dev, dname)
     rt = Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes, device=dev, gate=Gate(min_rate=0.0),

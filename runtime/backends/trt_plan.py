@@ -67,12 +67,12 @@ def _man(m) -> Manifest:
 
 
 def buckets(man) -> list[int]:
-    """The batch buckets the runtime launches engines at: every bucket up to the one holding max_seqs
-    (a static-batch export: its batch only)."""
+    """The batch buckets the runtime launches engines at: every bucket up to the one holding max_seqs, at most
+    the widest (slots beyond it hold requests that finish while others join; a static-batch export: its batch)."""
     man = _man(man)
     if isinstance(man.batch, int):
         return [man.batch]
-    return [b for b in BUCKETS if b <= bucket_for(man.sizes.max_seqs)]
+    return [b for b in BUCKETS if b <= bucket_for(min(man.sizes.max_seqs, BUCKETS[-1]))]
 
 
 def runtime_pools(man) -> dict:
