@@ -19,6 +19,7 @@ import os
 from types import SimpleNamespace
 
 from dflash_trt.config import cache_root
+from dflash_trt.plugins import opspec
 from dflash_trt.plugins.opspec import MIN_ARCH
 
 # TensorRT-RTX runs on these compute capabilities (not on 9.0 Hopper: full TensorRT is needed there).
@@ -106,7 +107,7 @@ DTYPE_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8,
 def dtype_name(t) -> str:
     """DataType (real or stand-in) or a name like 'torch.bfloat16' -> 'bfloat16'."""
     if isinstance(t, str):
-        return t.replace("torch.", "")
+        return opspec.dtype_name(t)
     return _DT_NAMES.get(getattr(t, "name", str(t)).split(".")[-1], str(t))
 
 

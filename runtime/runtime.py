@@ -253,54 +253,56 @@ class Runtime:
             self._check_seq(seq, _api)
             if seq.bonus is not None or seq.seq_len:
                 raise SequenceError(f"prefill: sequence {seq.seq_id} was already prefilled ({seq.seq_len} rows)")
-        C, ps = self.sizes.prefill_chunk, self.sizes.page_size
-        out: list = [None] * len(seqs)
+        out: list = [None] * len(seqs)  # per sequence: its last chunk's pending result, or what failed it
         live = list(range(len(seqs)))
         try:
+            C = self.sizes.prefill_chunk
             for lo in range(0, max((len(s.tokens) for s in seqs), default=0), C):
                 due = [i for i in live if lo < len(seqs[i].tokens)]
                 for g in range(0, len(due), PREFILL_BATCH):
-                    group = []
                     for i in due[g:g + PREFILL_BATCH]:
-                        seq = seqs[i]
-                        try:
-                            if self.executor.ahead and seq.ctx is not None:
-                                seq.ctx.slide()
-                            commit.reserve(seq, len(seq.tokens[lo:lo + C]), self.kv_alloc, ps)
-                        except (PoolExhausted, ValueError) as e:  # this sequence fails alone
-                            self._rewind(seq)
-                            out[i] = e
-                            live.remove(i)
-                            continue
-                        group.append(i)
+                        out[i] = self._reserve_chunk(seqs[i], lo)  # None, or what failed it
+                    live = [i for i in live if not isinstance(out[i], Exception)]
+                    group = [i for i in due[g:g + PREFILL_BATCH] if out[i] is None]
                     if group:
-                        self._launch_chunk([seqs[i] for i in group], lo, group, out, live)
+                        for i, r in zip(group, self._launch_chunk([seqs[i] for i in group], lo)):
+                            out[i] = r
+                        live = [i for i in live if not isinstance(out[i], Exception)]
         except BaseException:
             for i in live:
                 self._rewind(seqs[i])
             raise
         return out
 
-    def _launch_chunk(self, seqs: list[Sequence], lo: int, idx: list[int], out: list, live: list) -> None:
-        """Rows [lo, lo + chunk) of each of seqs (pages reserved) as one launch, then committed on the host. A
-        launch the executor refuses (PoolExhausted / ValueError, e.g. a sampling row on graphs without logits)
-        wrote nothing: with several rows, each is retried alone, so only the sequences that cause it fail."""
+    def _reserve_chunk(self, seq: Sequence, lo: int) -> Exception | None:
+        """Pages for rows [lo, lo + chunk) of seq's prompt; a sequence that cannot get them is put back as
+        add_sequence left it and its error returned (it fails alone)."""
+        try:
+            if self.executor.ahead and seq.ctx is not None:
+                seq.ctx.slide()
+            commit.reserve(seq, len(seq.tokens[lo:lo + self.sizes.prefill_chunk]), self.kv_alloc, self.sizes.page_size)
+        except (PoolExhausted, ValueError) as e:
+            self._rewind(seq)
+            return e
+        return None
+
+    def _launch_chunk(self, seqs: list[Sequence], lo: int) -> list:
+        """Rows [lo, lo + chunk) of each of seqs (pages reserved) as one launch, then committed on the host;
+        per sequence its pending result or the error that failed it. A launch the executor refuses (PoolExhausted
+        / ValueError, e.g. a sampling row on graphs without logits) wrote nothing: with several rows, each is
+        retried alone, so only the sequences that cause it fail (each put back as add_sequence left it)."""
         C, ps = self.sizes.prefill_chunk, self.sizes.page_size
         chunks = [s.tokens[lo:lo + C] for s in seqs]
         try:
             pending = self.executor.launch_prefill(seqs, chunks)
         except (PoolExhausted, ValueError) as e:
             if len(seqs) > 1:
-                for s, i in zip(seqs, idx):
-                    self._launch_chunk([s], lo, [i], out, live)
-                return
+                return [self._launch_chunk([s], lo)[0] for s in seqs]
             self._rewind(seqs[0])
-            out[idx[0]] = e
-            live.remove(idx[0])
-            return
-        for s, i, chunk, p in zip(seqs, idx, chunks, pending):
+            return [e]
+        for s, chunk in zip(seqs, chunks):
             commit.finish(s, len(chunk), self.kv_alloc, ps)  # n = the chunk's length
-            out[i] = p
+        return list(pending)
 
     def _rewind(self, seq: Sequence) -> None:
         """Back to the fresh state of add_sequence (same slot): the rows a failed prefill committed are dropped."""

@@ -32,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from dflash_trt.plugins.opspec import dtype_name
 from dflash_trt.runtime.sequence import Sequence
 
 FORMAT = "dflash-trt-sequence"
@@ -57,10 +58,6 @@ class SnapshotMismatch(SnapshotError):
 
 
 # ---- identity ---------------------------------------------------------------------------
-def _dtype_name(a) -> str:
-    return str(a.dtype).replace("torch.", "")  # numpy 'float32' and torch 'torch.float32' alike
-
-
 def _weights_id(backend, which: str) -> str | None:
     """A cheap fingerprint of the target/drafter weights: two checkpoints with one config would
     otherwise pass the config check and continue as garbage. Checkpoint hash when the backend runs
@@ -96,7 +93,7 @@ def identity(rt) -> dict:
     if rt.dcfg is not None:
         out.update({f"drafter.{k}": v for k, v in asdict(rt.dcfg).items()})
     out["kv_dtype"] = str(rt.backend.kv_dtype)
-    out.update({f"pool.{name}.dtype": _dtype_name(p) for name, p in sorted(rt.pools.items())})
+    out.update({f"pool.{name}.dtype": dtype_name(p.dtype) for name, p in sorted(rt.pools.items())})
     out.update({f"sizes.{k}": getattr(rt.sizes, k) for k in _SIZE_FIELDS})
     out["weights.target"] = _weights_id(rt.backend, "target")
     out["weights.drafter"] = _weights_id(rt.backend, "drafter") if rt.dcfg is not None else None

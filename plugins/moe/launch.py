@@ -11,7 +11,7 @@ from __future__ import annotations
 from dflash_trt.plugins.cuda_launch import I as INT, P, get_function, launch
 from dflash_trt.plugins.gemv import spec as gemv_spec
 from dflash_trt.plugins.moe import spec
-from dflash_trt.plugins.opspec import dtype_code, kernel_need
+from dflash_trt.plugins.opspec import dtype_code, dtype_name, kernel_need
 
 _SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
@@ -35,7 +35,7 @@ def moe_experts(x, topk_idx, topk_w, gate_up, down, out, plan, h, y_pair, *, N, 
     plan_args = [(act_e, P), (act_off, P), (act_cnt, P), (entries, P)]
     launch(get_function("moe", "moe_plan"), (1, 1, 1), (spec.PLAN_THREADS, 1, 1), 8 * E, stream,
            [(topk_idx, P), (idx64, INT), (Pn, INT), (E, INT), (M, INT), *plan_args])
-    sfx = _SUFFIX[str(dtype).replace("torch.", "")]
+    sfx = _SUFFIX[dtype_name(dtype)]
     block = (spec.WARPS * 32, 1, 1)
     launch(get_function("moe", f"moe_gate_up_{sfx}"), (I // 16, M, 1), block, 0, stream,
            [(gate_up, P), (x, P), (H, INT), (I, INT), (k, INT), *plan_args, (h, P)])
@@ -62,7 +62,7 @@ def takes_decode_path(N: int, k: int, I: int, dtype: str) -> bool:  # noqa: E741
 
 def _codes(dtype, w_dtype, idx_dtype):
     """(x dtype code, topk_w dtype code, idx64) of one moe_experts call; KernelError for a bad index dtype."""
-    kernel_need(str(idx_dtype).replace("torch.", "") in ("int32", "int64"),
+    kernel_need(dtype_name(idx_dtype) in ("int32", "int64"),
                 f"moe_experts: topk_idx must be int32 or int64, got {idx_dtype}")
     return (dtype_code(dtype, "moe_experts x / weights"), dtype_code(w_dtype, "moe_experts topk_w"),
             int(str(idx_dtype).endswith("int64")))

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from dflash_trt.export.graphs import run_graph
+from dflash_trt.plugins.opspec import dtype_name
 
 HOST_OUTPUTS = ("argmax", "drafts")
 
@@ -25,7 +26,7 @@ class TorchBackend:
         self.target, self.drafter, self.want_logits = target, drafter, want_logits
         p = next(target.parameters())
         self.device = torch.device(device) if device else p.device
-        self.kv_dtype = str(p.dtype).replace("torch.", "")
+        self.kv_dtype = dtype_name(p.dtype)
         if self.device.type == "cpu" and self.kv_dtype not in ("float32", "float64"):
             raise ValueError(f"on CPU the runtime keeps pools in numpy; target dtype {self.kv_dtype} is not "
                              "supported there (load the target in float32)")

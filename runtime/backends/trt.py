@@ -24,6 +24,7 @@ import torch
 from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
 from dflash_trt.engines.load import EngineError, load_engine
 from dflash_trt.manifest import Manifest, ManifestBacked
+from dflash_trt.plugins.opspec import dtype_name
 from dflash_trt.runtime.backends.trt_plan import PlanError, check_bound, runtime_plan
 
 
@@ -72,7 +73,7 @@ class TrtBackend(ManifestBacked):
         """The device-side steps over the engines, bound to this runtime's pools and stream."""
         from dflash_trt.runtime.backends.torch_fused_step import FusedSteps
 
-        pools = {n: (tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in rt.pools.items()}
+        pools = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in rt.pools.items()}
         self.plans = runtime_plan(self.manifest, self._ios(), pools)  # the runtime's pools, not the manifest's
         self.device = rt.device
         return FusedSteps(_EngineTarget(self), _EngineDrafter(self) if self.dcfg is not None else None, rt,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, pool_specs, target_graph
 from dflash_trt.engines.load import EngineError, engine_record
 from dflash_trt.manifest import Manifest, ManifestError, diff_io
+from dflash_trt.plugins.opspec import dtype_name
 from dflash_trt.runtime.batching import BUCKETS, DECODE, PREFILL_STEP, SPEC, bucket_for
 
 
@@ -146,9 +147,9 @@ def check_bound(plan: EnginePlan, name: str, shape, dtype: str) -> None:
     shape = tuple(int(d) for d in shape)
     ok = shape == b.shape or (b.pad_rows and len(shape) == len(b.shape) and shape[1] <= b.shape[1]
                               and shape[:1] + shape[2:] == b.shape[:1] + b.shape[2:])
-    if not ok or str(dtype).replace("torch.", "") != b.dtype:
+    if not ok or dtype_name(dtype) != b.dtype:
         raise PlanError(f"engine {plan.graph} batch {plan.batch}: {b.io} {name} is {list(shape)} "
-                        f"{str(dtype).replace('torch.', '')}, the plan binds {list(b.shape)} {b.dtype}")
+                        f"{dtype_name(dtype)}, the plan binds {list(b.shape)} {b.dtype}")
 
 
 def step_launches(kind: str, K: int, block_size: int | None) -> tuple:
