@@ -141,8 +141,13 @@ class Scheduler:
         # ~3 ms each in a ~180 ms run).
         stepping = sum(1 for r in self.running if r.wants_step)
         cap = PREFILL_BATCH if self.ex.ahead and self.inflight else self.max_batch
+        free = [rt.kv_alloc.num_free, rt.dkv_alloc.num_free if rt.dcfg is not None else 0]
         while (self.waiting and len(joined) < cap and stepping + len(joined) < self.max_batch
                and rt.slots.num_free > 0):
+            need = self._pages_to_start(self.waiting[0])
+            if self.running and (need[0] > free[0] or need[1] > free[1]):
+                break  # the running requests give pages back as they end: wait for them rather than fail
+            free = [free[0] - need[0], free[1] - need[1]]
             req = self.waiting.popleft()
             try:
                 req.seq = rt.add_sequence(req.prompt, sampling=req.sampling)
@@ -170,6 +175,13 @@ class Scheduler:
             self.inflight.append((Join(req), pending))
             if not self.ex.ahead:  # a host executor's steps read seq.bonus: collect now (nothing else is in flight)
                 self._collect(*self.inflight.pop(), touched)
+
+    def _pages_to_start(self, req: Request) -> tuple[int, int]:
+        """(KV pages, drafter ctx pages) that req's prefill and first step reserve."""
+        rt, ps = self.rt, self.rt.sizes.page_size
+        rows = len(req.prompt) + self.K
+        ctx = -(-min(rows, rt.sizes.ctx_window) // ps) if rt.dcfg is not None else 0
+        return -(-rows // ps), ctx
 
     def _plan(self, touched) -> StepPlan | None:
         rt, K = self.rt, self.K

@@ -338,3 +338,22 @@ def test_the_admission_cap_per_step_while_steps_are_in_flight(pair, alone):
     assert admitted[0] == 9 and joins == [PREFILL_BATCH, PREFILL_BATCH, 9 - 2 * PREFILL_BATCH], admitted
     assert all(r.tokens == toks[i][:5] for r, i in zip(reqs, order))
     assert full(rt)
+
+
+def test_a_joiner_short_of_pages_waits_for_the_requests_ending(pair, alone):
+    """Pages are tight: while the first two requests hold theirs (their last steps in flight), the third cannot
+    get pages for its prompt. It waits until they give them back, rather than joining early and failing; every
+    request finishes with the tokens generated alone and the pools come back full."""
+    target, drafter, prompts = pair
+    toks, _ = alone
+    sizes = PoolSizes(kv_blocks=21, page_size=4, max_seq_len=128, max_seqs=4, dkv_blocks=160, ctx_window=12,
+                      prefill_chunk=16)
+    rt = graph_runtime(target, drafter, prompts, toks, sizes=sizes)
+    order = [3, 0, 4]  # their last steps in flight, the first two hold 12 + 7 of 21 pages; the third needs 3
+    reqs = [rt.add_request(prompts[i], 6, spec=False) for i in order]
+    rt.scheduler.max_batch = 2
+    while rt.has_work:
+        rt.step()
+    assert [r.status for r in reqs] == ["finished"] * 3, [r.error for r in reqs]
+    assert all(r.tokens == toks[i][:6] for r, i in zip(reqs, order))
+    assert full(rt)
