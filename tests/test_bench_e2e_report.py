@@ -87,10 +87,33 @@ def test_decode_pools_every_prompt(monkeypatch):
                  {"tokens": [[0] * 5], "new_tokens": 4, "tok_s": 1.0, "accepted": [0, 0, 0, 1], "launches": 5,
                   "step_ms": 2.0, "idle_pct": 3.0, "failed": []}])
     monkeypatch.setattr(R, "decode_run", lambda *a, **k: next(runs))
-    out = R._decode(None, [[1], [2]], 1, SimpleNamespace(gamma=15, batch1_prompts=2, max_new_tokens=8), spec=True)
+    out = R._decode(None, [[1], [2]], 1, SimpleNamespace(gamma=15, batch1_prompts=2, max_new_tokens=8, repeats=1),
+                  spec=True)
     assert out["tok_s"] == 12 / 6.0  # 8 tokens in 2 s + 4 tokens in 4 s
     assert out["tau"] == 1 + 7 / 6 and out["tokens_per_launch"] == 12 / 8
     assert out["step_ms"] == (3 * 1.0 + 5 * 2.0) / 8 and out["idle_pct"] == 2.0
+
+
+def test_decode_row_is_the_median_measured_run(monkeypatch, capsys):
+    """--repeats 3: the row is the measured run of median tok/s (all its figures from that run), every run's tok/s
+    kept and printed beside the table (hand-written per-run figures)."""
+    from types import SimpleNamespace
+
+    from dflash_trt.tools import bench_e2e_run as R
+
+    def run(tok_s, idle):
+        return {"tokens": [[0] * 9], "new_tokens": 8, "tok_s": tok_s, "accepted": [], "launches": 8, "step_ms": 1.0,
+                "idle_pct": idle, "failed": []}
+
+    runs = iter([run(1.0, 0.0), run(40.0, 1.0), run(10.0, 12.0), run(20.0, 3.0)])  # warm-up, then 3 measured
+    monkeypatch.setattr(R, "decode_run", lambda *a, **k: next(runs))
+    a = SimpleNamespace(gamma=None, requests_per_slot=1, max_new_tokens=8, repeats=3)
+    out = R._decode(None, [[1]], 16, a, spec=False)
+    assert out["tok_s"] == 20.0 and out["idle_pct"] == 3.0 and out["tok_s_runs"] == [40.0, 10.0, 20.0]
+    res = _res("models/target", [{"batch": 16, "plain": out}], hf=None)
+    res["targets"] = targets(res, random=False)
+    print_table(res)
+    assert "tok/s of each measured run (the row is the median): batch 16 plain 10/20/40" in capsys.readouterr().out
 
 
 def _tiny_runtime(tmp_path, device):

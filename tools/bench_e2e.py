@@ -279,7 +279,7 @@ def check_args(a) -> None:
         raise UsageError(f"--batch wants comma-separated batch sizes in 1..{BUCKETS[-1]}, got {a.batch!r}")
     for flag, v, lo in (("--max-new-tokens", a.max_new_tokens, 1), ("--hf-tokens", a.hf_tokens, 0),
                         ("--batch1-prompts", a.batch1_prompts, 1), ("--gamma", a.gamma, 1),
-                        ("--requests-per-slot", a.requests_per_slot, 1)):
+                        ("--requests-per-slot", a.requests_per_slot, 1), ("--repeats", a.repeats, 1)):
         if v is not None and v < lo:
             raise UsageError(f"{flag} must be >= {lo}, got {v}")
     try:
@@ -316,6 +316,10 @@ def main(argv=None) -> int:
     p.add_argument("--requests-per-slot", type=int, default=4,
                    help="a batch B > 1 serves B x this many requests, B at a time: one joins as another leaves "
                         "(1: the B requests start together and the batch drains as they finish)")
+    # the host shares the machine: one run of a batch-16 serve varied 0.7% -> 11.8% idle between two measured runs
+    # (H200 host, trained pair bf16): the row is the median run of several, its spread printed beside it
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measured runs of every decode row after its warm-up; the table shows the median by tok/s")
     p.add_argument("--step-ks", default=",".join(map(str, range(1, 17))),
                    help="verify widths of the per-K target step latency sweep (default 1..16; 1 and 16 always)")
     p.add_argument("--no-compile", action="store_true", help="run the captured steps without Inductor")

@@ -37,26 +37,34 @@ def _progress(key, count=[0]) -> None:  # noqa: B006  (a counter across calls)
 
 
 def _decode(rt, prompts, batch, a, spec, temperature: float = 0.0):
-    """(warm-up run that captures every bucket it will meet, then the measured run). Batch 1: batch1_prompts
-    prompts one after another, each prefill untimed. Batch B > 1: B x requests_per_slot requests (the prompts
-    cycled), B at a time: at 1 they start together (prefills untimed) and the batch drains as they finish; above,
-    the batch stays full until the queue runs dry, and the prefills of the requests that join mid-run are inside
-    the timed decode (batch 1 does not pay them)."""
+    """(warm-up run that captures every bucket it will meet, then a.repeats measured runs; the median by tok/s is
+    the row, every run's tok/s kept in "tok_s_runs"). Batch 1: batch1_prompts prompts one after another, each
+    prefill untimed. Batch B > 1: B x requests_per_slot requests (the prompts cycled), B at a time: at 1 they start
+    together (prefills untimed) and the batch drains as they finish; above, the batch stays full until the queue
+    runs dry, and the prefills of the requests that join mid-run are inside the timed decode (batch 1 does not pay
+    them)."""
     gamma = a.gamma if spec else None
     if batch == 1:
         work, conc = [[p] for p in prompts[:a.batch1_prompts]], None  # one after another; tok/s over all of them
     else:
         work, conc = [[prompts[i % len(prompts)] for i in range(batch * a.requests_per_slot)]], batch
     decode_run(rt, work[0], a.max_new_tokens, gamma, spec, temperature=temperature, concurrency=conc)  # warm-up
-    runs = [decode_run(rt, w, a.max_new_tokens, gamma, spec, trace=True, temperature=temperature, concurrency=conc)
-            for w in work]
+    reps = [_pooled([decode_run(rt, w, a.max_new_tokens, gamma, spec, trace=True, temperature=temperature,
+                                concurrency=conc) for w in work]) for _ in range(a.repeats)]
+    row = sorted(reps, key=lambda r: r["tok_s"])[len(reps) // 2]
+    row["tok_s_runs"] = [r["tok_s"] for r in reps]
+    return row
+
+
+def _pooled(runs) -> dict:
+    """One measured run of a row: its decode_run results pooled."""
     secs = sum(r["new_tokens"] / r["tok_s"] for r in runs)
     new, launches = sum(r["new_tokens"] for r in runs), sum(r["launches"] for r in runs)
     acc = [a for r in runs for a in r["accepted"]]
     # pooled over every prompt's steps: tau = mean tokens a spec step commits; tokens per launch also counts
     # the launches whose tokens were cut (max tokens) or dropped (a step in flight when its request ended)
     return {"tok_s": new / secs, "tau": 1 + float(np.mean(acc)) if acc else 1.0,
-            "tokens_per_launch": new / launches if launches else 0.0, "requests": sum(len(w) for w in work),
+            "tokens_per_launch": new / launches if launches else 0.0, "requests": sum(len(r["tokens"]) for r in runs),
             "step_ms": sum(r["step_ms"] * r["launches"] for r in runs if r["launches"]) / launches if launches else 0.0,
             "idle_pct": float(np.mean([r["idle_pct"] for r in runs if r["idle_pct"] is not None] or [0.0])),
             "join_prefill_ms": sum(r.get("join_prefill_ms", 0.0) for r in runs), "decode_s": secs,
@@ -252,6 +260,10 @@ def print_table(res) -> None:
                f"{r['identical']:>4}/{r['n_seqs']:<5}" if d else f"{'-':>13} {'-':>8} {'-':>6} {'-':>10}"
         idle = f"{p['idle_pct']:.1f}/{d['idle_pct']:.1f}" if d else f"{p['idle_pct']:.1f}/-"
         print(f"{r['batch']:>5} {p['tok_s']:>12.1f} {dtxt} {idle:>19}")
+    spread = [f"batch {r['batch']} {k} " + "/".join(f"{t:.0f}" for t in sorted(r[k]["tok_s_runs"]))
+              for r in res["rows"] for k in ("plain", "dflash") if len(r.get(k, {}).get("tok_s_runs", ())) > 1]
+    if spread:
+        print("tok/s of each measured run (the row is the median): " + "; ".join(spread))
     for r in res["rows"]:
         if r.get("dflash") and r["dflash"].get("step_ms") and r["plain"].get("step_ms"):
             print(speedup_terms(r))
