@@ -254,23 +254,21 @@ class Runtime:
             if seq.bonus is not None or seq.seq_len:
                 raise SequenceError(f"prefill: sequence {seq.seq_id} was already prefilled ({seq.seq_len} rows)")
         out: list = [None] * len(seqs)  # per sequence: its last chunk's pending result, or what failed it
-        live = list(range(len(seqs)))
         try:
             C = self.sizes.prefill_chunk
             for lo in range(0, max((len(s.tokens) for s in seqs), default=0), C):
-                due = [i for i in live if lo < len(seqs[i].tokens)]
+                due = [i for i, s in enumerate(seqs) if not isinstance(out[i], Exception) and lo < len(s.tokens)]
                 for g in range(0, len(due), PREFILL_BATCH):
                     for i in due[g:g + PREFILL_BATCH]:
                         out[i] = self._reserve_chunk(seqs[i], lo)  # None, or what failed it
-                    live = [i for i in live if not isinstance(out[i], Exception)]
                     group = [i for i in due[g:g + PREFILL_BATCH] if out[i] is None]
                     if group:
                         for i, r in zip(group, self._launch_chunk([seqs[i] for i in group], lo)):
                             out[i] = r
-                        live = [i for i in live if not isinstance(out[i], Exception)]
         except BaseException:
-            for i in live:
-                self._rewind(seqs[i])
+            for s, r in zip(seqs, out):
+                if not isinstance(r, Exception):  # a failed one was put back already
+                    self._rewind(s)
             raise
         return out
 
