@@ -80,6 +80,17 @@ def step_tables(rows: list, max_blocks: int, ctx_blocks: int | None, max_seqs: i
     return t
 
 
+def prefill_rows(seqs: list, chunks: list, C: int) -> dict:
+    """One prefill launch's chunk rows in the bucket of seqs, int64: ids [B, C] (each chunk left-aligned), start (its
+    first position: seq_len) and valid (its length; 0 on padding rows, which commit nothing)."""
+    B = bucket_for(len(seqs))
+    ids, start, valid = np.zeros((B, C), dtype=np.int64), np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
+    for b, (seq, chunk) in enumerate(zip(seqs, chunks)):
+        ids[b, : len(chunk)] = chunk
+        start[b], valid[b] = seq.seq_len, len(chunk)
+    return {"ids": ids, "start": start, "valid": valid}
+
+
 @dataclass
 class StepResult:
     """What comes back from a step, per bucket row: tokens [B,K] (the target argmax: accepted drafts equal it,

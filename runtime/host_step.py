@@ -12,7 +12,7 @@ import contextlib
 import numpy as np
 
 from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
-from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, StepResult, pad_rows
+from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, StepResult, pad_rows, prefill_rows
 from dflash_trt.runtime.commit import WriteTables, write
 from dflash_trt.runtime.sampling import SamplingError, row_params, samples
 
@@ -97,19 +97,14 @@ class HostStepExecutor:
             return self._prefill(seqs, chunks)
 
     def _prefill(self, seqs, chunks):
-        C = self.rt.sizes.prefill_chunk
         rows = pad_rows(seqs)
-        B = len(rows)
         x = self._rows(rows)
-        ids = np.zeros((B, C), dtype=np.int64)
-        valid = np.zeros(B, dtype=np.int64)  # padding rows: 0, they commit nothing
-        for b, chunk in enumerate(chunks):
-            ids[b, : len(chunk)] = chunk
-            valid[b] = len(chunk)
+        pr = prefill_rows(seqs, chunks, self.rt.sizes.prefill_chunk)
+        valid = pr["valid"]
         sampled = samples(rows)
-        out = self._target(PREFILL, x, ids, {"valid_len": valid}, logits=sampled)
+        out = self._target(PREFILL, x, pr["ids"], {"valid_len": valid}, logits=sampled)
         self._commit(x, out, valid)
-        last = (np.arange(B), np.maximum(valid - 1, 0))
+        last = (np.arange(len(rows)), np.maximum(valid - 1, 0))
         if sampled:  # the first new token, at position seq_len + len(chunk)
             first = self._sampler(rows).first(out["logits"][last], x["seq_len"] + valid)
         else:

@@ -22,7 +22,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from dflash_trt.runtime.batching import DECODE, PREFILL_STEP, SPEC, StepPlan, StepResult, pad_rows, step_tables
+from dflash_trt.runtime.batching import (DECODE, PREFILL_STEP, SPEC, StepPlan, StepResult, pad_rows, prefill_rows,
+                                         step_tables)
 from dflash_trt.runtime.backends.torch_fused_step import RESULT_EXTRA, SAMPLING_FIELDS
 from dflash_trt.runtime.sampling import row_params, samples
 
@@ -217,16 +218,10 @@ class GraphStepExecutor:
         (collect gives its first token)."""
         C = self.rt.sizes.prefill_chunk
         rows = pad_rows(seqs)
-        B = len(rows)
         sampled = samples(rows)
         vals = self._tables(rows, sampled)
-        ids = np.zeros((B, C), dtype=np.int64)
-        start, valid = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)  # padding rows: valid 0
-        for b, (seq, chunk) in enumerate(zip(seqs, chunks)):
-            ids[b, : len(chunk)] = chunk
-            start[b], valid[b] = seq.seq_len, len(chunk)
-        vals.update(ids=ids, start=start, valid=valid)
-        buf, run = self.entry(PREFILL_STEP, C, B, sampled)
+        vals.update(prefill_rows(seqs, chunks, C))
+        buf, run = self.entry(PREFILL_STEP, C, len(rows), sampled)
         with self.dev.on_stream():
             t0 = self._mark()
             i = buf.fill(vals)
