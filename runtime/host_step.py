@@ -163,5 +163,14 @@ class HostStepExecutor:
     def collect(self, pending):
         return pending  # already done: launches are synchronous
 
+    def zero_slot(self, slot: int) -> None:
+        """A fresh sequence's GDN and conv state: zeros (before its prefill)."""
+        zero = getattr(self.rt.device, "zero_slot", None)
+        for name in ("gdn_pool", "conv_pool"):
+            if zero is not None:
+                zero(self.rt.pools[name], slot)
+            else:
+                self.rt.pools[name][:, slot] = 0
+
     def adopt(self, seq) -> None:
         """A sequence whose state was put into the pools from outside (restore): nothing to do here."""

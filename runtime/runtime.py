@@ -172,7 +172,7 @@ class Runtime:
         if self.sizes.max_seq_len < len(ids) + 1:  # prefill() could never finish: refuse before taking a slot
             raise CapacityError(f"prompt of {len(ids)} tokens does not fit max_seq_len={self.sizes.max_seq_len}")
         slot = self.slots.alloc()
-        self._zero_slot(slot)
+        self.executor.zero_slot(slot)  # a fresh sequence starts from zero state (on the stream of its prefill)
         seq = Sequence(self._next_id, ids, slot, self.sizes.max_blocks, ctx=self._new_ctx(), owner=self,
                        sampling=sampling)
         self._next_id += 1
@@ -183,14 +183,6 @@ class Runtime:
             return None
         return CtxWindow(self.sizes.ctx_window, self.sizes.page_size, self.dkv_alloc, self.ctx_append,
                          auto_slide=not self.executor.ahead)
-
-    def _zero_slot(self, slot: int) -> None:
-        for name in ("gdn_pool", "conv_pool"):  # a fresh sequence starts from zero state
-            zero = getattr(self.device, "zero_slot", None)
-            if zero is not None:
-                zero(self.pools[name], slot)
-            else:
-                self.pools[name][:, slot] = 0
 
     def release(self, seq: Sequence) -> None:
         """Give back seq's pages and slot. Releasing a released sequence again is a no-op; a foreign or
@@ -311,7 +303,7 @@ class Runtime:
             seq.ctx.release()
         seq.ctx = self._new_ctx()
         seq.seq_len, seq.bonus = 0, None
-        self._zero_slot(seq.slot)
+        self.executor.zero_slot(seq.slot)
 
     def _run_step(self, kind: str, seqs, K: int):
         ps = self.sizes.page_size
@@ -403,8 +395,7 @@ class Runtime:
         finally:
             for r in list(sch.running) + list(sch.waiting):
                 sch.release(r)
-            while sch.inflight:  # a raising step may leave one in flight: let it land
-                self.executor.collect(sch.inflight.popleft()[1])
+            sch.drain()  # a raising step may leave one in flight: let it land
         seconds = time.perf_counter() - t0
         if req.status == FAILED:
             raise req.error

@@ -89,9 +89,11 @@ class Scheduler:
         return req
 
     def release(self, req: Request, reason: str = "released") -> None:
-        """Leave now: pages and slot back (a step of it still in flight finishes first on the device's stream,
-        before anything reuses them; its results are dropped)."""
-        if req.seq is not None:
+        """Leave now; the results of its launches still in flight are dropped. Its pages and slot go back once
+        no launch in flight can touch them: at once when none is, else when the last one is collected. A device
+        executor runs the prefills of joining requests on a second stream, beside the steps in flight
+        (graph_executor), so a page freed under a running step could be rewritten by a prefill meanwhile."""
+        if req.seq is not None and not (self.ex.ahead and req.inflight):
             self.rt._release(req.seq)  # the scheduler's own handle (direct release() refuses managed ones)
             req.seq = None
         if req in self.running:
@@ -126,6 +128,20 @@ class Scheduler:
             self._collect(*self.inflight.popleft(), touched)
         return list(dict.fromkeys(touched))
 
+    def drain(self) -> list[Request]:
+        """Collect every launch in flight (a caller that stops stepping early: its pages and slots come back)."""
+        touched: list[Request] = []
+        while self.inflight:
+            self._collect(*self.inflight.popleft(), touched)
+        return list(dict.fromkeys(touched))
+
+    def _landed(self, req: Request) -> None:
+        """One launch of req collected; a request that left gives its pages and slot back with its last one."""
+        req.inflight -= 1
+        if req.status != RUNNING and req.inflight == 0 and req.seq is not None:
+            self.rt._release(req.seq)
+            req.seq = None
+
     def _fail(self, req: Request, err: Exception, touched) -> None:
         self.release(req, "error")
         req.status, req.error = FAILED, err
@@ -145,8 +161,8 @@ class Scheduler:
         while (self.waiting and len(joined) < cap and stepping + len(joined) < self.max_batch
                and rt.slots.num_free > 0):
             need = self._pages_to_start(self.waiting[0])
-            if self.running and (need[0] > free[0] or need[1] > free[1]):
-                break  # the running requests give pages back as they end: wait for them rather than fail
+            if (self.running or self.inflight) and (need[0] > free[0] or need[1] > free[1]):
+                break  # requests running or landing give pages back as they end: wait for them rather than fail
             free = [free[0] - need[0], free[1] - need[1]]
             req = self.waiting.popleft()
             try:
@@ -209,15 +225,15 @@ class Scheduler:
         res = self.ex.collect(pending)
         if isinstance(plan, Join):
             req = plan.req
-            req.inflight -= 1
+            self._landed(req)
             if req.status == RUNNING:  # else it left while its prefill was in flight
                 req.seq.bonus = int(res)
                 self._emit(req, [req.seq.bonus], touched)
             return
         accepted = []
         for b, req in enumerate(plan.reqs):
-            req.inflight -= 1
             req.ahead -= plan.K
+            self._landed(req)
             if req.status != RUNNING:
                 continue  # left while this step was in flight: its rows are dropped
             n = int(res.n[b])

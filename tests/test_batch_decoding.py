@@ -357,3 +357,29 @@ def test_a_joiner_short_of_pages_waits_for_the_requests_ending(pair, alone):
     assert [r.status for r in reqs] == ["finished"] * 3, [r.error for r in reqs]
     assert all(r.tokens == toks[i][:6] for r, i in zip(reqs, order))
     assert full(rt)
+
+
+def test_a_request_leaving_keeps_its_pages_until_its_launches_land(pair, alone):
+    """A request that ends (length, EOS, release) while one of its steps is still in flight keeps its slot and
+    pages until that step is collected: the GPU executor runs joiners' prefills on a second stream beside the step
+    in flight, so a page given back earlier could be written by both at once. Checked after every scheduler step:
+    each launch in flight still holds its requests' pages and slots; the case happens; the pools end full."""
+    target, drafter, prompts = pair
+    toks, _ = alone
+    sizes = PoolSizes(kv_blocks=160, page_size=4, max_seq_len=128, max_seqs=12, dkv_blocks=160, ctx_window=12,
+                      prefill_chunk=16)
+    rt = graph_runtime(target, drafter, prompts, toks, sizes=sizes)
+    order = [0, 1, 2, 3, 4, 0, 2, 4]
+    reqs = [rt.add_request(prompts[i], 9, gamma=3) for i in order]
+    sch = rt.scheduler
+    sch.max_batch = 4
+    left_in_flight = 0
+    while sch.has_work:
+        sch.step()
+        held = [r for entry, _ in sch.inflight for r in (getattr(entry, "reqs", None) or [entry.req])]
+        left_in_flight += sum(1 for r in held if r.done)
+        assert all(r.seq is not None and r.seq.slot >= 0 for r in held), [r.req_id for r in held if r.seq is None]
+        assert all(rt.kv_alloc.refcount(p) > 0 for r in held for p in r.seq.pages)
+    assert left_in_flight > 0  # some request did end with a step of it in flight
+    assert all(r.tokens == toks[i][:9] for r, i in zip(reqs, order))
+    assert full(rt)

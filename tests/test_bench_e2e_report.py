@@ -229,3 +229,23 @@ def test_serving_rows_say_what_the_joiners_prefills_took(capsys):
     lines = [x for x in capsys.readouterr().out.splitlines() if "joining mid-run" in x]
     assert lines == ["batch 16 dflash: 64 requests; prefills of requests joining mid-run 61.3 ms GPU of 190.0 ms "
                      "decode wall time"]
+
+
+def test_idle_is_the_wall_time_no_launch_covers():
+    """Prefills on the second stream overlap the steps: idle is what the union of launches leaves uncovered, not
+    the sum of gaps between consecutive ones (hand-written event times, ms)."""
+    from dflash_trt.tools.bench_e2e import idle_pct
+
+    class Clock:  # events are their times; elapsed_ms is their difference
+        def sync_all(self):
+            pass
+
+        @staticmethod
+        def elapsed_ms(a, b):
+            return b - a
+
+    # step 0-4, prefill 3-6 (overlaps it and the gap), step 7-10, prefill 8-9 inside it: idle 6-7 of 0-10
+    trace = [(0.0, 4.0, "spec"), (3.0, 6.0, "prefill"), (7.0, 10.0, "spec"), (8.0, 9.0, "prefill")]
+    assert abs(idle_pct(Clock(), trace) - 10.0) < 1e-9
+    # a prefill that started before the first step launched (another stream) widens the wall time
+    assert abs(idle_pct(Clock(), [(1.0, 3.0, "spec"), (-1.0, 0.0, "prefill")]) - 25.0) < 1e-9

@@ -1,7 +1,7 @@
 """The GPU runtime (CudaDevice pools, one CUDA graph per step kind / K / bucket, accept and commit on the
 device, one step in flight) on the shipped trained pair, fp32: DFlash == plain greedy == the CPU reference
-tokens for 128 new tokens, at batch 1, 4 and 16 with requests joining and leaving mid-run, the ctx invariant
-checked on device state after every step; captured graphs replay bit-identically to their eager launch;
+tokens for 128 new tokens, at batch 1, 4 and 16 with requests joining and leaving mid-run (their prefills on the
+second stream, beside the steps in flight), the ctx invariant checked on device state after every step; captured graphs replay bit-identically to their eager launch;
 faults stay with the request that caused them; a forced capture failure falls back to eager."""
 import os
 
@@ -81,6 +81,7 @@ def test_graph_path_tokens_equal_cpu_reference(modules, reference, dense_rows, b
             assert got[i] == want[i], (batch, gamma, i)
         assert full(rt)
         assert not rt.executor.eager_keys, (rt.executor.eager_keys, rt.device.capture_failures)
+        assert rt.executor.side.stream_handle != rt.device.stream_handle  # the joiners' prefills ran beside the steps
         taus = [1 + np.mean(r.accepted) for r in reqs.values() if r.accepted]
         print(f"batch {batch} spec={spec} gamma={gamma}: == CPU reference; buckets "
               f"{sorted({b for _, _, b, _ in log})}; mean tau {np.mean(taus) if taus else 1.0:.2f}")

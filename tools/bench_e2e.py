@@ -144,13 +144,17 @@ def step_ms(dev, launches) -> float:
 
 
 def idle_pct(dev, trace) -> float:
-    """GPU idle between consecutive launches (steps and the prefills of requests that join mid-run), as a share
-    of the traced wall time on the GPU."""
+    """GPU idle: the traced wall time on the GPU that no launch covers (steps, and the prefills of requests that
+    join mid-run, which run on a second stream and may overlap the steps), as a share of that wall time."""
     if len(trace) < 2:
         return 0.0
-    dev.synchronize()
-    gaps = sum(max(0.0, dev.elapsed_ms(trace[i][1], trace[i + 1][0])) for i in range(len(trace) - 1))
-    return 100.0 * gaps / dev.elapsed_ms(trace[0][0], trace[-1][1])
+    dev.sync_all()
+    spans = sorted((dev.elapsed_ms(trace[0][0], a), dev.elapsed_ms(trace[0][0], b)) for a, b, _ in trace)
+    idle, reach = 0.0, spans[0][1]
+    for a, b in spans[1:]:
+        idle += max(0.0, a - reach)
+        reach = max(reach, b)
+    return 100.0 * idle / (reach - spans[0][0])
 
 
 def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False, temperature: float = 0.0,

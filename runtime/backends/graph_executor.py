@@ -11,6 +11,13 @@ A step with a sampling sequence runs the key (kind, K, B, "sampled"): the same s
 fields in its input buffer (floats as float64 bits, so one int64 copy still fills it) and the logits path;
 greedy steps keep their keys (kind, K, B) and graphs unchanged.
 
+Prefills run on a second stream (the device's side_stream, when the backend's kernels follow torch's current stream:
+`concurrent_prefill`): a joining request's prefill then runs beside the step in flight instead of after it (the
+tiny trained pair's batch-16 step leaves most SMs idle). What keeps the two streams apart: the prefill's slot and
+pages were free, and the scheduler frees a request's only once its launches in flight landed; its slot is zeroed on
+the prefill stream (zero_slot); and every step waits on the device for the prefill work queued before it (a
+joiner's first step reads what its prefill wrote; pages a failed prefill gave back may go to a step).
+
 Graphs are captured on first use after one eager warm-up with all-padding inputs (inert: n = 0). A capture
 that fails is ended by the device (the brick guard), the stream stays usable, and that key runs its step
 eagerly from then on; `eager_keys` lists them. On CPU (TorchCpuDevice) every step runs eagerly.
@@ -124,6 +131,10 @@ class GraphStepExecutor:
         with self.dev.on_stream():
             self.steps = rt.backend.fused_steps(rt)
         self.dev.synchronize()
+        # the prefill's stream (the step's own when the backend's launches are bound to it: TensorRT's enqueue)
+        self.side = self.dev.side_stream() if getattr(rt.backend, "concurrent_prefill", False) else self.dev
+        self._fence = self.side.new_event()  # recorded after the prefill work a step must wait for
+        self._side_queued = False  # prefill-stream work queued since the last step's wait
         self.use_graphs = getattr(self.dev, "graph_steps", False) if use_graphs is None else use_graphs
         self.buffers: dict = {}  # key (kind, K, B) -> StepBuffers
         self.graphs: dict = {}  # key -> replay callable (captured) or None (eager)
@@ -160,7 +171,8 @@ class GraphStepExecutor:
         buf = self.buffers.get(key)
         if buf is None:
             fields, rshape = self._fields(kind, K, B, sampled)
-            buf = self.buffers[key] = StepBuffers(self.dev, fields, rshape)
+            dev = self.side if kind == PREFILL_STEP else self.dev
+            buf = self.buffers[key] = StepBuffers(dev, fields, rshape)
             self._fill_padding(buf, kind, B, sampled)
             fn = self._fn(kind, K)
             self.graphs[key] = None
@@ -168,7 +180,7 @@ class GraphStepExecutor:
                 if self.on_capture is not None:
                     self.on_capture(key)
                 hook = None if self.capture_hook is None else (lambda: self.capture_hook(key))
-                self.graphs[key] = self.dev.capture(lambda: fn(buf.views), hook=hook)
+                self.graphs[key] = dev.capture(lambda: fn(buf.views), hook=hook)
                 if self.graphs[key] is None:
                     self.eager_keys.add(key)
         fn = self._fn(kind, K)
@@ -187,16 +199,29 @@ class GraphStepExecutor:
     def run_key(self, kind, K, B, values: dict, eager: bool = False, sampled: bool = False) -> np.ndarray:
         """Run one key on explicit inputs and wait (tests: replay vs eager, bit for bit)."""
         buf, run = self.entry(kind, K, B, sampled)
-        with self.dev.on_stream():
+        with buf.dev.on_stream():
             i = buf.fill(values)
             if eager:
                 self._fn(kind, K)(buf.views)
             else:
                 run()
-            self.dev.wait(buf.read_back(i))
+            buf.dev.wait(buf.read_back(i))
         return buf.sets[i][1].reshape(buf.result.shape).copy()
 
     # ---- the executor interface ----------------------------------------------------------------
+    def zero_slot(self, slot: int) -> None:
+        """A fresh sequence's GDN and conv state: zeros, queued on the prefill stream (its prefill reads them)."""
+        for name in ("gdn_pool", "conv_pool"):
+            self.side.zero_slot(self.rt.pools[name], slot)
+        self._side_queued = True
+
+    def _after_prefills(self) -> None:
+        """The next step starts after the prefill work queued so far (a device-side wait: the host goes on)."""
+        if self._side_queued and self.side is not self.dev:
+            self.side.record(self._fence)
+            self.dev.stream_wait(self._fence)
+        self._side_queued = False
+
     def adopt(self, seq) -> None:
         """A sequence whose state was put into the pools from outside (restore): its device-side seq_len and
         bonus, which steps otherwise advance themselves."""
@@ -222,13 +247,14 @@ class GraphStepExecutor:
         vals = self._tables(rows, sampled)
         vals.update(prefill_rows(seqs, chunks, C))
         buf, run = self.entry(PREFILL_STEP, C, len(rows), sampled)
-        with self.dev.on_stream():
-            t0 = self._mark()
+        with self.side.on_stream():
+            t0 = self._mark(self.side)
             i = buf.fill(vals)
             run()
             p = buf.pending(PREFILL_STEP, i)
             if t0 is not None:
-                self.trace.append((t0, self._mark(), PREFILL_STEP))
+                self.trace.append((t0, self._mark(self.side), PREFILL_STEP))
+        self._side_queued = True
         return [PrefillRow(p, b) for b in range(len(seqs))]
 
     def launch(self, plan: StepPlan):
@@ -237,21 +263,22 @@ class GraphStepExecutor:
         sampled = samples(plan.rows)
         buf, run = self.entry(plan.kind, plan.K, plan.bucket, sampled)
         tables = self._tables(plan.rows, sampled)
+        self._after_prefills()
         with self.dev.on_stream():
-            t0 = self._mark()
+            t0 = self._mark(self.dev)
             i = buf.fill(tables)
             run()
             p = buf.pending(plan.kind, i)
             if t0 is not None:
-                self.trace.append((t0, self._mark(), plan.kind))
+                self.trace.append((t0, self._mark(self.dev), plan.kind))
         return p
 
-    def _mark(self):
-        """A timing event recorded on the stream now (only while tracing)."""
+    def _mark(self, dev):
+        """A timing event recorded on dev's stream now (only while tracing)."""
         if self.trace is None:
             return None
-        ev = self.dev.new_event(timing=True)
-        self.dev.record(ev)
+        ev = dev.new_event(timing=True)
+        dev.record(ev)
         return ev
 
     def collect(self, pending):

@@ -18,6 +18,7 @@ HOST_OUTPUTS = ("argmax", "drafts")
 
 class TorchBackend:
     name = "torch"
+    concurrent_prefill = True  # every kernel goes to torch's current stream: prefills may run on a second one
 
     def __init__(self, target, drafter=None, want_logits: bool = False, device: str | None = None,
                  compile_steps: bool = False):

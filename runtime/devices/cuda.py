@@ -3,7 +3,9 @@
   memory   pools and step buffers are cuMemAlloc allocations, made once; torch sees them zero-copy through
            __cuda_array_interface__ (`torch_view`), TensorRT gets the raw pointers (`pointer`).
   stream   the runtime's own stream (cuStreamCreate); every launch, copy and graph replay goes to it, torch
-           work included (`on_stream`), so step order is stream order.
+           work included (`on_stream`), so step order is stream order. `side_stream()`: a sibling on a second
+           stream (same memory; its own graph pool), which the GPU executor runs joining requests' prefills on;
+           `stream_wait(event)` orders this stream after an event of the other.
   staging  pinned host buffers (cuMemHostAlloc) for the one H2D copy of a step's inputs and the one D2H copy
            of its results; events (cuEventRecord / cuEventSynchronize) tell the host when they landed.
   graphs   `capture(fn)`: one eager warm-up, then torch.cuda.CUDAGraph capture on the runtime stream. A capture
@@ -13,6 +15,7 @@ The commit kernels are TorchDevice's (our dflash:: torch ops, one launch per kin
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import gc
 
@@ -58,13 +61,28 @@ class CudaDevice(TorchStepIO, TorchDevice):
         if int(_ck(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) == 0:  # torch's primary context, made current here
             dev = _ck(cu.cuDeviceGet(index), "cuDeviceGet")
             _ck(cu.cuCtxSetCurrent(_ck(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")), "cuCtxSetCurrent")
+        self._own_stream()
+        self._device_allocs: list = []
+        self._host_allocs: list = []
+        self.capture_failures: list[str] = []  # one line per failed capture (the brick guard's log)
+
+    def _own_stream(self) -> None:
+        """A new stream, and a graph pool of its own: graphs that may run at once must not share intermediates."""
+        cu = _driver()
         self._stream = _ck(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
         self.stream_handle = int(self._stream)
         self.torch_stream = torch.cuda.ExternalStream(self.stream_handle, device=self.device)
-        self._device_allocs: list = []
-        self._host_allocs: list = []
         self._graph_pool = torch.cuda.graph_pool_handle()
-        self.capture_failures: list[str] = []  # one line per failed capture (the brick guard's log)
+
+    def side_stream(self) -> "CudaDevice":
+        """This device on a second stream: the same allocations (freed by this one's close), its own graph pool."""
+        side = copy.copy(self)
+        side._own_stream()
+        return side
+
+    def stream_wait(self, event) -> None:
+        """Work queued here from now on starts after `event` (recorded on another stream); the host does not wait."""
+        _ck(_driver().cuStreamWaitEvent(self._stream, event, 0), "cuStreamWaitEvent")
 
     # ---- memory -----------------------------------------------------------------------------
     def _alloc(self, nbytes: int) -> int:

@@ -62,6 +62,12 @@ class TorchCpuDevice(TorchStepIO, TorchDevice):
     def synchronize(self) -> None:
         pass
 
+    def side_stream(self) -> "TorchCpuDevice":
+        return self  # one (host) order: nothing runs beside anything
+
+    def stream_wait(self, event) -> None:
+        pass
+
     def sync_all(self) -> None:
         pass
 
