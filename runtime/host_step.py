@@ -163,6 +163,9 @@ class HostStepExecutor:
     def collect(self, pending):
         return pending  # already done: launches are synchronous
 
+    def settle(self) -> None:
+        """Nothing runs beside anything here (every launch is synchronous)."""
+
     def zero_slot(self, slot: int) -> None:
         """A fresh sequence's GDN and conv state: zeros (before its prefill)."""
         zero = getattr(self.rt.device, "zero_slot", None)

@@ -296,6 +296,7 @@ class Runtime:
 
     def _rewind(self, seq: Sequence) -> None:
         """Back to the fresh state of add_sequence (same slot): the rows a failed prefill committed are dropped."""
+        self.executor.settle()  # its earlier chunks may still run beside the steps: they land before the pages go back
         if seq.pages:
             self.kv_alloc.free(seq.pages)
         seq.pages = []

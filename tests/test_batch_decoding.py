@@ -152,9 +152,10 @@ def test_device_step_path_batch_matches_alone(pair, alone, inflight):
 
 
 def test_join_does_not_drain_the_steps_in_flight(pair, alone):
-    """A request that joins mid-run has its prefill launched, then the next step (which already holds it:
-    the device keeps its first token), and only then are the step before and the join collected: the host
-    never waits for the GPU between a join and the next launch. Tokens stay those generated alone."""
+    """A request that joins mid-run has its prefill launched, then the next step without it (it sits out while its
+    prefill runs beside the steps), and only then are the step before and the join collected: the host never waits
+    for the GPU between a join and the next launch; the step after holds the joiner. A request that joins an empty
+    batch runs in the very next step (the device keeps its first token). Tokens stay those generated alone."""
     target, drafter, prompts = pair
     toks, _ = alone
     rt = graph_runtime(target, drafter, prompts, toks)
@@ -164,10 +165,14 @@ def test_join_does_not_drain_the_steps_in_flight(pair, alone):
         setattr(ex, name, lambda *a, _n=name, _f=fn: log.append((_n, a[0])) or _f(*a))
     got, reqs = run_batch(rt, prompts[:2], [10, 6], [0, 3], gamma=3)
     assert got[0] == toks[0][:10] and got[1] == toks[1][:6]
+    i = next(k for k, (n, _) in enumerate(log) if n == "launch") - 1  # the first request's last prefill chunk
+    assert log[i][0] == "launch_prefill" and log[i][1][0] in log[i + 1][1].rows  # alone: the next step holds it
     p1 = [int(t) for t in prompts[1]]
     i = next(k for k, (n, a) in enumerate(log) if n == "launch_prefill" and a[0].tokens[:len(p1)] == p1)
-    assert log[i + 1][0] == "launch" and log[i][1][0] in log[i + 1][1].rows  # the next step, with the joiner
-    assert log[i - 1][0] == "collect" and log[i + 2][0] == "collect"  # the step in flight: collected after
+    joiner = log[i][1][0]
+    assert log[i + 1][0] == "launch" and joiner not in log[i + 1][1].rows  # others run: it sits out one step
+    assert log[i - 1][0] == "collect" and [n for n, _ in log[i + 2:i + 4]] == ["collect", "collect"]
+    assert log[i + 4][0] == "launch" and joiner in log[i + 4][1].rows
     assert full(rt)
 
 

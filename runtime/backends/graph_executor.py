@@ -12,11 +12,12 @@ fields in its input buffer (floats as float64 bits, so one int64 copy still fill
 greedy steps keep their keys (kind, K, B) and graphs unchanged.
 
 Prefills run on a second stream (the device's side_stream, when the backend's kernels follow torch's current stream:
-`concurrent_prefill`): a joining request's prefill then runs beside the step in flight instead of after it (the
-tiny trained pair's batch-16 step leaves most SMs idle). What keeps the two streams apart: the prefill's slot and
-pages were free, and the scheduler frees a request's only once its launches in flight landed; its slot is zeroed on
-the prefill stream (zero_slot); and every step waits on the device for the prefill work queued before it (a
-joiner's first step reads what its prefill wrote; pages a failed prefill gave back may go to a step).
+`concurrent_prefill`): a joining request's prefill then runs beside the steps in flight instead of between them
+(the tiny trained pair's batch-16 step leaves most SMs idle). What keeps the two streams apart: the prefill's slot
+and pages were free, and the scheduler frees a request's only once its launches in flight landed; its slot is
+zeroed on the prefill stream (zero_slot); a step with a row whose prefill was not collected yet waits for the
+prefill stream on the device (the scheduler lets such a joiner sit out one step while others run, so that wait is
+rare); and a prefill that fails part-way settles the prefill stream before its pages go back (settle).
 
 Graphs are captured on first use after one eager warm-up with all-padding inputs (inert: n = 0). A capture
 that fails is ended by the device (the brick guard), the stream stays usable, and that key runs its step
@@ -48,9 +49,10 @@ class Pending:
 
 
 class PrefillRow(NamedTuple):
-    """One sequence's share of a batched prefill launch: its row of that launch's result."""
+    """One sequence's share of a batched prefill launch: its row of that launch's result, and its state slot."""
     p: Pending
     row: int
+    slot: int
 
 
 class StepBuffers:
@@ -133,8 +135,8 @@ class GraphStepExecutor:
         self.dev.synchronize()
         # the prefill's stream (the step's own when the backend's launches are bound to it: TensorRT's enqueue)
         self.side = self.dev.side_stream() if getattr(rt.backend, "concurrent_prefill", False) else self.dev
-        self._fence = self.side.new_event()  # recorded after the prefill work a step must wait for
-        self._side_queued = False  # prefill-stream work queued since the last step's wait
+        self._fence = self.side.new_event()  # recorded on the prefill stream when a step must wait for it
+        self._unlanded: set = set()  # slots whose last prefill launch was not collected yet
         self.use_graphs = getattr(self.dev, "graph_steps", False) if use_graphs is None else use_graphs
         self.buffers: dict = {}  # key (kind, K, B) -> StepBuffers
         self.graphs: dict = {}  # key -> replay callable (captured) or None (eager)
@@ -213,14 +215,18 @@ class GraphStepExecutor:
         """A fresh sequence's GDN and conv state: zeros, queued on the prefill stream (its prefill reads them)."""
         for name in ("gdn_pool", "conv_pool"):
             self.side.zero_slot(self.rt.pools[name], slot)
-        self._side_queued = True
 
-    def _after_prefills(self) -> None:
-        """The next step starts after the prefill work queued so far (a device-side wait: the host goes on)."""
-        if self._side_queued and self.side is not self.dev:
+    def settle(self) -> None:
+        """The prefill stream drained (the host waits): pages of a prefill that failed part-way may go back."""
+        self.side.synchronize()
+        self._unlanded.clear()
+
+    def _after_prefills(self, rows) -> None:
+        """A step with a row whose prefill is not collected starts after the prefill stream's work so far (a wait on
+        the device: the host goes on)."""
+        if self.side is not self.dev and any(s is not None and s.slot in self._unlanded for s in rows):
             self.side.record(self._fence)
             self.dev.stream_wait(self._fence)
-        self._side_queued = False
 
     def adopt(self, seq) -> None:
         """A sequence whose state was put into the pools from outside (restore): its device-side seq_len and
@@ -254,8 +260,8 @@ class GraphStepExecutor:
             p = buf.pending(PREFILL_STEP, i)
             if t0 is not None:
                 self.trace.append((t0, self._mark(self.side), PREFILL_STEP))
-        self._side_queued = True
-        return [PrefillRow(p, b) for b in range(len(seqs))]
+        self._unlanded.update(s.slot for s in seqs)
+        return [PrefillRow(p, b, s.slot) for b, s in enumerate(seqs)]
 
     def launch(self, plan: StepPlan):
         if plan.kind not in (SPEC, DECODE):
@@ -263,7 +269,7 @@ class GraphStepExecutor:
         sampled = samples(plan.rows)
         buf, run = self.entry(plan.kind, plan.K, plan.bucket, sampled)
         tables = self._tables(plan.rows, sampled)
-        self._after_prefills()
+        self._after_prefills(plan.rows)
         with self.dev.on_stream():
             t0 = self._mark(self.dev)
             i = buf.fill(tables)
@@ -283,6 +289,7 @@ class GraphStepExecutor:
 
     def collect(self, pending):
         if isinstance(pending, PrefillRow):
+            self._unlanded.discard(pending.slot)  # its sequence's last chunk: the earlier ones ran before it
             return int(pending.p.buf.take(pending.p)[pending.row, 0])
         r = pending.buf.take(pending)
         K = r.shape[1] - RESULT_EXTRA
