@@ -222,19 +222,19 @@ def test_serving_rows_say_what_the_joiners_prefills_took(capsys):
     from dflash_trt.tools.bench_e2e_run import print_table, targets
 
     r1, r16 = _row(1, 3000.0, 6000.0, 2.8), _row(16, 33000.0, 43000.0, 3.4)
-    r16["dflash"].update(requests=64, join_prefill_ms=61.34, decode_s=0.19)
+    r16["dflash"].update(requests=64, join_prefill_ms=61.34, join_prefill_beside_ms=20.06, decode_s=0.19)
     res = _res("models/target", [r1, r16], hf=None)
     res["targets"] = targets(res, random=False)
     print_table(res)
     lines = [x for x in capsys.readouterr().out.splitlines() if "joining mid-run" in x]
-    assert lines == ["batch 16 dflash: 64 requests; prefills of requests joining mid-run 61.3 ms GPU of 190.0 ms "
-                     "decode wall time"]
+    assert lines == ["batch 16 dflash: 64 requests; prefills of requests joining mid-run 61.3 ms GPU (20.1 ms of it "
+                     "beside a step) of 190.0 ms decode wall time"]
 
 
 def test_idle_is_the_wall_time_no_launch_covers():
     """Prefills on the second stream overlap the steps: idle is what the union of launches leaves uncovered, not
     the sum of gaps between consecutive ones (hand-written event times, ms)."""
-    from dflash_trt.tools.bench_e2e import idle_pct
+    from dflash_trt.tools.bench_e2e import idle_pct, prefill_beside_steps_ms
 
     class Clock:  # events are their times; elapsed_ms is their difference
         def sync_all(self):
@@ -249,3 +249,5 @@ def test_idle_is_the_wall_time_no_launch_covers():
     assert abs(idle_pct(Clock(), trace) - 10.0) < 1e-9
     # a prefill that started before the first step launched (another stream) widens the wall time
     assert abs(idle_pct(Clock(), [(1.0, 3.0, "spec"), (-1.0, 0.0, "prefill")]) - 25.0) < 1e-9
+    # of the prefills' 4 ms, 1 ran beside the first step and 1 inside the second
+    assert abs(prefill_beside_steps_ms(Clock(), trace) - 2.0) < 1e-9

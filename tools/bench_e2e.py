@@ -143,18 +143,32 @@ def step_ms(dev, launches) -> float:
     return float(np.mean([dev.elapsed_ms(t0, t1) for t0, t1, _ in launches]))
 
 
+def _spans(dev, trace) -> list:
+    """(start, end, kind) of every traced launch, ms from the first one's start, by start."""
+    dev.sync_all()
+    return sorted((dev.elapsed_ms(trace[0][0], a), dev.elapsed_ms(trace[0][0], b), k) for a, b, k in trace)
+
+
 def idle_pct(dev, trace) -> float:
     """GPU idle: the traced wall time on the GPU that no launch covers (steps, and the prefills of requests that
     join mid-run, which run on a second stream and may overlap the steps), as a share of that wall time."""
     if len(trace) < 2:
         return 0.0
-    dev.sync_all()
-    spans = sorted((dev.elapsed_ms(trace[0][0], a), dev.elapsed_ms(trace[0][0], b)) for a, b, _ in trace)
+    spans = _spans(dev, trace)
     idle, reach = 0.0, spans[0][1]
-    for a, b in spans[1:]:
+    for a, b, _ in spans[1:]:
         idle += max(0.0, a - reach)
         reach = max(reach, b)
     return 100.0 * idle / (reach - spans[0][0])
+
+
+def prefill_beside_steps_ms(dev, trace) -> float:
+    """GPU time of the joiners' prefills that ran while a step ran too (the steps share one stream: disjoint)."""
+    if not trace:
+        return 0.0
+    spans = _spans(dev, trace)
+    steps = [(a, b) for a, b, k in spans if k != PREFILL_STEP]
+    return sum(max(0.0, min(b, d) - max(a, c)) for a, b, k in spans if k == PREFILL_STEP for c, d in steps)
 
 
 def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False, temperature: float = 0.0,
@@ -186,6 +200,7 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
             "step_ms": step_ms(dev, steps) if steps else None,
             "steps": max(r.steps for r in reqs), "idle_pct": idle_pct(dev, tr) if tr else None,
             "join_prefill_ms": sum(dev.elapsed_ms(t0, t1) for t0, t1, k in tr if k == PREFILL_STEP) if tr else 0.0,
+            "join_prefill_beside_ms": prefill_beside_steps_ms(dev, tr),
             "failed": [str(r.error) for r in reqs if r.error is not None]}
 
 

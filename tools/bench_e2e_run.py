@@ -67,7 +67,8 @@ def _pooled(runs) -> dict:
             "tokens_per_launch": new / launches if launches else 0.0, "requests": sum(len(r["tokens"]) for r in runs),
             "step_ms": sum(r["step_ms"] * r["launches"] for r in runs if r["launches"]) / launches if launches else 0.0,
             "idle_pct": float(np.mean([r["idle_pct"] for r in runs if r["idle_pct"] is not None] or [0.0])),
-            "join_prefill_ms": sum(r.get("join_prefill_ms", 0.0) for r in runs), "decode_s": secs,
+            "join_prefill_ms": sum(r.get("join_prefill_ms", 0.0) for r in runs),
+            "join_prefill_beside_ms": sum(r.get("join_prefill_beside_ms", 0.0) for r in runs), "decode_s": secs,
             "tokens": [t for r in runs for t in r["tokens"]], "failed": [f for r in runs for f in r["failed"]]}
 
 
@@ -271,7 +272,8 @@ def print_table(res) -> None:
         for k in [k for k in ("plain", "dflash") if r.get(k, {}).get("join_prefill_ms")]:
             v = r[k]
             print(f"batch {r['batch']} {k}: {v['requests']} requests; prefills of requests joining mid-run "
-                  f"{v['join_prefill_ms']:.1f} ms GPU of {v['decode_s'] * 1e3:.1f} ms decode wall time")
+                  f"{v['join_prefill_ms']:.1f} ms GPU ({v.get('join_prefill_beside_ms', 0.0):.1f} ms of it beside a step) "
+                  f"of {v['decode_s'] * 1e3:.1f} ms decode wall time")
     for r in res["rows"]:
         for k in [k for k in r if k.startswith("plain_T")]:
             p, d, T = r[k], r.get("dflash_T" + k[len("plain_T"):]), k[len("plain_T"):]
