@@ -321,6 +321,7 @@ def restore_sequence(rt, path: str) -> Sequence:
     meta, a = _load_checked(rt, path)
     s, c = meta["seq"], meta["ctx"]
     seq = rt.add_sequence(s["tokens"])  # slot + zeroed state + an empty CtxWindow of this runtime's sizes
+    rt.executor.settle()  # that zeroing (queued on the executor's prefill stream) lands before the writes below
     try:
         seq.pages = rt.kv_alloc.alloc(_cdiv(s["seq_len"], rt.sizes.page_size))
         if c is not None:

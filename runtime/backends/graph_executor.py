@@ -232,6 +232,7 @@ class GraphStepExecutor:
         """A sequence whose state was put into the pools from outside (restore): its device-side seq_len and
         bonus, which steps otherwise advance themselves."""
         st = self.steps.state
+        self.dev.sync_all()  # the restore's pool writes (torch's own stream) land before any step reads them
         with self.dev.on_stream():
             st.seq_len[seq.slot] = int(seq.seq_len)
             st.bonus[seq.slot] = int(seq.bonus if seq.bonus is not None else 0)
