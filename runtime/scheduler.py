@@ -3,8 +3,10 @@
   step():  admit   waiting requests join: their prefills are launched together (chunked, the joiners' chunks
                    sharing launches, on the executor's device) and each first token collected with the steps in
                    flight, so a join does not drain them; a request whose last step is in flight frees its row
-           plan    the running requests that still need tokens, in the smallest batch bucket; pages for each
-                   one's worst case reserved (a request that cannot get them fails alone and is freed)
+           plan    the running requests that still need tokens (a joiner whose prefill is in flight sits out
+                   while others run), in the smallest batch bucket; pages for each one's worst case reserved (a
+                   request that cannot get them fails alone and is freed; one that leaves frees its pages once its
+                   launches in flight land)
            launch  one step for the whole bucket (executor: host numpy path, or the device's CUDA graphs)
            collect the oldest step in flight once more than the executor keeps running: n and the new
                    tokens per row -> commit.finish -> tokens appended; EOS / max tokens -> the request leaves
