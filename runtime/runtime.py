@@ -190,6 +190,8 @@ class Runtime:
         if isinstance(seq, Sequence) and seq.owner is self and not seq.live:
             return
         self._check_seq(seq, "release")
+        if seq.bonus is None and seq.seq_len:  # launch_prefills() without its collect: that work lands first
+            self.executor.settle()
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

@@ -388,3 +388,23 @@ def test_a_request_leaving_keeps_its_pages_until_its_launches_land(pair, alone):
     assert left_in_flight > 0  # some request did end with a step of it in flight
     assert all(r.tokens == toks[i][:9] for r, i in zip(reqs, order))
     assert full(rt)
+
+
+def test_releasing_an_uncollected_prefill_settles_it_before_the_pages_go_back(pair, alone):
+    """launch_prefills() runs on the GPU executor's prefill stream; a sequence released before its result is
+    collected waits for that stream (settle) while it still holds its pages, so no step can be handed a page the
+    prefill is writing. A collected one releases without that wait."""
+    target, drafter, prompts = pair
+    toks, _ = alone
+    rt = graph_runtime(target, drafter, prompts, toks)
+    seen = []
+    rt.executor.settle = lambda: seen.append(rt.kv_alloc.num_free)
+    seq = rt.add_sequence(prompts[0])
+    rt.launch_prefills([seq])
+    held = rt.kv_alloc.num_free
+    rt.release(seq)
+    assert seen == [held] and full(rt)
+    seq = rt.add_sequence(prompts[0])
+    rt.prefill(seq)
+    rt.release(seq)
+    assert seen == [held] and full(rt)
