@@ -23,7 +23,8 @@ import numpy as np
 from dflash_trt.runtime.pools import PoolExhausted
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """Pages of b rows that hold a rows (ceil(a / b))."""
     return -(-a // b)
 
 
@@ -43,7 +44,7 @@ def reserve(seq, rows: int, kv_alloc, page_size: int, ahead: int = 0) -> None:
     `ahead` counts rows of this sequence's steps still in flight (their worst case). All-or-nothing:
     PoolExhausted / ValueError leave the sequence's pages exactly as they were."""
     upto = seq.seq_len + int(ahead) + int(rows)
-    need = _cdiv(upto, page_size) - len(seq.pages)
+    need = cdiv(upto, page_size) - len(seq.pages)
     if need > 0 and len(seq.pages) + need > seq.max_blocks:
         raise PoolExhausted(f"sequence {seq.seq_id} block table", need, seq.max_blocks - len(seq.pages))
     got = kv_alloc.alloc(need) if need > 0 else []
@@ -97,7 +98,7 @@ def finish(seq, n: int, kv_alloc, page_size: int, ahead: int = 0) -> None:
         seq.ctx.finish_append(n, range(seq.seq_len, seq.seq_len + n))
         seq.ctx.trim(ahead)
     seq.seq_len += n
-    keep = _cdiv(seq.seq_len + int(ahead), page_size)
+    keep = cdiv(seq.seq_len + int(ahead), page_size)
     if len(seq.pages) > keep:
         kv_alloc.free(seq.pages[keep:])
         del seq.pages[keep:]

@@ -33,11 +33,8 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_trt.abi import ctx_block_table_width
+from dflash_trt.runtime.commit import cdiv
 from dflash_trt.runtime.pools import BlockAllocator
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class CtxWindow:
@@ -108,7 +105,7 @@ class CtxWindow:
 
     def reserve(self, rows: int) -> int:
         """Ensure pages for logical rows [end, end+rows); returns the pages added (all-or-nothing)."""
-        need = _cdiv(self.end + int(rows), self.block_size) - len(self.pages)
+        need = cdiv(self.end + int(rows), self.block_size) - len(self.pages)
         if need <= 0:
             return 0
         if len(self.pages) + need > self.max_blocks:
@@ -124,7 +121,7 @@ class CtxWindow:
 
     def trim(self, rows_ahead: int = 0) -> None:
         """Give back pages past logical row end + rows_ahead (a reservation's unused tail)."""
-        keep = max(_cdiv(self.end + int(rows_ahead), self.block_size), 0)
+        keep = max(cdiv(self.end + int(rows_ahead), self.block_size), 0)
         if len(self.pages) > keep:
             self.unreserve(len(self.pages) - keep)
 

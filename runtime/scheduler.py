@@ -198,8 +198,8 @@ class Scheduler:
         """(KV pages, drafter ctx pages) that req's prefill and first step reserve."""
         rt, ps = self.rt, self.rt.sizes.page_size
         rows = len(req.prompt) + self.K
-        ctx = -(-min(rows, rt.sizes.ctx_window) // ps) if rt.dcfg is not None else 0
-        return -(-rows // ps), ctx
+        ctx = commit.cdiv(min(rows, rt.sizes.ctx_window), ps) if rt.dcfg is not None else 0
+        return commit.cdiv(rows, ps), ctx
 
     def _plan(self, touched) -> StepPlan | None:
         rt, K = self.rt, self.K

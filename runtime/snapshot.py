@@ -33,6 +33,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from dflash_trt.plugins.opspec import dtype_name
+from dflash_trt.runtime.commit import cdiv
 from dflash_trt.runtime.sequence import Sequence
 
 FORMAT = "dflash-trt-sequence"
@@ -118,10 +119,6 @@ def _diff(saved: dict, now: dict) -> list[str]:
 
 
 # ---- save -------------------------------------------------------------------------------
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def save_sequence(rt, seq: Sequence, path: str, extra: dict | None = None) -> str:
     """Write `seq`'s state to the snapshot directory `path` (replaced atomically if it is one).
     `extra`: JSON-serialisable caller data (e.g. the tokens generated so far), see read_meta()."""
@@ -129,7 +126,7 @@ def save_sequence(rt, seq: Sequence, path: str, extra: dict | None = None) -> st
         raise SnapshotError(f"sequence {seq.seq_id} was released; nothing to save")
     if seq.bonus is None:
         raise SnapshotError(f"sequence {seq.seq_id} has not been prefilled; save after prefill")
-    if len(seq.pages) > _cdiv(seq.seq_len, rt.sizes.page_size):
+    if len(seq.pages) > cdiv(seq.seq_len, rt.sizes.page_size):
         # pages past seq_len are a reservation for a step still in flight (GPU executor): the device
         # is ahead of seq_len and the host state is not the state a restore would continue from
         raise SnapshotError(f"sequence {seq.seq_id} has a step in flight (pages reserved past seq_len "
@@ -270,7 +267,7 @@ def _load_checked(rt, path: str) -> tuple[dict, dict]:
         start = _int(c.get("start"), "ctx.start", 0, ps - 1, path)
         end = _int(c.get("end"), "ctx.end", start, 1 << 40, path)
         # the window's page-table width depends on the runtime's executor (rows reserved ahead)
-        _int(c.get("pages"), "ctx.pages", _cdiv(end, ps), getattr(rt, "ctx_blocks", sz.max_ctx_blocks), path)
+        _int(c.get("pages"), "ctx.pages", cdiv(end, ps), getattr(rt, "ctx_blocks", sz.max_ctx_blocks), path)
         total = _int(c.get("total"), "ctx.total", 0, 1 << 40, path)
         held = end - start
         # DESIGN §5 invariant: every committed position was appended once; the held rows end at
@@ -323,7 +320,7 @@ def restore_sequence(rt, path: str) -> Sequence:
     seq = rt.add_sequence(s["tokens"])  # slot + zeroed state + an empty CtxWindow of this runtime's sizes
     rt.executor.settle()  # that zeroing (queued on the executor's prefill stream) lands before the writes below
     try:
-        seq.pages = rt.kv_alloc.alloc(_cdiv(s["seq_len"], rt.sizes.page_size))
+        seq.pages = rt.kv_alloc.alloc(cdiv(s["seq_len"], rt.sizes.page_size))
         if c is not None:
             seq.ctx.pages = seq.ctx.allocator.alloc(c["pages"])
         _put_rows(rt, rt.pools["kv_pool"], a["kv"], seq.pages, 0)
