@@ -152,9 +152,10 @@ class Scheduler:
     def _admit(self, touched) -> None:
         rt, joined = self.rt, []
         # A request whose last step is in flight no longer takes a row: a waiting one joins now (when a state slot
-        # is free; pools with more slots than max_batch leave room) and its prefill queues behind that step. While
-        # steps are in flight, one scheduler step admits at most PREFILL_BATCH joiners (one shared prefill launch's
-        # host work), so a batch whose requests end together refills over a few steps with the GPU kept busy,
+        # is free; pools with more slots than max_batch leave room) and its prefill runs beside that step (the GPU
+        # executor's second stream; behind it on one stream). While steps are in flight, one scheduler step admits
+        # at most PREFILL_BATCH joiners (one shared prefill launch's host work), so a batch whose requests end
+        # together refills over a few steps with the GPU kept busy,
         # rather than idling while the host admits all of them (H200, trained pair bf16, batch 16 plain, 64 requests:
         # 3 idle gaps of ~3 ms before the joiners' prefills in a 225 ms run; 1.3-2.5 ms with early joins alone).
         stepping = sum(1 for r in self.running if r.wants_step)

@@ -65,7 +65,7 @@ def _codes(dtype, w_dtype, idx_dtype):
     kernel_need(dtype_name(idx_dtype) in ("int32", "int64"),
                 f"moe_experts: topk_idx must be int32 or int64, got {idx_dtype}")
     return (dtype_code(dtype, "moe_experts x / weights"), dtype_code(w_dtype, "moe_experts topk_w"),
-            int(str(idx_dtype).endswith("int64")))
+            int(dtype_name(idx_dtype) == "int64"))
 
 
 def moe_experts_decode(x, topk_idx, topk_w, gate_up, down, out, h, *, N, k, E, H, I,  # noqa: E741
