@@ -155,9 +155,9 @@ class Scheduler:
         # is free; pools with more slots than max_batch leave room) and its prefill runs beside that step (the GPU
         # executor's second stream; behind it on one stream). While steps are in flight, one scheduler step admits
         # at most PREFILL_BATCH joiners (one shared prefill launch's host work), so a batch whose requests end
-        # together refills over a few steps with the GPU kept busy,
-        # rather than idling while the host admits all of them (H200, trained pair bf16, batch 16 plain, 64 requests:
-        # 3 idle gaps of ~3 ms before the joiners' prefills in a 225 ms run; 1.3-2.5 ms with early joins alone).
+        # together refills over a few steps with the GPU kept busy, rather than idling while the host admits all of
+        # them (H200, trained pair bf16, batch 16 plain, 64 requests: 3 idle gaps of ~3 ms before the joiners'
+        # prefills in a 225 ms run; 1.3-2.5 ms with early joins alone).
         stepping = sum(1 for r in self.running if r.wants_step)
         cap = PREFILL_BATCH if self.ex.ahead and self.inflight else self.max_batch
         free = [rt.kv_alloc.num_free, rt.dkv_alloc.num_free if rt.dcfg is not None else 0]
