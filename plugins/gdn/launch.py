@@ -32,15 +32,15 @@ def _gdn_cg(B, Hv, dk, dv, cg, allowed, variants=spec.WY16_CG):
     return cg
 
 
-def _gdn_rpt(ctas: int, cg: int) -> int:
-    """State rows per thread: spec.auto_rpt of the grid at cg 1 (DFLASH_GDN_RPT overrides); 32 at cg > 1 (a wide
+def _gdn_rpt(ctas: int, cg: int, dk: int = 128) -> int:
+    """State rows per thread: spec.auto_rpt of the grid and dk at cg 1 (DFLASH_GDN_RPT overrides); 32 at cg > 1 (a wide
     grid: only that form is instantiated there)."""
     if cg > 1:
         return 32
     rpt = int(os.environ.get("DFLASH_GDN_RPT", "0"))
     if rpt and rpt not in spec.WY16_RPT:
         raise KernelError(f"gdn: DFLASH_GDN_RPT={rpt} must be one of {spec.WY16_RPT} (state rows per thread)")
-    return rpt or spec.auto_rpt(ctas)
+    return rpt or spec.auto_rpt(ctas, dk)
 
 
 def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_f, g_f, b_f, state_out, *, B, T, Hk, Hv, dk, dv,
@@ -69,7 +69,7 @@ def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_f, g_f, b_f, state_out, 
     kernel_need(rs_qk >= Hk * dk and rs_v >= Hv * dv and rs_gb >= Hv,
                 f"gdn: row strides ({rs_qk}, {rs_v}, {rs_gb}) narrower than a row ({Hk * dk}, {Hv * dv}, {Hv})")
     ctas = dv // (32 * cg) * Hv * B
-    rpt = _gdn_rpt(ctas, cg)
+    rpt = _gdn_rpt(ctas, cg, dk)
     fn = get_function("gdn", spec.wy16_name(dk, cg, rpt, T))
     args = [(q, P), (k, P), (v, P), (idt, I), (g, P), (beta, P), (gdt, I), (A_log, P), (dt_bias, P), (pdt, I),
             (state, P), (slot or 0, P),

@@ -31,22 +31,28 @@ AUTO_CG_MIN_CTAS = 256
 WY16_RPT = (32, 16, 8)  # state rows per thread: a CTA has 32 * (dk / rpt) * cg threads
 # rows-per-thread forms instantiated per (dk, cg): the narrow forms only at cg 1 (what a narrow grid runs)
 WY16_FORMS = {(dk, cg): WY16_RPT if cg == 1 else (32,) for dk, cgs in WY16_CG.items() for cg in cgs}
-# auto rpt by grid size. H200, one gdn_wy16 call in a CUDA graph (us, p32 / p16 / p8): Qwen3.5 0.9B shape at B=1
-# (128 CTAs) T=16 15.1 / 11.7 / 12.4, T=1 5.9 / 6.0 / 6.7; B=2 (256 CTAs) T=16 17.8 / 15.3 / 23.3; trained pair
-# (8 CTAs) T=16 18.0 / 11.3 / 9.8, T=1 5.3 / 4.8 / 5.0; batch 4 (32 CTAs) T=16 19.1 / 11.9 / 10.1. The rule looks at
-# the grid only, never at T: a verify row and the decode of the same position then sum the state's rows in one order
-# (trained pair, bf16: their outputs are bit-identical given the same state; tests/test_bf16_verify_consistency.py).
+# auto rpt by grid size and dk. H200, one gdn_wy16 call in a CUDA graph (us, p32 / p16 / p8): Qwen3.5 0.9B shape
+# (dk 128) at B=1 (128 CTAs) T=16 15.1 / 11.7 / 12.4, T=1 5.9 / 6.0 / 6.7; B=2 (256 CTAs) T=16 17.8 / 15.3 / 23.3;
+# trained pair (dk 64; 8 CTAs) T=16 18.0 / 11.3 / 9.8, T=1 5.3 / 4.8 / 5.0; batch 4 (32 CTAs) T=16 19.1 / 11.9 / 10.1;
+# batch 16 (128 CTAs) T=16 19.3 / 11.2 / 9.5, T=1 5.0 / 4.4 / 4.5; batch 4 prefill T=64 (32 CTAs) 77.7 / 42.9 / 34.6.
+# Below a full grid the best form has 8 warps on each column tile (dk / rpt = 8): p16 at dk 128, p8 at dk 64.
+# The rule looks at the grid and dk only, never at T: a verify row and the decode of the same position then sum the
+# state's rows in one order (trained pair, bf16: their outputs are bit-identical given the same state;
+# tests/test_bf16_verify_consistency.py).
 WIDE_GRID_CTAS = 512    # from here the grid fills the GPU: 32 rows a thread (fewest warps, least shared traffic)
 NARROW_GRID_CTAS = 32   # under this, 8 rows a thread
+MID_GRID_WARPS = 8      # between the two: warps per column tile (dk / rpt), at most what p8 gives
 
 
 def chunk_rows(T: int) -> int:
     return next(r for r in CHUNK_ROWS if T <= r or r == CHUNK_ROWS[-1])
 
 
-def auto_rpt(ctas: int) -> int:
-    """State rows per thread of gdn_wy16 for a grid of `ctas` CTAs (the table above WIDE_GRID_CTAS)."""
-    return 32 if ctas >= WIDE_GRID_CTAS else 16 if ctas >= NARROW_GRID_CTAS else 8
+def auto_rpt(ctas: int, dk: int = 128) -> int:
+    """State rows per thread of gdn_wy16 for a grid of `ctas` CTAs at key dim dk (the table above WIDE_GRID_CTAS)."""
+    if ctas >= WIDE_GRID_CTAS:
+        return 32
+    return max(WY16_RPT[-1], dk // MID_GRID_WARPS) if ctas >= NARROW_GRID_CTAS else WY16_RPT[-1]
 
 
 def wy16_name(dk: int, cg: int, rpt: int, T: int) -> str:

@@ -194,8 +194,10 @@ def test_spec_chunk_rows_and_cg():
     assert launch._gdn_cg(1, 32, 128, 128, 0, (1, 2, 4)) == 1    # B = 1: widest grid
     assert launch._gdn_cg(8, 32, 64, 128, 4, (1, 2, 4)) == 2     # no cg 4 kernel at dk 64
     assert launch._gdn_cg(64, 32, 128, 128, 4, (1, 2, 4), spec.FOLD_CG) == 2
-    # rows per thread follow the grid alone (never T): 32 on a wide grid, 16 between, 8 on a narrow one
+    # rows per thread follow the grid and dk (never T): 32 on a wide grid, 8 warps a column tile between (p16 at
+    # dk 128, p8 at dk 64), 8 on a narrow one
     assert [spec.auto_rpt(c) for c in (8, 31, 32, 128, 511, 512, 4096)] == [8, 8, 16, 16, 16, 32, 32]
+    assert [spec.auto_rpt(c, 64) for c in (8, 32, 128, 511, 512)] == [8, 8, 8, 8, 32]
     assert launch._gdn_rpt(8, 2) == 32  # only the 32-row form exists at cg > 1
     assert spec.wy16_name(128, 1, 16, 5) == "gdn_wy16_dk128_cg1_p16_r8"
 
