@@ -181,7 +181,7 @@ def test_joiners_share_prefill_launches(pair, alone, path):
     """Five requests that join at once: chunk i of every prompt that has one goes out in launches of at most
     PREFILL_BATCH rows (prompts of 23, 5, 17, 40, 11 tokens in chunks of 16: rounds of 5, 3 and 1 rows), padding
     rows inert, and every request's tokens stay those generated alone (the ctx invariant checked each step)."""
-    from dflash_trt.runtime.batching import PREFILL_BATCH
+    from dflash_trt.runtime.batching import PREFILL_BATCH, PREFILL_STEP
 
     target, drafter, prompts = pair
     toks, rows = alone
@@ -194,6 +194,8 @@ def test_joiners_share_prefill_launches(pair, alone, path):
     log = []
     got, _ = run_batch(rt, prompts, N_NEW, [0] * 5, gamma=3, check=make_invariant_check(rt, rows, log))
     assert PREFILL_BATCH == 4 and sizes == [[16, 5, 16, 16], [11], [7, 1, 16], [8]]
+    if path == "device":  # a launch whose chunks fit half the chunk runs at that width: [8] here
+        assert sorted(k[1:] for k in rt.executor.buffers if k[0] == PREFILL_STEP) == [(8, 1), (16, 1), (16, 4)]
     assert all(got[i] == toks[i][: N_NEW[i]] for i in range(5))
     assert full(rt)
 
@@ -297,7 +299,7 @@ def test_a_batch_ending_together_refills_without_draining(pair, alone):
     than rows, their successors join while that last step is in flight: the host never collects with nothing else
     queued while requests wait (the GPU never drains between the two groups), a step admits at most PREFILL_BATCH
     of them, and every request's tokens stay those generated alone."""
-    from dflash_trt.runtime.batching import PREFILL_BATCH
+    from dflash_trt.runtime.batching import PREFILL_BATCH, PREFILL_STEP
 
     target, drafter, prompts = pair
     toks, _ = alone
@@ -323,7 +325,7 @@ def test_a_batch_ending_together_refills_without_draining(pair, alone):
 def test_the_admission_cap_per_step_while_steps_are_in_flight(pair, alone):
     """Nine requests end on one step of a batch of nine; their nine successors join over the next steps at most
     PREFILL_BATCH a step (4, 4, 1), and none of them waits for the batch to drain."""
-    from dflash_trt.runtime.batching import PREFILL_BATCH
+    from dflash_trt.runtime.batching import PREFILL_BATCH, PREFILL_STEP
 
     target, drafter, prompts = pair
     toks, _ = alone

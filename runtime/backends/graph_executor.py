@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from dflash_trt.runtime.batching import (DECODE, PREFILL_STEP, SPEC, StepPlan, StepResult, pad_rows, prefill_rows,
-                                         step_tables)
+                                         prefill_width, step_tables)
 from dflash_trt.runtime.backends.torch_fused_step import RESULT_EXTRA, SAMPLING_FIELDS
 from dflash_trt.runtime.sampling import row_params, samples
 
@@ -246,9 +246,12 @@ class GraphStepExecutor:
         return t
 
     def launch_prefill(self, seqs, chunks: list[list[int]]) -> list:
-        """One prefill chunk of each of `seqs` as ONE launch in their bucket; returns a handle per sequence
-        (collect gives its first token)."""
+        """One prefill chunk of each of `seqs` as ONE launch in their bucket, at the narrower of two row widths that
+        holds them when the backend takes any (batching.prefill_width); returns a handle per sequence (collect gives
+        its first token)."""
         C = self.rt.sizes.prefill_chunk
+        if getattr(self.rt.backend, "any_prefill_width", False):
+            C = prefill_width(max(map(len, chunks)), C)
         rows = pad_rows(seqs)
         sampled = samples(rows)
         vals = self._tables(rows, sampled)

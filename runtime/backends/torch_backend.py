@@ -19,6 +19,7 @@ HOST_OUTPUTS = ("argmax", "drafts")
 class TorchBackend:
     name = "torch"
     concurrent_prefill = True  # every kernel goes to torch's current stream: prefills may run on a second one
+    any_prefill_width = True  # its prefill step takes ids of any width (engines are built for one: the chunk's)
 
     def __init__(self, target, drafter=None, want_logits: bool = False, device: str | None = None,
                  compile_steps: bool = False):
