@@ -176,6 +176,10 @@ def test_decode_run_traces_every_launch(tmp_path):
     r = decode_run(rt, prompts, 12, 3, True, trace=True, concurrency=1)
     assert traces == [False, True] and r["launches"] == len(launches) and r["new_tokens"] == 2 * 11
     assert r["join_prefill_ms"] > 0  # the second request's prefill, timed by its own trace events
+    assert r["full_batch_s"] is None  # one at a time: no batch to fill
+    # three at two: full until the third has joined and a row first goes short (the drain: one request left)
+    r = decode_run(rt, prompts + [prompts[0][::-1]], 12, 3, True, trace=True, concurrency=2)
+    assert 0 < r["full_batch_s"] < r["new_tokens"] / r["tok_s"] and 0 < r["full_batch_tokens"] < r["new_tokens"]
 
 
 def test_kernel_profile_keeps_pools_consistent(tmp_path, monkeypatch):
@@ -222,13 +226,20 @@ def test_serving_rows_say_what_the_joiners_prefills_took(capsys):
     from dflash_trt.tools.bench_e2e_run import print_table, targets
 
     r1, r16 = _row(1, 3000.0, 6000.0, 2.8), _row(16, 33000.0, 43000.0, 3.4)
-    r16["dflash"].update(requests=64, join_prefill_ms=61.34, join_prefill_beside_ms=20.06, decode_s=0.19)
+    r16["dflash"].update(requests=64, join_prefill_ms=61.34, join_prefill_beside_ms=20.06, decode_s=0.19,
+                         full_batch_tok_s=49000.0)
     res = _res("models/target", [r1, r16], hf=None)
     res["targets"] = targets(res, random=False)
     print_table(res)
-    lines = [x for x in capsys.readouterr().out.splitlines() if "joining mid-run" in x]
-    assert lines == ["batch 16 dflash: 64 requests; prefills of requests joining mid-run 61.3 ms GPU (20.1 ms of it "
-                     "beside a step) of 190.0 ms decode wall time"]
+    out = capsys.readouterr().out.splitlines()
+    assert [x for x in out if "joining mid-run" in x] == [
+        "batch 16 dflash: 64 requests; prefills of requests joining mid-run 61.3 ms GPU (20.1 ms of it beside a step) "
+        "of 190.0 ms decode wall time"]
+    assert [x for x in out if "while the batch was full" in x] == [
+        "batch 16 dflash: 49000.0 tok/s while the batch was full (until it first ran short with none waiting; the "
+        "drain after that is as long as the longest request left)"]
+    assert [x for x in out if "8x" in x] == ["target batch 16 aggregate DFlash >= 8x batch 1: 7.17 vs 8 -> MISS",
+                                             "target batch 16 aggregate DFlash >= 8x batch 1, full batch: 8.17 vs 8 -> HIT"]
 
 
 def test_idle_is_the_wall_time_no_launch_covers():

@@ -175,8 +175,10 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
                concurrency: int | None = None) -> dict:
     """Every prompt is a request; `concurrency` of them (None: all) run at once and the rest join as others
     leave. The first ones' prefill (admit) is timed apart; a later join's prefill is inside the decode wall
-    time (and in the trace). Returns tokens, tok/s, τ, idle. temperature > 0: every request samples, prompt i
-    with seed i."""
+    time (and in the trace). Returns tokens, tok/s, τ, idle; at concurrency > 1 also the full-batch window
+    (full_batch_s, full_batch_tokens: the wall time and new tokens until the batch first runs short with none
+    waiting; the drain after it lasts as long as the longest request left, whatever the number of requests).
+    temperature > 0: every request samples, prompt i with seed i."""
     for i, p in enumerate(prompts):
         rt.add_request(p, max_new, gamma=gamma, spec=spec, temperature=temperature, seed=i if temperature else None)
     sch, dev = rt.scheduler, rt.device
@@ -187,8 +189,12 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
     dev.synchronize()
     rt.executor.trace = [] if trace else None
     t0 = time.perf_counter()
+    full = None  # (s, new tokens) when the batch first runs short with none waiting: the drain starts
     while sch.has_work:
         sch.step()
+        if full is None and (concurrency or 0) > 1 and not sch.waiting and \
+                sum(r.wants_step for r in sch.running) < concurrency:
+            full = (time.perf_counter() - t0, sum(max(len(r.tokens) - 1, 0) for r in reqs))
     dev.synchronize()
     secs = time.perf_counter() - t0
     tr, rt.executor.trace = rt.executor.trace, None
@@ -201,6 +207,7 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
             "steps": max(r.steps for r in reqs), "idle_pct": idle_pct(dev, tr) if tr else None,
             "join_prefill_ms": sum(dev.elapsed_ms(t0, t1) for t0, t1, k in tr if k == PREFILL_STEP) if tr else 0.0,
             "join_prefill_beside_ms": prefill_beside_steps_ms(dev, tr),
+            "full_batch_s": full[0] if full else None, "full_batch_tokens": full[1] if full else None,
             "failed": [str(r.error) for r in reqs if r.error is not None]}
 
 
