@@ -323,9 +323,11 @@ def test_a_batch_ending_together_refills_without_draining(pair, alone):
 
 
 def test_the_admission_cap_per_step_while_steps_are_in_flight(pair, alone):
-    """Nine requests end on one step of a batch of nine; their nine successors join over the next steps at most
-    PREFILL_BATCH a step (4, 4, 1), and none of them waits for the batch to drain."""
+    """A batch of nine with steps in flight: PREFETCH waiting requests join ahead of a free row (their prefills run
+    while they wait); when the nine end on one step, the rest of their successors join over the next steps at most
+    PREFILL_BATCH a step (2, then 4, 3), and none of them waits for the batch to drain."""
     from dflash_trt.runtime.batching import PREFILL_BATCH, PREFILL_STEP
+    from dflash_trt.runtime.scheduler import PREFETCH
 
     target, drafter, prompts = pair
     toks, _ = alone
@@ -342,7 +344,8 @@ def test_the_admission_cap_per_step_while_steps_are_in_flight(pair, alone):
         sch.step()
         admitted.append(n - len(sch.waiting))
     joins = [a for a in admitted[1:] if a]
-    assert admitted[0] == 9 and joins == [PREFILL_BATCH, PREFILL_BATCH, 9 - 2 * PREFILL_BATCH], admitted
+    assert admitted[0] == 9 and joins == [PREFETCH, PREFILL_BATCH, 9 - PREFETCH - PREFILL_BATCH], admitted
+    assert admitted[1] == PREFETCH  # at the first step with one in flight, before any row frees
     assert all(r.tokens == toks[i][:5] for r, i in zip(reqs, order))
     assert full(rt)
 
@@ -363,6 +366,25 @@ def test_a_joiner_short_of_pages_waits_for_the_requests_ending(pair, alone):
         rt.step()
     assert [r.status for r in reqs] == ["finished"] * 3, [r.error for r in reqs]
     assert all(r.tokens == toks[i][:6] for r, i in zip(reqs, order))
+    assert full(rt)
+
+
+def test_a_prefetched_joiner_fills_the_freed_row_at_the_next_launch(pair, alone):
+    """A full batch of two with a third request waiting: it is prefilled while it waits (PREFETCH), so when the
+    short request ends, the next launch holds it; no launch runs short of rows before the drain (one that did:
+    the joiner sitting out while its prefill runs, as when it joins only once a row frees). Tokens stay those
+    generated alone."""
+    target, drafter, prompts = pair
+    toks, _ = alone
+    rt = graph_runtime(target, drafter, prompts, toks)
+    sizes, launch = [], rt.executor.launch
+    rt.executor.launch = lambda plan: sizes.append(len(plan.reqs)) or launch(plan)
+    reqs = [rt.add_request(prompts[i], n, spec=False) for i, n in ((1, 4), (0, 16), (2, 16))]
+    rt.scheduler.max_batch = 2
+    while rt.has_work:
+        rt.step()
+    assert sizes == sorted(sizes, reverse=True) and sizes.count(2) >= 14, sizes  # 2, ..., 2, then the drain's 1s
+    assert all(r.tokens == toks[i][:n] for r, (i, n) in zip(reqs, ((1, 4), (0, 16), (2, 16))))
     assert full(rt)
 
 
