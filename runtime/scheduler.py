@@ -129,9 +129,29 @@ class Scheduler:
         plan = self._plan(touched)
         if plan is not None:
             self.inflight.append((plan, self.ex.launch(plan)))
-        while self.inflight and (len(self.inflight) > self.ex.max_inflight or plan is None):
-            self._collect(*self.inflight.popleft(), touched)
+        # joiners' first tokens once their prefills have landed; one still running is not waited for (H200, trained
+        # pair bf16, batch 16 plain with requests joining a step apart: the host blocked on each prefill that outlasted
+        # the step queued behind it, 34 % GPU idle, 34.8k tok/s against 59.1k)
+        for entry in [e for e in self.inflight if isinstance(e[0], Join) and self.ex.ahead and self.ex.landed(e[1])]:
+            self._collect_entry(entry, touched)
+        while self.inflight and (plan is None or sum(not isinstance(e, Join) for e, _ in self.inflight)
+                                 > self.ex.max_inflight):
+            self._collect_next(touched)
         return list(dict.fromkeys(touched))
+
+    def _collect_next(self, touched) -> None:
+        """The oldest step in flight, after the prefills of its own rows' joiners (their first tokens come first);
+        with no step in flight, the oldest prefill."""
+        i = next((k for k, (e, _) in enumerate(self.inflight) if not isinstance(e, Join)), 0)
+        entry = self.inflight[i]
+        if not isinstance(entry[0], Join):
+            for e in [e for e in list(self.inflight)[:i] if e[0].req in entry[0].reqs]:
+                self._collect_entry(e, touched)
+        self._collect_entry(entry, touched)
+
+    def _collect_entry(self, entry, touched) -> None:
+        self.inflight = deque(e for e in self.inflight if e is not entry)
+        self._collect(*entry, touched)
 
     def drain(self) -> list[Request]:
         """Collect every launch in flight (a caller that stops stepping early: its pages and slots come back)."""

@@ -369,6 +369,33 @@ def test_a_joiner_short_of_pages_waits_for_the_requests_ending(pair, alone):
     assert full(rt)
 
 
+def test_a_prefill_still_running_is_not_waited_for(pair, alone):
+    """A joiner's prefill that has not landed when the host looks is left in flight: the steps before it are
+    collected without it, and its first token comes at a later look (or just before the first step that holds it).
+    Here every prefill is still running at its first look; tokens stay those generated alone."""
+    target, drafter, prompts = pair
+    toks, _ = alone
+    rt = graph_runtime(target, drafter, prompts, toks)
+    ex, log, looked, steps_after = rt.executor, [], set(), []
+    launch, launch_prefill, collect = ex.launch, ex.launch_prefill, ex.collect
+    ex.launch = lambda plan: [log.append("step") or p for p in [launch(plan)]][0]
+    ex.launch_prefill = lambda seqs, chunks: [log.append(rows) or rows for rows in [launch_prefill(seqs, chunks)]][0]
+    ex.landed = lambda p: id(p) in looked or looked.add(id(p))  # False at its first look, then True
+
+    def collect_logged(p):  # for a prefill row: the steps launched since its prefill
+        i = next((k for k, e in enumerate(log) if isinstance(e, list) and any(r is p for r in e)), None)
+        if i is not None:
+            steps_after.append(log[i:].count("step"))
+        return collect(p)
+
+    ex.collect = collect_logged
+    got, _ = run_batch(rt, prompts[:3], [10, 8, 6], [0, 2, 4], gamma=3)
+    assert all(got[i] == toks[i][:n] for i, n in enumerate((10, 8, 6)))
+    # waiting for each prefill: collected after the one step launched beside it; not waiting: after two
+    assert len(steps_after) == 3 and max(steps_after) >= 2, steps_after
+    assert full(rt)
+
+
 def test_a_prefetched_joiner_fills_the_freed_row_at_the_next_launch(pair, alone):
     """A full batch of two with a third request waiting: it is prefilled while it waits (PREFETCH), so when the
     short request ends, the next launch holds it; no launch runs short of rows before the drain (one that did:

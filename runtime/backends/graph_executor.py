@@ -291,6 +291,11 @@ class GraphStepExecutor:
         dev.record(ev)
         return ev
 
+    def landed(self, pending) -> bool:
+        """Whether collect(pending) would return without waiting."""
+        p = pending.p if isinstance(pending, PrefillRow) else pending
+        return p.value is not None or p.buf.dev.done(p.ev)
+
     def collect(self, pending):
         if isinstance(pending, PrefillRow):
             self._unlanded.discard(pending.slot)  # its sequence's last chunk: the earlier ones ran before it

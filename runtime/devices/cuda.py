@@ -147,6 +147,16 @@ class CudaDevice(TorchStepIO, TorchDevice):
         _ck(_driver().cuEventSynchronize(event), "cuEventSynchronize")
 
     @staticmethod
+    def done(event) -> bool:
+        """Whether the work before the event has finished (no wait)."""
+        cu = _driver()
+        res = cu.cuEventQuery(event)
+        if (res[0] if isinstance(res, tuple) else res) == cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        _ck(res, "cuEventQuery")
+        return True
+
+    @staticmethod
     def elapsed_ms(start, end) -> float:
         return float(_ck(_driver().cuEventElapsedTime(start, end), "cuEventElapsedTime"))
 

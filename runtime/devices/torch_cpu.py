@@ -59,6 +59,9 @@ class TorchCpuDevice(TorchStepIO, TorchDevice):
     def wait(self, event) -> None:
         pass
 
+    def done(self, event) -> bool:
+        return True
+
     def synchronize(self) -> None:
         pass
 
