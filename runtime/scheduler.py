@@ -1,8 +1,9 @@
 """Continuous batching at one verify width K (the shape of nano-vllm's LLMEngine.step, small pieces):
 
   step():  admit   waiting requests join: their prefills are launched together (chunked, the joiners' chunks
-                   sharing launches, on the executor's device) and each first token collected with the steps in
-                   flight, so a join does not drain them; a request whose last step is in flight frees its row;
+                   sharing launches, on the executor's device) and each first token collected once its prefill has
+                   landed (the host never waits for one beside a step), so a join does not drain the steps in
+                   flight; a request whose last step is in flight frees its row;
                    with steps in flight, PREFETCH more than the batch holds join to wait for a row, prefilled
                    (into pages no running request may need)
            plan    the running requests that still need tokens (a joiner whose prefill is in flight sits out
@@ -183,8 +184,8 @@ class Scheduler:
         # prefills in a 225 ms run; 1.3-2.5 ms with early joins alone).
         # With steps in flight on a device executor, up to PREFETCH requests more than the batch holds join too: their
         # prefills run beside the steps while they wait for a row, so a row that frees is filled at the next launch
-        # rather than after a prefill (the joiner would sit out a step; H200, trained pair bf16, batch 16 DFlash, 64
-        # requests: 164 launches where the same run on the host path, which never sits one out, takes 157).
+        # rather than after a prefill (the joiner would sit out a step: H200, trained pair bf16, batch 16 DFlash, 64
+        # requests, 164 launches; the host path, which never sits one out, runs the same requests in 157 on CPU, fp32).
         stepping = sum(1 for r in self.running if r.wants_step)
         ahead = self.ex.ahead and bool(self.inflight)
         cap, room = (PREFILL_BATCH, self.max_batch + PREFETCH) if ahead else (self.max_batch, self.max_batch)
