@@ -190,7 +190,7 @@ class Scheduler:
         ahead = self.ex.ahead and bool(self.inflight)
         cap, room = (PREFILL_BATCH, self.max_batch + PREFETCH) if ahead else (self.max_batch, self.max_batch)
         free = [rt.kv_alloc.num_free, rt.dkv_alloc.num_free if rt.dcfg is not None else 0]
-        owed = self._pages_owed() if ahead else [0, 0]
+        owed = self._pages_owed() if ahead and self.waiting else [0, 0]  # per scheduler step: only when someone waits
         while self.waiting and len(joined) < cap and stepping + len(joined) < room and rt.slots.num_free > 0:
             need = self._pages_to_start(self.waiting[0])
             if (self.running or self.inflight) and (need[0] > free[0] or need[1] > free[1]):
