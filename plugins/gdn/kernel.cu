@@ -16,6 +16,59 @@
 #error "L2EPS (the l2norm epsilon) comes from gdn/spec.py through NVRTC -D options"
 #endif
 
+// Raw bits of element i of a tensor with dtype code dt (common.cuh): only the load, so that a run of loads stays in
+// flight; rawf converts. rawld_row: the E (2 or 4) elements of a row at element `base` in one vector load (fp32
+// words in order, or 16-bit pairs in the low words; base * element size aligned to that load).
+__device__ __forceinline__ unsigned rawld(const void* p, int dt, i64 i) {
+  unsigned r;
+  if (dt == DT_F32) r = ((const unsigned*)p)[i];
+  else r = ((const u16*)p)[i];
+  return r;
+}
+__device__ __forceinline__ float rawf(unsigned r, int dt) {
+  return dt == DT_F32 ? __uint_as_float(r) : dt == DT_BF16 ? bf16_to_f((u16)r) : f16_to_f((u16)r);
+}
+template <int E>
+__device__ __forceinline__ uint4 rawld_row(const void* p, int dt, i64 base) {
+  uint4 r = make_uint4(0u, 0u, 0u, 0u);
+  if (dt == DT_F32) {
+    if (E == 4) r = *(const uint4*)((const float*)p + base);
+    else { const uint2 t = *(const uint2*)((const float*)p + base); r.x = t.x; r.y = t.y; }
+  } else {
+    if (E == 4) { const uint2 t = *(const uint2*)((const u16*)p + base); r.x = t.x; r.y = t.y; }
+    else r.x = *(const unsigned*)((const u16*)p + base);
+  }
+  return r;
+}
+template <int E>
+__device__ __forceinline__ float row_elem(const uint4& r, int e, int dt) {
+  const unsigned wv[4] = {r.x, r.y, r.z, r.w};
+  if (dt == DT_F32) return __uint_as_float(wv[e]);
+  return rawf((wv[e >> 1] >> (16 * (e & 1))) & 0xffffu, dt);
+}
+
+// c ? a : b as a register select (selp): the compiler must not turn a select of two array elements into a
+// dynamic index, which would put the array in local memory.
+__device__ __forceinline__ float sel(unsigned c, float a, float b) {
+  float r;
+  asm("{.reg .pred p; setp.ne.u32 p, %1, 0; selp.f32 %0, %2, %3, p;}" : "=f"(r) : "r"(c), "f"(a), "f"(b));
+  return r;
+}
+
+// One butterfly stage over pd[0 .. 2H): the lane keeps the half its bit H selects, summed with the partner lane's
+// copy of it (lane ^ H), in pd[0 .. H). After stages 16, 8, 4, 2, 1 lane l holds the sum over the warp of pd[l].
+template <int H>
+__device__ __forceinline__ void fold_half(float* pd, int lane) {
+  const unsigned hi = lane & H;
+#pragma unroll
+  for (int u = 0; u < H; ++u) {
+    const float send = sel(hi, pd[u], pd[u + H]), keep = sel(hi, pd[u + H], pd[u]);
+    pd[u] = keep + __shfl_xor_sync(0xffffffffu, send, H);
+  }
+}
+
+// Shared memory beyond the static arrays (spec.wy16_dyn_smem, the launcher passes it): the W.S / Q.S partials
+// of every state-row group, [KG][2][R][DVT], summed in one pass (no barrier per group), then U [R][DVT].
 template <int DK, int CG, int R, int RPT>
 __device__ __forceinline__ void gdn_wy16_body(
     const void* __restrict__ q, const void* __restrict__ k, const void* __restrict__ v, int in_dt,
@@ -28,12 +81,16 @@ __device__ __forceinline__ void gdn_wy16_body(
   constexpr int DVT = 32 * CG, KG = DK / RPT, NT = 32 * KG * CG, NW = NT / 32, KP = DK + 4;
   static_assert(DK % RPT == 0 && DK >= 32, "state rows per thread");
   static_assert(R * KP <= DK * WS, "Qsh alias");
-  static_assert(2 * R * DVT <= 2 * DK * WS, "red alias");
+  static_assert(32 % R == 0, "a dot-product batch of step 2 holds whole rows");
   __shared__ __align__(16) float Ksh[R][KP];
-  __shared__ __align__(16) float WQ[2 * DK * WS];  // Wt | Qt ; Qsh aliases Wt ; red aliases all
-  __shared__ __align__(16) float VU[R][DVT];      // raw v -> U -> V'
-  __shared__ float Am[R][R + 1], Tm[R][R + 1], Pm[R][R + 1];
-  __shared__ float gam[R], bet[R];
+  __shared__ __align__(16) float WQ[2 * DK * WS];  // Wt | Qt ; Qsh aliases Wt
+  __shared__ __align__(16) float VU[R][DVT];      // raw v -> V'
+  __shared__ float Am[R][R + 1], Pm[R][R + 1];
+  __shared__ __align__(16) float Tt[R][R + 4];  // Tinv transposed, rows 16-byte aligned
+  __shared__ float gam[R], bet[R], bge[R], eg[R], dcy[R];  // cumulative g, beta, beta e^g, e^g, e^(g_C - g)
+  extern __shared__ __align__(16) float dyn[];
+  float* red = dyn;                       // [KG][2][R][DVT]: W.S | Q.S partials of state-row group kg
+  float (*Ush)[DVT] = (float (*)[DVT])(dyn + KG * 2 * R * DVT);  // U [R][DVT]
   float* Wt = WQ;
   float* Qt = WQ + DK * WS;
   float* Qsh = WQ;
@@ -42,57 +99,66 @@ __device__ __forceinline__ void gdn_wy16_body(
   const int kg = w % KG, cgi = w / KG, c = cgi * 32 + lane;
   const int b = blockIdx.z, hv = blockIdx.y, d0 = blockIdx.x * DVT;
   const int grp = Hv / Hk, hk = hv / grp;
-  const i64 sb = slot ? (i64)slot[b] : (i64)b;
-
-  float s[RPT];  // S[kg*RPT+m][d0+c]
-  if (sb >= 0) {
-    const float* sp = state + ((sb * Hv + hv) * (i64)DK + kg * RPT) * DV + d0 + c;
-#pragma unroll
-    for (int m = 0; m < RPT; ++m) s[m] = sp[(i64)m * DV];
-  } else {
-#pragma unroll
-    for (int m = 0; m < RPT; ++m) s[m] = 0.f;
-  }
+  const int* slot_p = slot ? slot + b : nullptr;
+  const i64 sb0 = slot_p ? (i64)*slot_p : (i64)b;  // issued first; the state's address waits for it, not the rows
   const bool need_state = state_out != nullptr;
+  float s[RPT];  // S[kg*RPT+m][d0+c], loaded in the first chunk once its rows' loads are in flight
 
   for (int c0 = 0; c0 < T; c0 += R) {
     const int C = min(R, T - c0);
     // 1. Issue every global load of the chunk first (no load waits behind another), then
     //    l2norm q, k rows (q also * scale); v tile; g, beta with chunk-local cumsum.
+    //    Loads keep raw bits (rawld) and are converted once all are issued: a conversion right after its load
+    //    would hold the warp for that load's whole latency, one load after another.
     constexpr int JPW = (2 * R + NW - 1) / NW, E = DK / 32, VPT = (R * DVT + NT - 1) / NT;
-    float x[JPW][E];
+    uint4 rx[JPW];  // E elements of a q / k row: fp32 words, or 16-bit pairs in the low words
 #pragma unroll
     for (int jj = 0; jj < JPW; ++jj) {
       const int job = w + jj * NW, i = job >> 1;
       const i64 base = ((i64)b * T + c0 + i) * rs_qk + hk * DK + lane * E;
       const void* src = (job & 1) ? q : k;
-      if (job < 2 * R && i < C) {
-        if (E == 4) {
-          const float4 t4 = ld4(src, in_dt, base);
-          x[jj][0] = t4.x; x[jj][1 % E] = t4.y; x[jj][2 % E] = t4.z; x[jj][3 % E] = t4.w;
-        } else {
-#pragma unroll
-          for (int e = 0; e < E; ++e) x[jj][e] = ldf(src, in_dt, base + e);
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) x[jj][e] = 0.f;
-      }
+      rx[jj] = make_uint4(0u, 0u, 0u, 0u);
+      if (job < 2 * R && i < C) rx[jj] = rawld_row<E>(src, in_dt, base);
     }
-    float xv[VPT];
+    unsigned rv[VPT];
 #pragma unroll
     for (int u = 0; u < VPT; ++u) {
       const int e = tid + u * NT, i = e / DVT, cc = e % DVT;
-      xv[u] = i < C && e < R * DVT ? ldf(v, in_dt, ((i64)b * T + c0 + i) * rs_v + hv * DV + d0 + cc) : 0.f;
+      rv[u] = 0u;
+      if (i < C && e < R * DVT) rv[u] = rawld(v, in_dt, ((i64)b * T + c0 + i) * rs_v + hv * DV + d0 + cc);
     }
-    float gi = 0.f, bi = 0.f;
+    unsigned rg = 0u, rb = 0u, ra = 0u, rd = 0u;
     if (w == 0 && lane < C) {
       const i64 idx = ((i64)b * T + c0 + lane) * rs_gb + hv;
-      gi = ldf(g, gb_dt, idx);
-      bi = ldf(beta, gb_dt, idx);
+      rg = rawld(g, gb_dt, idx);
+      rb = rawld(beta, gb_dt, idx);
+      if (A_log) { ra = rawld(A_log, p_dt, hv); rd = rawld(dt_bias, p_dt, hv); }
+    }
+    if (c0 == 0) {
+      if (sb0 >= 0) {
+        const float* sp = state + ((sb0 * Hv + hv) * (i64)DK + kg * RPT) * DV + d0 + c;
+#pragma unroll
+        for (int m = 0; m < RPT; ++m) s[m] = sp[(i64)m * DV];
+      } else {
+#pragma unroll
+        for (int m = 0; m < RPT; ++m) s[m] = 0.f;
+      }
+    }
+    float x[JPW][E];
+#pragma unroll
+    for (int jj = 0; jj < JPW; ++jj)
+#pragma unroll
+      for (int e = 0; e < E; ++e) x[jj][e] = row_elem<E>(rx[jj], e, in_dt);
+    float xv[VPT];
+#pragma unroll
+    for (int u = 0; u < VPT; ++u) xv[u] = rawf(rv[u], in_dt);
+    float gi = 0.f, bi = 0.f;
+    if (w == 0 && lane < C) {
+      gi = rawf(rg, gb_dt);
+      bi = rawf(rb, gb_dt);
       if (A_log) {  // torch's softplus (threshold 20) and sigmoid, in fp32
-        const float x = gi + ldf(dt_bias, p_dt, hv);
-        gi = -expf(ldf(A_log, p_dt, hv)) * (x > 20.f ? x : log1pf(expf(x)));
+        const float x = gi + rawf(rd, p_dt);
+        gi = -expf(rawf(ra, p_dt)) * (x > 20.f ? x : log1pf(expf(x)));
         bi = 1.f / (1.f + expf(-bi));
       }
       if (blockIdx.x == 0 && g_f) {  // fold data: the row's gates as the recurrence reads them
@@ -130,32 +196,49 @@ __device__ __forceinline__ void gdn_wy16_body(
         const float t = __shfl_up_sync(0xffffffffu, gi, off);
         if (lane >= off) gi += t;
       }
-      if (lane < R) { gam[lane] = gi; bet[lane] = bi; }
-    }
-    __syncthreads();
-    // 2. A = beta_i (k_i.k_j) e^{g_i-g_j} (i>j);  P = (q_i.k_j) e^{g_i-g_j} (i>=j).
-    for (int p = tid; p < R * R; p += NT) {
-      const int i = p / R, j = p % R;
-      float a = 0.f, pq = 0.f;
-      if (i >= j && i < C) {
-        float dkk = 0.f, dqk = 0.f;
-#pragma unroll 2
-        for (int d = 0; d < DK; d += 4) {
-          const float4 kj = *(const float4*)&Ksh[j][d];
-          const float4 ki = *(const float4*)&Ksh[i][d];
-          const float4 qi = *(const float4*)&Qsh[i * KP + d];
-          dkk += ki.x * kj.x + ki.y * kj.y + ki.z * kj.z + ki.w * kj.w;
-          dqk += qi.x * kj.x + qi.y * kj.y + qi.z * kj.z + qi.w * kj.w;
-        }
-        const float e = expf(gam[i] - gam[j]);
-        if (i > j) a = bet[i] * dkk * e;
-        pq = dqk * e;
+      const float gC = __shfl_sync(0xffffffffu, gi, R - 1);
+      if (lane < R) {  // each exponential once: steps 4, 6 and 7 read them
+        const float e = expf(gi);
+        gam[lane] = gi; bet[lane] = bi; eg[lane] = e; bge[lane] = bi * e; dcy[lane] = expf(gC - gi);
       }
-      Am[i][j] = a;
-      Pm[i][j] = pq;
     }
     __syncthreads();
-    // 3. Tinv = (I + A)^-1 by forward substitution, one column per lane.
+    // 2. A = beta_i (k_i.k_j) e^{g_i-g_j} (i>j);  P = (q_i.k_j) e^{g_i-g_j} (i>=j). The 2 R^2 dot products in
+    //    batches of 32 per warp: lane l sums its E dims of each, then a butterfly over the lanes leaves dot l of
+    //    the batch in lane l (one fixed tree per dot, whatever R: a row's sums do not depend on T).
+    {
+      constexpr int RB = 32 / R, NB = 2 * R / RB;  // rows (of K then Q) per batch, batches
+      for (int bt = w; bt < NB; bt += NW) {
+        float xr[RB][E];
+#pragma unroll
+        for (int r = 0; r < RB; ++r) {
+          const int vr = bt * RB + r;  // K rows 0..R-1, then Q rows
+          const float* row = vr < R ? &Ksh[vr < R ? vr : 0][0] : &Qsh[(vr < R ? 0 : vr - R) * KP];  // one load each
+#pragma unroll
+          for (int e = 0; e < E; ++e) xr[r][e] = row[lane * E + e];
+        }
+        float pd[32];
+#pragma unroll
+        for (int u = 0; u < 32; ++u) {  // dot u: row u / R of the batch with K row u % R
+          float acc = 0.f;
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc += xr[u / R][e] * Ksh[u % R][lane * E + e];
+          pd[u] = acc;
+        }
+        fold_half<16>(pd, lane), fold_half<8>(pd, lane), fold_half<4>(pd, lane), fold_half<2>(pd, lane);
+        fold_half<1>(pd, lane);
+        const int vr = bt * RB + lane / R, j = lane % R, i = vr % R;
+        const bool isp = vr >= R;
+        float val = 0.f;
+        if (i >= j && i < C) {
+          const float e = expf(gam[i] - gam[j]);
+          val = isp ? pd[0] * e : (i > j ? bet[i] * pd[0] * e : 0.f);
+        }
+        if (isp) Pm[i][j] = val; else Am[i][j] = val;
+      }
+    }
+    __syncthreads();
+    // 3. Tinv = (I + A)^-1 by forward substitution, one column per lane (stored transposed: Tt[m][i] = Tinv[i][m]).
     if (w == 0 && lane < R) {
       float t[R];
 #pragma unroll
@@ -166,42 +249,38 @@ __device__ __forceinline__ void gdn_wy16_body(
         t[i] = acc;
       }
 #pragma unroll
-      for (int i = 0; i < R; ++i) Tm[i][lane] = t[i];
+      for (int i = 0; i < R; ++i) Tt[lane][i] = t[i];
     }
     __syncthreads();
-    // 4. W = Tinv diag(beta e^g) K (stored transposed); U = Tinv diag(beta) V: DK + DVT independent column jobs
-    //    over all the CTA's threads (warp-uniform: DK is a multiple of 32).
-    for (int job = tid; job < DK + DVT; job += NT) {
-      if (job >= DK) {
-        const int cc = job - DK;
-        float bv[R];
+    // 4. W = Tinv diag(beta e^g) K (stored transposed); U = Tinv diag(beta) V: DK + DVT columns, each split into S
+    //    blocks of R/S rows so every thread of the CTA has a share; warp-uniform (DK and DVT are multiples of 32).
+    //    Every row sums m = 0..R-1 in order (Tinv is 0 above the diagonal).
+    {
+      constexpr int COLS = DK + DVT, S = (NT >= 4 * COLS && R % 16 == 0) ? 4 : (NT >= 2 * COLS && R % 8 == 0) ? 2 : 1;
+      constexpr int RS = R / S;  // a multiple of 4: Tt rows read as float4
+      for (int job = tid; job < COLS * S; job += NT) {
+        const int col = job % COLS, i0 = job / COLS * RS;
+        const bool isw = col < DK;
+        const float* src = isw ? &Ksh[0][col] : &VU[0][isw ? 0 : col - DK];
+        const float* scl = isw ? bge : bet;
+        const int stride = isw ? KP : DVT;
+        float acc[RS];
 #pragma unroll
-        for (int m = 0; m < R; ++m) bv[m] = bet[m] * VU[m][cc];
-#pragma unroll 1
-        for (int i = 0; i < R; ++i) {
-          float acc = 0.f;
+        for (int r = 0; r < RS; ++r) acc[r] = 0.f;
+#pragma unroll 4
+        for (int m = 0; m < R; ++m) {
+          const float bm = scl[m] * src[m * stride];
 #pragma unroll
-          for (int m = 0; m < R; ++m) acc += Tm[i][m] * bv[m];
-          VU[i][cc] = acc;
+          for (int r4 = 0; r4 < RS / 4; ++r4) {
+            const float4 t4 = *(const float4*)&Tt[m][i0 + 4 * r4];
+            acc[4 * r4] += t4.x * bm; acc[4 * r4 + 1] += t4.y * bm; acc[4 * r4 + 2] += t4.z * bm; acc[4 * r4 + 3] += t4.w * bm;
+          }
         }
-        continue;
+#pragma unroll
+        for (int r = 0; r < RS; ++r) {
+          if (isw) Wt[col * WS + i0 + r] = acc[r]; else Ush[i0 + r][col - DK] = acc[r];
+        }
       }
-      const int kk = job;
-      float bk[R];
-#pragma unroll
-      for (int m = 0; m < R; ++m) bk[m] = bet[m] * expf(gam[m]) * Ksh[m][kk];
-      float wv[R];
-#pragma unroll
-      for (int i = 0; i < R; ++i) wv[i] = 0.f;
-#pragma unroll 1
-      for (int m = 0; m < R; ++m) {
-        const float bm = bk[m];
-#pragma unroll
-        for (int i = 0; i < R; ++i) wv[i] += Tm[i][m] * bm;  // Tm[i][m] = 0 for m > i
-      }
-#pragma unroll
-      for (int i4 = 0; i4 < R / 4; ++i4)
-        *(float4*)&Wt[kk * WS + 4 * i4] = make_float4(wv[4 * i4], wv[4 * i4 + 1], wv[4 * i4 + 2], wv[4 * i4 + 3]);
     }
     if (blockIdx.x == 0 && k_hat && hv % grp == 0)  // fold data: k_hat, one CTA per k-head
       for (int e = tid; e < C * DK; e += NT) {
@@ -209,59 +288,55 @@ __device__ __forceinline__ void gdn_wy16_body(
         k_hat[(((i64)b * T + c0 + i) * Hk + hk) * DK + d] = Ksh[i][d];
       }
     __syncthreads();
-    // 5. W.S and Q.S over this warp's RPT state rows.
-    float aw[R], aq[R];
+    // 5. W.S and Q.S over this warp's RPT state rows, into this group's partials.
+    {
+      float aw[R], aq[R];
 #pragma unroll
-    for (int i = 0; i < R; ++i) { aw[i] = 0.f; aq[i] = 0.f; }
+      for (int i = 0; i < R; ++i) { aw[i] = 0.f; aq[i] = 0.f; }
 #pragma unroll
-    for (int m = 0; m < RPT; ++m) {
-      const int kk = kg * RPT + m;
-      const float sv = s[m];
-      const float4* wr = (const float4*)&Wt[kk * WS];
-      const float4* qr = (const float4*)&Qt[kk * WS];
+      for (int m = 0; m < RPT; ++m) {
+        const int kk = kg * RPT + m;
+        const float sv = s[m];
+        const float4* wr = (const float4*)&Wt[kk * WS];
+        const float4* qr = (const float4*)&Qt[kk * WS];
 #pragma unroll
-      for (int i4 = 0; i4 < R / 4; ++i4) {
-        const float4 a = wr[i4], bq = qr[i4];
-        aw[4 * i4] += a.x * sv; aw[4 * i4 + 1] += a.y * sv; aw[4 * i4 + 2] += a.z * sv; aw[4 * i4 + 3] += a.w * sv;
-        aq[4 * i4] += bq.x * sv; aq[4 * i4 + 1] += bq.y * sv; aq[4 * i4 + 2] += bq.z * sv; aq[4 * i4 + 3] += bq.w * sv;
-      }
-    }
-    __syncthreads();
-    // 6. Cross-warp (kk-group) reduction of W.S and Q.S into [R][DVT] buffers, in a fixed order
-    //    (deterministic); then V' = U - W.S and O = e^g Q.S + P V'.
-    float* redW = WQ;
-    float* redQ = WQ + R * DVT;
-#pragma unroll 1
-    for (int kq = 0; kq < KG; ++kq) {
-      if (kg == kq) {
-#pragma unroll
-        for (int i = 0; i < R; ++i) {
-          redW[i * DVT + c] = (kq ? redW[i * DVT + c] : 0.f) + aw[i];
-          redQ[i * DVT + c] = (kq ? redQ[i * DVT + c] : 0.f) + aq[i];
+        for (int i4 = 0; i4 < R / 4; ++i4) {
+          const float4 a = wr[i4], bq = qr[i4];
+          aw[4 * i4] += a.x * sv; aw[4 * i4 + 1] += a.y * sv; aw[4 * i4 + 2] += a.z * sv; aw[4 * i4 + 3] += a.w * sv;
+          aq[4 * i4] += bq.x * sv; aq[4 * i4 + 1] += bq.y * sv; aq[4 * i4 + 2] += bq.z * sv; aq[4 * i4 + 3] += bq.w * sv;
         }
       }
-      __syncthreads();
-    }
-    for (int e = tid; e < R * DVT; e += NT) {
-      const int i = e / DVT, cc = e % DVT;
-      const float vp = VU[i][cc] - redW[e];
-      VU[i][cc] = vp;
+      float* rw = red + kg * 2 * R * DVT;
+#pragma unroll
+      for (int i = 0; i < R; ++i) { rw[i * DVT + c] = aw[i]; rw[(R + i) * DVT + c] = aq[i]; }
     }
     __syncthreads();
+    // 6. Sum the groups' partials in group order (deterministic; the order of every form with this KG), then
+    //    V' = U - W.S; Q.S stays in group 0's slot for step 7.
+    for (int e = tid; e < 2 * R * DVT; e += NT) {
+      float acc = red[e];
+#pragma unroll
+      for (int kq = 1; kq < KG; ++kq) acc += red[kq * 2 * R * DVT + e];
+      const int i = e / DVT, cc = e % DVT;
+      if (i < R) VU[i][cc] = Ush[i][cc] - acc;  // warp-uniform: R * DVT is a multiple of 32
+      else red[e] = acc;
+    }
+    __syncthreads();
+    // 7. O = e^g Q.S + P V';  S <- e^{g_C} S + K^T diag(e^{g_C - g}) V' (only if another chunk follows or
+    //    state wanted)
+    const float* redQ = red + R * DVT;
     for (int e = tid; e < R * DVT; e += NT) {
       const int i = e / DVT, cc = e % DVT;
       if (i >= C) continue;
-      float out = expf(gam[i]) * redQ[e];
+      float out = eg[i] * redQ[e];
       for (int j = 0; j <= i; ++j) out += Pm[i][j] * VU[j][cc];
       stf(o, o_dt, (((i64)b * T + c0 + i) * Hv + hv) * DV + d0 + cc, out);
     }
-    // 7. S <- e^{g_C} S + K^T diag(e^{g_C - g}) V'  (only if another chunk follows or state wanted)
     if (need_state || c0 + R < T) {
-      const float gC = gam[R - 1];
       float vs[R];
 #pragma unroll
-      for (int i = 0; i < R; ++i) vs[i] = expf(gC - gam[i]) * VU[i][c];
-      const float dec = expf(gC);
+      for (int i = 0; i < R; ++i) vs[i] = dcy[i] * VU[i][c];
+      const float dec = eg[R - 1];
 #pragma unroll
       for (int m = 0; m < RPT; ++m) {
         const int kk = kg * RPT + m;

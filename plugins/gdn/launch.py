@@ -70,12 +70,13 @@ def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_f, g_f, b_f, state_out, 
                 f"gdn: row strides ({rs_qk}, {rs_v}, {rs_gb}) narrower than a row ({Hk * dk}, {Hv * dv}, {Hv})")
     ctas = dv // (32 * cg) * Hv * B
     rpt = _gdn_rpt(ctas, cg, dk)
-    fn = get_function("gdn", spec.wy16_name(dk, cg, rpt, T))
+    smem = spec.wy16_dyn_smem(dk, cg, rpt, T)
+    fn = get_function("gdn", spec.wy16_name(dk, cg, rpt, T), max_dynamic_smem=smem)
     args = [(q, P), (k, P), (v, P), (idt, I), (g, P), (beta, P), (gdt, I), (A_log, P), (dt_bias, P), (pdt, I),
             (state, P), (slot or 0, P),
             (o, P), (odt, I), (k_hat or 0, P), (v_f or 0, P), (g_f or 0, P), (b_f or 0, P), (state_out or 0, P),
             (T, I), (Hk, I), (Hv, I), (dv, I), (scale, F), (rs_qk, I), (rs_v, I), (rs_gb, I)]
-    launch(fn, (dv // (32 * cg), Hv, B), (32 * (dk // rpt) * cg, 1, 1), 0, stream, args, pdl=True)
+    launch(fn, (dv // (32 * cg), Hv, B), (32 * (dk // rpt) * cg, 1, 1), smem, stream, args, pdl=True)
 
 
 def gdn_fold(pool, slot, k_hat, v, g, beta, n, *, B, T, Hk, Hv, dk, dv, L=1, num_slots=0,

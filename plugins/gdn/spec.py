@@ -59,6 +59,13 @@ def wy16_name(dk: int, cg: int, rpt: int, T: int) -> str:
     return f"gdn_wy16_dk{dk}_cg{cg}_p{rpt}_r{chunk_rows(T)}"
 
 
+def wy16_dyn_smem(dk: int, cg: int, rpt: int, T: int) -> int:
+    """Dynamic shared memory of gdn_wy16 (kernel.cu): the W.S and Q.S partials of the dk / rpt state-row groups,
+    [groups][2][R][32 cg] fp32, then U [R][32 cg]."""
+    R, dvt = chunk_rows(T), 32 * cg
+    return (dk // rpt * 2 + 1) * R * dvt * 4
+
+
 def kernel_variants() -> list[str]:
     """Every kernel kernel.cu instantiates (tests check the PTX holds exactly these)."""
     wy = [wy16_name(dk, cg, p, r) for (dk, cg), ps in WY16_FORMS.items() for p in ps for r in CHUNK_ROWS]
