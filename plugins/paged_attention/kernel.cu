@@ -14,13 +14,13 @@
 // K/V tiles (raw bytes, 16-byte chunks; read once per split per kv head and row group) and keeps an online
 // softmax in fp32, exp2 domain. With one split it writes o; otherwise the unnormalised partial (acc, max, sum)
 // of each row to the workspace.
-// Pass 2, paged_attention_combine: one CTA per output row merges the splits' partials.
+// Pass 2, paged_attention_combine: merges the splits' partials of each output row (several rows per CTA).
 // Nothing on the host depends on data: empty splits (past kv_len, before a window, after the causal
 // limit of every row of the CTA) write an empty partial (m = -inf, l = 0) and the combine skips them.
 // NT (threads per CTA) and KT (keys per tile, one per lane when scoring) come from paged_attention/spec.py
 // through NVRTC -D options: the launcher sizes grid, shared memory and workspace from them.
-#if !defined(NT) || !defined(KT) || !defined(COMBINE_THREADS) || !defined(MAX_SPLITS)
-#error "NT, KT, COMBINE_THREADS and MAX_SPLITS come from paged_attention/spec.py through NVRTC -D options"
+#if !defined(NT) || !defined(KT) || !defined(COMBINE_THREADS) || !defined(MAX_SPLITS) || !defined(COMBINE_LOADS)
+#error "NT, KT, COMBINE_THREADS, COMBINE_LOADS and MAX_SPLITS come from paged_attention/spec.py through NVRTC -D options"
 #endif
 #include "common.cuh"
 #include "tiles.cuh"
@@ -221,41 +221,48 @@ PAGED_ATTN_MMA_HD(128)
 PAGED_ATTN_MMA_HD(256)
 
 // Pass 2: o[row] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits with l_s > 0 (every row
-// has one: its own key, or the new rows). grid (B*T*Hq); COMBINE_THREADS = groups of hd/4 threads (4 dims
-// each); group g merges splits g, g + groups, ... CB at a time (their loads in flight together), then the
-// groups are summed in shared memory. nsplit <= MAX_SPLITS (spec.py).
-#define CB 8
+// has one: its own key, or the new rows). grid ceil(nrows / rpc): a CTA merges rpc rows, each with ng groups of
+// hd/4 threads (4 dims each); group g of a row merges splits g, g + ng, ... CB at a time (their loads in flight
+// together), then the row's groups are summed in shared memory. spec.combine_groups picks ng (the fewest whose
+// first CB loads cover the splits) and rpc = COMBINE_THREADS / (ng * hd/4): a batch's verify block (many rows, a
+// few splits each) takes a few CTAs, not one 256-thread CTA per row with most groups idle (H200, trained pair bf16,
+// batch 16 spec step: 1024 CTAs of 8 splits, 5.5 us a call); a long decode context keeps one row per CTA.
+// nsplit <= MAX_SPLITS and rpc * nsplit <= MAX_SPLITS (spec.py).
+#define CB COMBINE_LOADS
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) paged_attention_combine(
     const float* __restrict__ ws_acc, const float* __restrict__ ws_ml, void* __restrict__ o, int o_dt,
-    int nsplit, int hd) {
+    int nsplit, int hd, int ng, int nrows) {
   pdl_wait();
   __shared__ float red[COMBINE_THREADS * 4];
   __shared__ float2 mls[MAX_SPLITS];
   __shared__ float wmax[COMBINE_THREADS / 32], gsum[COMBINE_THREADS];
-  const int tid = threadIdx.x, row = blockIdx.x;
+  const int tid = threadIdx.x, tpg = hd / 4, tpr = tpg * ng;  // threads per group / per row (powers of two)
+  const int rl = tid / tpr, w = tid % tpr, g = w / tpg, d = (w % tpg) * 4;
+  const int row = blockIdx.x * (COMBINE_THREADS / tpr) + rl;
+  const bool live = row < nrows;
   const float2* ml = (const float2*)ws_ml + (i64)row * nsplit;
+  float2* rml = mls + rl * nsplit;
   float mx = -INFINITY;
-  for (int s = tid; s < nsplit; s += COMBINE_THREADS) {
+  for (int s = w; live && s < nsplit; s += tpr) {
     const float2 v = ml[s];
-    mls[s] = v;
+    rml[s] = v;
     if (v.y > 0.f) mx = fmaxf(mx, v.x);
   }
-  mx = warp_max(mx);
-  if ((tid & 31) == 0) wmax[tid >> 5] = mx;
+  // the row's max: its lanes of a warp by shuffles (a row's tpr threads are aligned), its warps in shared memory
+  for (int off = min(tpr, 32) / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (tpr > 32 && (tid & 31) == 0) wmax[tid >> 5] = mx;
   __syncthreads();
-#pragma unroll
-  for (int i = 0; i < COMBINE_THREADS / 32; ++i) mx = fmaxf(mx, wmax[i]);
-  const int tpg = hd / 4, ng = COMBINE_THREADS / tpg, g = tid / tpg, d = (tid % tpg) * 4;
+  for (int i = 0; tpr > 32 && i < tpr / 32; ++i) mx = fmaxf(mx, wmax[rl * (tpr / 32) + i]);
   const float* accp = ws_acc + (i64)row * nsplit * hd + d;
   float L = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s0 = g; s0 < nsplit; s0 += CB * ng) {
+  for (int s0 = g; live && s0 < nsplit; s0 += CB * ng) {
     float wt[CB];
     float4 x[CB];
 #pragma unroll
     for (int u = 0; u < CB; ++u) {
       const int s = s0 + u * ng;
-      const float2 v = s < nsplit ? mls[s] : make_float2(-INFINITY, 0.f);
+      const float2 v = s < nsplit ? rml[s] : make_float2(-INFINITY, 0.f);
       wt[u] = v.y > 0.f ? exp2f(v.x - mx) : 0.f;
       L += wt[u] * v.y;
       // empty splits wrote no acc
@@ -265,14 +272,14 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) paged_attention_co
     for (int u = 0; u < CB; ++u)
       acc.x += wt[u] * x[u].x, acc.y += wt[u] * x[u].y, acc.z += wt[u] * x[u].z, acc.w += wt[u] * x[u].w;
   }
-  *(float4*)(red + g * hd + d) = acc;
-  gsum[tid] = L;
+  *(float4*)(red + (rl * ng + g) * hd + d) = acc;
+  gsum[tid] = L;  // the same in every thread of a group
   __syncthreads();
-  if (g == 0) {
+  if (g == 0 && live) {
     float Lt = 0.f;
-    for (int i = 0; i < ng; ++i) Lt += gsum[i * tpg];
+    for (int i = 0; i < ng; ++i) Lt += gsum[rl * tpr + i * tpg];
     for (int i = 1; i < ng; ++i) {
-      const float4 x = *(const float4*)(red + i * hd + d);
+      const float4 x = *(const float4*)(red + (rl * ng + i) * hd + d);
       acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
     }
     const float inv = 1.f / Lt;

@@ -27,6 +27,7 @@ NT, KT = 128, 32            # kernel tiling: threads per CTA, keys per K/V tile 
 SPLIT_CTAS = 256
 MAX_SPLITS = SPLIT_CTAS     # split_plan never plans more (the combine pass keeps (max, sum) of each in smem)
 COMBINE_THREADS = 256
+COMBINE_LOADS = 8           # splits a combine thread merges per round, their loads in flight together (CB)
 
 
 def rows_per_cta(hd: int, small: bool = False) -> int:
@@ -102,6 +103,16 @@ def split_plan(B: int, T: int, Hq: int, Hkv: int, hd: int, max_rows: int, mma: b
     return tiles, nsplit, groups
 
 
+def combine_groups(nsplit: int, hd: int) -> tuple:
+    """(ng, rpc) of the combine pass: ng groups of hd/4 threads per row, the fewest (a power of two) whose first
+    COMBINE_LOADS loads each cover the row's nsplit splits, and rpc rows per CTA = COMBINE_THREADS / (ng * hd/4).
+    rpc * nsplit <= MAX_SPLITS: the CTA's rows keep their (max, sum) pairs in shared memory."""
+    tpg, ng = hd // 4, 1
+    while ng * COMBINE_LOADS < nsplit and 2 * ng * tpg <= COMBINE_THREADS:
+        ng *= 2
+    return ng, COMBINE_THREADS // (ng * tpg)
+
+
 def workspace_bytes(B: int, T: int, Hq: int, Hkv: int, hd: int, max_rows: int, mma: bool = False) -> int:
     """fp32 partials of the split pass for exactly these shapes: acc [B*T*Hq, nsplit, hd] then
     (max, sum) [B*T*Hq, nsplit, 2]; 0 for one split."""
@@ -168,6 +179,7 @@ SPEC = OpSpec(
     check_kernel=_check_kernel,
     doc="T query rows attend a sequence's cached K/V pages plus the T new rows",
     cuda_defines={"NT": NT, "KT": KT, "COMBINE_THREADS": COMBINE_THREADS, "MAX_SPLITS": MAX_SPLITS,
+                  "COMBINE_LOADS": COMBINE_LOADS,
                   **{f"R_{kind.upper()}_{hd}": rows_per_cta(hd, kind == "small") for hd in KERNEL_HD
                      for kind in ("full", "small")}},
 )

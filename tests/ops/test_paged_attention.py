@@ -124,6 +124,29 @@ def test_rows_per_cta_pads_fewest_rows(hd, G, T, want):
     assert spec.workspace_bytes(1, T, G * 2, 2, hd, 8192) <= spec.workspace_bound(1, T, G * 2, hd)
 
 
+def test_combine_groups_cover_every_split_plan():
+    """For every split plan the launcher can make: the combine pass's groups per row and rows per CTA fill its
+    threads exactly, each group's first COMBINE_LOADS loads cover its splits unless the row already has every
+    thread, the CTA's (max, sum) pairs fit its shared memory, and a batch's verify block packs rows (the point)."""
+    from dflash_trt.plugins.paged_attention import spec
+    seen = set()
+    for hd in spec.KERNEL_HD:
+        for B in (1, 2, 3, 4, 8, 16, 64):
+            for T in (1, 5, 16):
+                for Hq, Hkv in ((4, 2), (16, 2), (8, 8)):
+                    for rows in (16, 256, 1024, 8192 + 16, 32768):
+                        for mma in (False, True):
+                            nsplit = spec.split_plan(B, T, Hq, Hkv, hd, rows, mma)[1]
+                            if nsplit == 1:
+                                continue
+                            ng, rpc = spec.combine_groups(nsplit, hd)
+                            seen.add((hd, nsplit, ng, rpc))
+                            assert ng * rpc * hd // 4 == spec.COMBINE_THREADS, (hd, nsplit, ng, rpc)
+                            assert ng * spec.COMBINE_LOADS >= nsplit or rpc == 1, (hd, nsplit, ng)
+                            assert rpc * nsplit <= spec.MAX_SPLITS, (hd, nsplit, rpc)
+    assert (64, 8, 1, 16) in seen and any(rpc == 1 and n > 64 for _, n, _, rpc in seen)
+
+
 @pytest.mark.parametrize("hd,G,T,dtypes,kernel", [
     (128, 8, 1, ("bfloat16",) * 3, "paged_attention_hd128_bf16_small"),      # decode GQA group: CUDA cores
     (128, 8, 16, ("bfloat16",) * 3, "paged_attention_hd128_bf16_mma"),       # verify block: tensor cores
