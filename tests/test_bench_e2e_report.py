@@ -83,15 +83,17 @@ def test_decode_pools_every_prompt(monkeypatch):
     from dflash_trt.tools import bench_e2e_run as R
 
     runs = iter([{"tokens": [[0] * 9]}, {"tokens": [[0] * 9], "new_tokens": 8, "tok_s": 4.0, "accepted": [3, 3],
-                                          "launches": 3, "step_ms": 1.0, "idle_pct": 1.0, "failed": []},
+                                          "launches": 3, "step_ms": 1.0, "idle_pct": 1.0, "failed": [],
+                                          "gc_ms": 1.5, "gc_full": 0},
                  {"tokens": [[0] * 5], "new_tokens": 4, "tok_s": 1.0, "accepted": [0, 0, 0, 1], "launches": 5,
-                  "step_ms": 2.0, "idle_pct": 3.0, "failed": []}])
+                  "step_ms": 2.0, "idle_pct": 3.0, "failed": [], "gc_ms": 40.0, "gc_full": 1}])
     monkeypatch.setattr(R, "decode_run", lambda *a, **k: next(runs))
     out = R._decode(None, [[1], [2]], 1, SimpleNamespace(gamma=15, batch1_prompts=2, max_new_tokens=8, repeats=1),
                   spec=True)
     assert out["tok_s"] == 12 / 6.0  # 8 tokens in 2 s + 4 tokens in 4 s
     assert out["tau"] == 1 + 7 / 6 and out["tokens_per_launch"] == 12 / 8
     assert out["step_ms"] == (3 * 1.0 + 5 * 2.0) / 8 and out["idle_pct"] == 2.0
+    assert out["gc_ms"] == 41.5 and out["gc_full"] == 1 and out["gc_runs"] == [(41.5, 1)]  # summed over the prompts
 
 
 def test_decode_row_is_the_median_measured_run(monkeypatch, capsys):
@@ -103,7 +105,7 @@ def test_decode_row_is_the_median_measured_run(monkeypatch, capsys):
 
     def run(tok_s, idle):
         return {"tokens": [[0] * 9], "new_tokens": 8, "tok_s": tok_s, "accepted": [], "launches": 8, "step_ms": 1.0,
-                "idle_pct": idle, "failed": []}
+                "idle_pct": idle, "failed": [], "gc_ms": 100.0 / tok_s, "gc_full": int(tok_s < 15)}
 
     runs = iter([run(1.0, 0.0), run(40.0, 1.0), run(10.0, 12.0), run(20.0, 3.0)])  # warm-up, then 3 measured
     monkeypatch.setattr(R, "decode_run", lambda *a, **k: next(runs))
@@ -113,7 +115,10 @@ def test_decode_row_is_the_median_measured_run(monkeypatch, capsys):
     res = _res("models/target", [{"batch": 16, "plain": out}], hf=None)
     res["targets"] = targets(res, random=False)
     print_table(res)
-    assert "tok/s of each measured run (the row is the median): batch 16 plain 10/20/40" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tok/s of each measured run (the row is the median): batch 16 plain 10/20/40" in printed
+    assert ("host garbage-collector pauses in each measured run (run order): batch 16 plain 40 tok/s 2.5 ms (0 full)"
+            " / 10 tok/s 10.0 ms (1 full) / 20 tok/s 5.0 ms (0 full)") in printed
 
 
 def _tiny_runtime(tmp_path, device):
@@ -262,3 +267,19 @@ def test_idle_is_the_wall_time_no_launch_covers():
     assert abs(idle_pct(Clock(), [(1.0, 3.0, "spec"), (-1.0, 0.0, "prefill")]) - 25.0) < 1e-9
     # of the prefills' 4 ms, 1 ran beside the first step and 1 inside the second
     assert abs(prefill_beside_steps_ms(Clock(), trace) - 2.0) < 1e-9
+
+
+def test_gc_pauses_counts_the_collections_inside_it():
+    """GcPauses (bench e2e's host GC figures): collections inside the block are counted and timed, full ones apart;
+    none leak in after it."""
+    import gc
+
+    from dflash_trt.tools.bench_e2e import GcPauses
+
+    with GcPauses() as p:
+        gc.collect(0)
+        gc.collect()
+    assert p.count >= 2 and p.full >= 1 and p.ms > 0.0
+    seen = (p.count, p.full, p.ms)
+    gc.collect()
+    assert (p.count, p.full, p.ms) == seen and p._cb not in gc.callbacks

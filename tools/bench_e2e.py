@@ -16,6 +16,7 @@ random 1-layer drafter; never written to disk).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 
@@ -171,6 +172,27 @@ def prefill_beside_steps_ms(dev, trace) -> float:
     return sum(max(0.0, min(b, d) - max(a, c)) for a, b, k in spans if k == PREFILL_STEP for c, d in steps)
 
 
+class GcPauses:
+    """The host's garbage-collector pauses while entered: collections, full (generation 2) ones, total ms. A pause
+    while steps are in flight idles the GPU once the step in flight has landed."""
+
+    def __enter__(self):
+        self.count, self.full, self.ms, self._t = 0, 0, 0.0, None
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._cb)
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.count += 1
+            self.full += info["generation"] == 2
+            self.ms += (time.perf_counter() - self._t) * 1e3
+
+
 def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False, temperature: float = 0.0,
                concurrency: int | None = None) -> dict:
     """Every prompt is a request; `concurrency` of them (None: all) run at once and the rest join as others
@@ -190,12 +212,13 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
     rt.executor.trace = [] if trace else None
     t0 = time.perf_counter()
     full = None  # (s, new tokens) when the batch first runs short with none waiting: the drain starts
-    while sch.has_work:
-        sch.step()
-        if full is None and (concurrency or 0) > 1 and not sch.waiting and \
-                sum(r.wants_step for r in sch.running) < concurrency:
-            full = (time.perf_counter() - t0, sum(max(len(r.tokens) - 1, 0) for r in reqs))
-    dev.synchronize()
+    with GcPauses() as pauses:
+        while sch.has_work:
+            sch.step()
+            if full is None and (concurrency or 0) > 1 and not sch.waiting and \
+                    sum(r.wants_step for r in sch.running) < concurrency:
+                full = (time.perf_counter() - t0, sum(max(len(r.tokens) - 1, 0) for r in reqs))
+        dev.synchronize()
     secs = time.perf_counter() - t0
     tr, rt.executor.trace = rt.executor.trace, None
     acc = [a for r in reqs for a in r.accepted]
@@ -208,6 +231,7 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
             "join_prefill_ms": sum(dev.elapsed_ms(t0, t1) for t0, t1, k in tr if k == PREFILL_STEP) if tr else 0.0,
             "join_prefill_beside_ms": prefill_beside_steps_ms(dev, tr),
             "full_batch_s": full[0] if full else None, "full_batch_tokens": full[1] if full else None,
+            "gc_ms": pauses.ms, "gc_count": pauses.count, "gc_full": pauses.full,
             "failed": [str(r.error) for r in reqs if r.error is not None]}
 
 

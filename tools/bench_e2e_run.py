@@ -53,6 +53,7 @@ def _decode(rt, prompts, batch, a, spec, temperature: float = 0.0):
                                 concurrency=conc) for w in work]) for _ in range(a.repeats)]
     row = sorted(reps, key=lambda r: r["tok_s"])[len(reps) // 2]
     row["tok_s_runs"] = [r["tok_s"] for r in reps]
+    row["gc_runs"] = [(r["gc_ms"], r["gc_full"]) for r in reps]  # in run order, beside tok_s_runs
     return row
 
 
@@ -70,6 +71,7 @@ def _pooled(runs) -> dict:
             "join_prefill_ms": sum(r.get("join_prefill_ms", 0.0) for r in runs),
             "join_prefill_beside_ms": sum(r.get("join_prefill_beside_ms", 0.0) for r in runs), "decode_s": secs,
             "full_batch_tok_s": _full_batch_tok_s(runs),
+            "gc_ms": sum(r["gc_ms"] for r in runs), "gc_full": sum(r["gc_full"] for r in runs),
             "tokens": [t for r in runs for t in r["tokens"]], "failed": [f for r in runs for f in r["failed"]]}
 
 
@@ -277,6 +279,11 @@ def print_table(res) -> None:
               for r in res["rows"] for k in ("plain", "dflash") if len(r.get(k, {}).get("tok_s_runs", ())) > 1]
     if spread:
         print("tok/s of each measured run (the row is the median): " + "; ".join(spread))
+    gcs = [f"batch {r['batch']} {k} " + " / ".join(f"{t:.0f} tok/s {ms:.1f} ms ({full} full)" for t, (ms, full) in
+                                                   zip(r[k]["tok_s_runs"], r[k]["gc_runs"]))
+           for r in res["rows"] for k in ("plain", "dflash") if r.get(k, {}).get("gc_runs")]
+    if gcs:
+        print("host garbage-collector pauses in each measured run (run order): " + "; ".join(gcs))
     for r in res["rows"]:
         if r.get("dflash") and r["dflash"].get("step_ms") and r["plain"].get("step_ms"):
             print(speedup_terms(r))
