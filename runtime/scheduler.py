@@ -294,19 +294,20 @@ class Scheduler:
                 self._emit(req, [req.seq.bonus], touched)
             return
         accepted = []
+        ns, tokens = res.n.tolist(), res.tokens.tolist()  # Python ints at once, not a numpy scalar per token
         for b, req in enumerate(plan.reqs):
             req.ahead -= plan.K
             self._landed(req)
             if req.status != RUNNING:
                 continue  # left while this step was in flight: its rows are dropped
-            n = int(res.n[b])
+            n = int(ns[b])
             # a request that steps again keeps the pages of its next step's worst case (at this width) rather than give
             # them back for the next plan to take straight back: 2 allocs + 1.5 frees per request and step otherwise.
             # `bench host`, batch 16 DFlash, 2-core Xeon, 6 alternating runs: 273-451 us a step (median ~418) -> 225-375
             # (median ~230). The admission sums stay exact: a request's pages owed (_pages_owed) fall as it holds more.
             keep = req.ahead + (plan.K if req.wants_step else 0)
             commit.finish(req.seq, n, rt.kv_alloc, rt.sizes.page_size, ahead=keep)
-            new = [int(t) for t in res.tokens[b, :n]]
+            new = tokens[b][:n]
             req.seq.bonus = new[-1]
             req.steps += 1
             if plan.kind == SPEC:
