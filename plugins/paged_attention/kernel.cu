@@ -223,10 +223,10 @@ PAGED_ATTN_MMA_HD(256)
 // Pass 2: o[row] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits with l_s > 0 (every row
 // has one: its own key, or the new rows). grid ceil(nrows / rpc): a CTA merges rpc rows, each with ng groups of
 // hd/4 threads (4 dims each); group g of a row merges splits g, g + ng, ... CB at a time (their loads in flight
-// together), then the row's groups are summed in shared memory. spec.combine_groups picks ng (the fewest whose
-// first CB loads cover the splits) and rpc = COMBINE_THREADS / (ng * hd/4): a batch's verify block (many rows, a
-// few splits each) takes a few CTAs, not one 256-thread CTA per row with most groups idle (H200, trained pair bf16,
-// batch 16 spec step: 1024 CTAs of 8 splits, 5.5 us a call); a long decode context keeps one row per CTA.
+// together), then the row's groups are summed in shared memory. spec.combine_groups picks ng and rpc =
+// COMBINE_THREADS / (ng * hd/4): one row per CTA for a few rows; for many (a batch's verify block, a few splits each)
+// the fewest groups whose first CB loads cover the splits, so they take a few CTAs rather than one 256-thread CTA per
+// row with most groups idle (H200, trained pair bf16, batch-16 spec step: 1024 rows of 8 splits, 5.55 -> 2.9 us).
 // nsplit <= MAX_SPLITS and rpc * nsplit <= MAX_SPLITS (spec.py).
 #define CB COMBINE_LOADS
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) paged_attention_combine(

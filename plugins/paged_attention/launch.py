@@ -49,8 +49,8 @@ def paged_attention(q, k_new, v_new, pool, block_table, kv_start, kv_len, o, *, 
     fn = get_function("paged_attention", spec.kernel_name(hd, pd, nd, R, mma), max_dynamic_smem=smem)
     launch(fn, (nsplit, Hkv * groups, B), (spec.NT, 1, 1), smem, stream, args, pdl=True)
     if ws_bytes:
-        ng, rpc = spec.combine_groups(nsplit, hd)
         rows = B * T * Hq
+        ng, rpc = spec.combine_groups(nsplit, hd, rows)
         launch(get_function("paged_attention", "paged_attention_combine"), (-(-rows // rpc), 1, 1),
                (spec.COMBINE_THREADS, 1, 1), 0, stream,
                [(ws_acc, P), (ws_ml, P), (o, P), (o_code, I), (nsplit, I), (hd, I), (ng, I), (rows, I)], pdl=True)

@@ -126,8 +126,8 @@ def test_rows_per_cta_pads_fewest_rows(hd, G, T, want):
 
 def test_combine_groups_cover_every_split_plan():
     """For every split plan the launcher can make: the combine pass's groups per row and rows per CTA fill its
-    threads exactly, each group's first COMBINE_LOADS loads cover its splits unless the row already has every
-    thread, the CTA's (max, sum) pairs fit its shared memory, and a batch's verify block packs rows (the point)."""
+    threads exactly, the CTA's (max, sum) pairs fit its shared memory, a few rows keep one CTA each with every
+    thread on the row, and many rows pack into CTAs whose groups' first COMBINE_LOADS loads cover the splits."""
     from dflash_trt.plugins.paged_attention import spec
     seen = set()
     for hd in spec.KERNEL_HD:
@@ -139,12 +139,17 @@ def test_combine_groups_cover_every_split_plan():
                             nsplit = spec.split_plan(B, T, Hq, Hkv, hd, rows, mma)[1]
                             if nsplit == 1:
                                 continue
-                            ng, rpc = spec.combine_groups(nsplit, hd)
-                            seen.add((hd, nsplit, ng, rpc))
+                            out = B * T * Hq
+                            ng, rpc = spec.combine_groups(nsplit, hd, out)
+                            seen.add((hd, out, nsplit, ng, rpc))
                             assert ng * rpc * hd // 4 == spec.COMBINE_THREADS, (hd, nsplit, ng, rpc)
-                            assert ng * spec.COMBINE_LOADS >= nsplit or rpc == 1, (hd, nsplit, ng)
                             assert rpc * nsplit <= spec.MAX_SPLITS, (hd, nsplit, rpc)
-    assert (64, 8, 1, 16) in seen and any(rpc == 1 and n > 64 for _, n, _, rpc in seen)
+                            if out <= spec.COMBINE_PACK_ROWS:
+                                assert rpc == 1, (hd, out, nsplit)
+                            else:
+                                assert ng * spec.COMBINE_LOADS >= nsplit or rpc == 1, (hd, nsplit, ng)
+    assert (64, 1024, 8, 1, 16) in seen  # the trained pair's batch-16 verify: 16 rows a CTA
+    assert (64, 4, 32, 16, 1) in seen    # its batch-1 decode: a CTA a row
 
 
 @pytest.mark.parametrize("hd,G,T,dtypes,kernel", [
