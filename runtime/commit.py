@@ -92,7 +92,8 @@ def write(dev, pools: dict, out: dict, n, t: WriteTables, dkv_rows=None) -> None
 
 def finish(seq, n: int, kv_alloc, page_size: int, ahead: int = 0) -> None:
     """The host part once n is known: advance the sequence, append n ctx positions, give back the
-    reservation's unused tail (keeping `ahead` rows for steps still in flight)."""
+    reservation's unused tail past `ahead` more rows (those of steps still in flight; the scheduler adds its
+    next step's worst case, which it would reserve straight back)."""
     n = int(n)
     if seq.ctx is not None:
         seq.ctx.finish_append(n, range(seq.seq_len, seq.seq_len + n))
