@@ -300,7 +300,7 @@ class Scheduler:
             self._landed(req)
             if req.status != RUNNING:
                 continue  # left while this step was in flight: its rows are dropped
-            n = int(ns[b])
+            n = ns[b]
             # a request that steps again keeps the pages of its next step's worst case (at this width) rather than give
             # them back for the next plan to take straight back: 2 allocs + 1.5 frees per request and step otherwise.
             # `bench host`, batch 16 DFlash, 2-core Xeon, 6 alternating runs: 273-451 us a step (median ~418) -> 225-375

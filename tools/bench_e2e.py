@@ -231,7 +231,7 @@ def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False
             "join_prefill_ms": sum(dev.elapsed_ms(t0, t1) for t0, t1, k in tr if k == PREFILL_STEP) if tr else 0.0,
             "join_prefill_beside_ms": prefill_beside_steps_ms(dev, tr),
             "full_batch_s": full[0] if full else None, "full_batch_tokens": full[1] if full else None,
-            "gc_ms": pauses.ms, "gc_count": pauses.count, "gc_full": pauses.full,
+            "gc_ms": pauses.ms, "gc_full": pauses.full,
             "failed": [str(r.error) for r in reqs if r.error is not None]}
 
 
