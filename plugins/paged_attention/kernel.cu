@@ -69,11 +69,12 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
   const int nr = c.nr, k0 = c.k0, k1 = c.k1;
   auto orow = [&](int r) { return c.orow(a, r); };
   if (k0 >= k1) return c.write_empty(a);
-  auto load_tile = [&](int stage, int j0, int j1) {
-    load_kv_tile<HD, TD, false>(a, c, tiles + stage * 2 * KT * RS, j0, j1);
-  };
   const int ntiles = (k1 - k0 + KT - 1) / KT;
-  load_tile(0, k0, min(k0 + KT, k1));
+  // page ids of tiles 0 and 1 in flight together; tile it + 2's are read while tile it + 1 is copied
+  int blk[KvTile<HD, TD>::KPT], nblk[KvTile<HD, TD>::KPT];
+  tile_pages<HD, TD>(a, c, k0, min(k0 + KT, k1), blk);
+  if (ntiles > 1) tile_pages<HD, TD>(a, c, k0 + KT, min(k0 + 2 * KT, k1), nblk);
+  load_kv_tile<HD, TD, false>(a, c, tiles, k0, min(k0 + KT, k1), blk);
   cp_commit();
   {  // Q rows: all loads in flight together, then scaled into shared memory
     constexpr int QPT = R * HD / (4 * NT);
@@ -100,7 +101,10 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
   const int d0 = (tid % TPR) * 8, rsub = tid / TPR;
   for (int it = 0; it < ntiles; ++it) {
     const int j0 = k0 + it * KT, nk = min(KT, k1 - j0);
-    if (it + 1 < ntiles) load_tile((it + 1) & 1, j0 + KT, min(j0 + 2 * KT, k1));
+    if (it + 1 < ntiles) {
+      load_kv_tile<HD, TD, false>(a, c, tiles + ((it + 1) & 1) * 2 * KT * RS, j0 + KT, min(j0 + 2 * KT, k1), nblk);
+      if (it + 2 < ntiles) tile_pages<HD, TD>(a, c, j0 + 2 * KT, min(j0 + 3 * KT, k1), nblk);
+    }
     cp_commit();
     cp_wait1();
     __syncthreads();
@@ -122,22 +126,41 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
                   qb.z * kf[6] + qb.w * kf[7];
       }
     }
+    // online softmax of the warp's RW rows, their shuffle reductions interleaved (5 rounds for all rows, not 5 per row)
+    float s[RW], red[RW], corr[RW];
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+      const int r = w + NW * i, j = j0 + lane;
+      int lo, lim;
+      c.visible(a, r, lo, lim);
+      s[i] = r < nr && lane < nk && j >= lo && j < lim ? dot[i] : -INFINITY;
+      red[i] = s[i];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int i = 0; i < RW; ++i) red[i] = fmaxf(red[i], __shfl_xor_sync(0xffffffffu, red[i], o));
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+      const float m_new = fmaxf(m[i], red[i]);
+      const bool none = m_new == -INFINITY;  // no visible key for this row yet
+      s[i] = none ? 0.f : exp2f(s[i] - m_new);  // p
+      corr[i] = none ? 1.f : exp2f(m[i] - m_new);
+      m[i] = m_new;
+      red[i] = s[i];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int i = 0; i < RW; ++i) red[i] += __shfl_xor_sync(0xffffffffu, red[i], o);
 #pragma unroll
     for (int i = 0; i < RW; ++i) {
       const int r = w + NW * i;
-      if (r >= nr) continue;
-      const int j = j0 + lane;
-      int lo, lim;
-      c.visible(a, r, lo, lim);
-      const float s = lane < nk && j >= lo && j < lim ? dot[i] : -INFINITY;
-      const float m_new = fmaxf(m[i], warp_max(s));
-      const bool none = m_new == -INFINITY;  // no visible key for this row yet
-      const float p = none ? 0.f : exp2f(s - m_new);
-      const float corr = none ? 1.f : exp2f(m[i] - m_new);
-      l[i] = l[i] * corr + warp_sum(p);
-      m[i] = m_new;
-      Ps[r * KT + lane] = p;
-      if (lane == 0) Cs[r] = corr;
+      l[i] = l[i] * corr[i] + red[i];
+      if (r < nr) {
+        Ps[r * KT + lane] = s[i];
+        if (lane == 0) Cs[r] = corr[i];
+      }
     }
     __syncthreads();
     // P.V: thread owns dims d0..d0+7 of rows rsub + RP*i

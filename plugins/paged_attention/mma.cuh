@@ -59,13 +59,27 @@ __device__ __forceinline__ void attn_split_mma(const AttnArgs& a) {
   const CtaShare c(a, R);
   if (c.k0 >= c.k1) return c.write_empty(a);
   const int ntiles = (c.k1 - c.k0 + KT - 1) / KT;
-  load_kv_tile<HD, TD, true>(a, c, tiles, c.k0, min(c.k0 + KT, c.k1));
+  // page ids of tiles 0 and 1 in flight together; tile it + 2's are read while tile it + 1 is copied
+  int blk[KvTile<HD, TD>::KPT], nblk[KvTile<HD, TD>::KPT];
+  tile_pages<HD, TD>(a, c, c.k0, min(c.k0 + KT, c.k1), blk);
+  if (ntiles > 1) tile_pages<HD, TD>(a, c, c.k0 + KT, min(c.k0 + 2 * KT, c.k1), nblk);
+  load_kv_tile<HD, TD, true>(a, c, tiles, c.k0, min(c.k0 + KT, c.k1), blk);
   cp_commit();
-  for (int i = tid; i < R * HD / 8; i += NT) {  // Q rows, 16-byte chunks; rows past nr are zeros
-    const int r = i / (HD / 8), ch = i % (HD / 8);
-    const uint4 v = r < c.nr ? *(const uint4*)((const u16*)a.q + (i64)c.orow(a, r) * HD + ch * 8)
-                             : make_uint4(0, 0, 0, 0);
-    *(uint4*)(Qs + r * RS + ch * 16) = v;
+  constexpr int QC = R * HD / 8 / NT, QB = QC < 8 ? QC : 8;  // 16-byte Q chunks per thread; loads in flight at once
+  static_assert(QC % QB == 0, "Q chunks per thread");
+#pragma unroll
+  for (int i0 = 0; i0 < QC; i0 += QB) {  // Q rows, 16-byte chunks, QB loads in flight; rows past nr are zeros
+    uint4 v[QB];
+#pragma unroll
+    for (int u = 0; u < QB; ++u) {
+      const int i = tid + NT * (i0 + u), r = i / (HD / 8), ch = i % (HD / 8);
+      v[u] = r < c.nr ? *(const uint4*)((const u16*)a.q + (i64)c.orow(a, r) * HD + ch * 8) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < QB; ++u) {
+      const int i = tid + NT * (i0 + u);
+      *(uint4*)(Qs + (i / (HD / 8)) * RS + (i % (HD / 8)) * 16) = v[u];
+    }
   }
   const int wr = 16 * w;           // the warp's first row
   const bool active = wr < c.nr;   // warp-uniform: a warp past the CTA's rows only loads and syncs
@@ -82,8 +96,10 @@ __device__ __forceinline__ void attn_split_mma(const AttnArgs& a) {
   for (int d = 0; d < NDT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
   for (int it = 0; it < ntiles; ++it) {
     const int j0 = c.k0 + it * KT;
-    if (it + 1 < ntiles)
-      load_kv_tile<HD, TD, true>(a, c, tiles + ((it + 1) & 1) * 2 * KT * RS, j0 + KT, min(j0 + 2 * KT, c.k1));
+    if (it + 1 < ntiles) {
+      load_kv_tile<HD, TD, true>(a, c, tiles + ((it + 1) & 1) * 2 * KT * RS, j0 + KT, min(j0 + 2 * KT, c.k1), nblk);
+      if (it + 2 < ntiles) tile_pages<HD, TD>(a, c, j0 + 2 * KT, min(j0 + 3 * KT, c.k1), nblk);
+    }
     cp_commit();
     cp_wait1();
     __syncthreads();

@@ -63,25 +63,39 @@ struct CtaShare {
 };
 
 // Keys [j0, j1) of the key index space -> K and V tiles at `base` ([K, V][KT][RS], RS bytes a padded row, raw bytes
-// in 16-byte chunks when the source has the tile dtype TD). Thread owns chunk cc of keys jb + JSTEP*u; the page ids
-// of all its keys are read first (independent loads, one round trip), then every cp.async of the tile is issued.
+// in 16-byte chunks when the source has the tile dtype TD). Thread owns chunk cc of keys jb + JSTEP*u.
+// Two steps, so a tile's page ids are read one tile ahead of its copies: tile_pages issues the page-id loads of the
+// thread's keys (independent loads, nothing waits on them), load_kv_tile issues every cp.async of the tile from
+// them. Reading a tile's page ids just before its copies stalled each prefetch for a global-memory round trip.
 // ZERO: tile rows past j1 are zeroed (the tensor-core pass multiplies whole tiles; p = 0 times a stale NaN is NaN).
-template <int HD, int TD, bool ZERO>
-__device__ __forceinline__ void load_kv_tile(const AttnArgs& a, const CtaShare& c, unsigned char* base, int j0,
-                                             int j1) {
-  constexpr int ES = TD == DT_F32 ? 4 : 2;
-  constexpr int CPR = HD * ES / 16;  // 16-byte chunks per K/V row
-  constexpr int RS = HD * ES + 16;
-  constexpr int JSTEP = NT / CPR, KPT = KT / JSTEP;
-  const int cc = threadIdx.x % CPR, jb = threadIdx.x / CPR;
-  const i64 vofs = (i64)a.num_blocks * a.block_size * a.Hkv * HD;  // K -> V in the pool
-  const i64 lbase = (i64)a.layer * 2 * vofs;
-  int blk[KPT];
+template <int HD, int TD>
+struct KvTile {
+  static constexpr int ES = TD == DT_F32 ? 4 : 2;
+  static constexpr int CPR = HD * ES / 16;  // 16-byte chunks per K/V row
+  static constexpr int RS = HD * ES + 16;
+  static constexpr int JSTEP = NT / CPR, KPT = KT / JSTEP;  // keys a pass of the CTA covers; keys per thread
+};
+
+template <int HD, int TD>
+__device__ __forceinline__ void tile_pages(const AttnArgs& a, const CtaShare& c, int j0, int j1,
+                                           int (&blk)[KvTile<HD, TD>::KPT]) {
+  using M = KvTile<HD, TD>;
+  const int jb = threadIdx.x / M::CPR;
 #pragma unroll
-  for (int u = 0; u < KPT; ++u) {
-    const int j = j0 + jb + JSTEP * u, p = c.ks0 + j;
+  for (int u = 0; u < M::KPT; ++u) {
+    const int j = j0 + jb + M::JSTEP * u, p = c.ks0 + j;
     blk[u] = j < j1 && j < c.Lc ? a.block_table[(i64)c.b * a.max_blocks + p / a.block_size] : 0;
   }
+}
+
+template <int HD, int TD, bool ZERO>
+__device__ __forceinline__ void load_kv_tile(const AttnArgs& a, const CtaShare& c, unsigned char* base, int j0,
+                                             int j1, const int (&blk)[KvTile<HD, TD>::KPT]) {
+  using M = KvTile<HD, TD>;
+  constexpr int ES = M::ES, RS = M::RS, JSTEP = M::JSTEP, KPT = M::KPT;
+  const int cc = threadIdx.x % M::CPR, jb = threadIdx.x / M::CPR;
+  const i64 vofs = (i64)a.num_blocks * a.block_size * a.Hkv * HD;  // K -> V in the pool
+  const i64 lbase = (i64)a.layer * 2 * vofs;
 #pragma unroll
   for (int u = 0; u < KPT; ++u) {
     const int jl = jb + JSTEP * u, j = j0 + jl;
