@@ -99,6 +99,9 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[i][e] = 0.f;
   const int d0 = (tid % TPR) * 8, rsub = tid / TPR;
+  int vlo[RW], vlim[RW];  // keys visible to the warp's score rows, once (a division by G each)
+#pragma unroll
+  for (int i = 0; i < RW; ++i) c.visible(a, w + NW * i, vlo[i], vlim[i]);
   for (int it = 0; it < ntiles; ++it) {
     const int j0 = k0 + it * KT, nk = min(KT, k1 - j0);
     if (it + 1 < ntiles) {
@@ -131,9 +134,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
 #pragma unroll
     for (int i = 0; i < RW; ++i) {
       const int r = w + NW * i, j = j0 + lane;
-      int lo, lim;
-      c.visible(a, r, lo, lim);
-      s[i] = r < nr && lane < nk && j >= lo && j < lim ? dot[i] : -INFINITY;
+      s[i] = r < nr && lane < nk && j >= vlo[i] && j < vlim[i] ? dot[i] : -INFINITY;
       red[i] = s[i];
     }
 #pragma unroll
@@ -172,7 +173,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
         for (int e = 0; e < 8; ++e) acc[i][e] *= c;
       }
     }
-#pragma unroll 2
+#pragma unroll 4
     for (int jl = 0; jl < nk; ++jl) {
       float vf[8];
       ld8s<TD>(Vt + jl * RS, d0, vf);

@@ -29,7 +29,7 @@ struct AttnArgs {
 // The CTA's share, grid (split, row group * Hkv + kv head, batch): query rows r0 + [0, nr) of the kv head's G*T
 // (t-major (t, q-head of the GQA group) pairs) and keys [k0, k1) of the key index space [0, Lc + T).
 struct CtaShare {
-  int b, hkv, G, T, r0, nr, ks0, Lc, Ltot, k0, k1;
+  int b, hkv, G, T, r0, nr, ks0, Lc, Ltot, k0, k1, bsh;  // bsh: log2(block_size), -1 if not a power of two
   __device__ __forceinline__ CtaShare(const AttnArgs& a, int R) {
     const int split = blockIdx.x, nsplit = gridDim.x;
     b = blockIdx.z, hkv = blockIdx.y % a.Hkv;
@@ -40,8 +40,17 @@ struct CtaShare {
     const int cta_lim = a.causal ? Lc + t_last + 1 : Ltot;
     const int cta_lo = a.window > 0 ? max(0, Lc + t_first - a.window + 1) : 0;
     const int S = a.tiles * KT;
+    bsh = (a.block_size & (a.block_size - 1)) == 0 ? __ffs(a.block_size) - 1 : -1;
     k0 = max(split * S, cta_lo);
     k1 = split == nsplit - 1 ? cta_lim : min(split * S + S, cta_lim);  // the last split takes any rest
+  }
+  // logical row p -> its page index and row within the page: shifts for a power-of-two block size (a division
+  // per key was a third of a decode call's instructions)
+  __device__ __forceinline__ int page_of(const AttnArgs& a, int p) const {
+    return bsh >= 0 ? p >> bsh : p / a.block_size;
+  }
+  __device__ __forceinline__ int slot_of(const AttnArgs& a, int p) const {
+    return bsh >= 0 ? p & (a.block_size - 1) : p % a.block_size;
   }
   // row of o (and of the workspace) for the CTA's query row r
   __device__ __forceinline__ int orow(const AttnArgs& a, int r) const {
@@ -84,7 +93,7 @@ __device__ __forceinline__ void tile_pages(const AttnArgs& a, const CtaShare& c,
 #pragma unroll
   for (int u = 0; u < M::KPT; ++u) {
     const int j = j0 + jb + M::JSTEP * u, p = c.ks0 + j;
-    blk[u] = j < j1 && j < c.Lc ? a.block_table[(i64)c.b * a.max_blocks + p / a.block_size] : 0;
+    blk[u] = j < j1 && j < c.Lc ? a.block_table[(i64)c.b * a.max_blocks + c.page_of(a, p)] : 0;
   }
 }
 
@@ -113,7 +122,7 @@ __device__ __forceinline__ void load_kv_tile(const AttnArgs& a, const CtaShare& 
     if (j < c.Lc) {
       const int p = c.ks0 + j;
       ksrc = vsrc = a.pool, sdt = a.p_dt;
-      e = lbase + (((i64)blk[u] * a.block_size + p % a.block_size) * a.Hkv + c.hkv) * HD;
+      e = lbase + (((i64)blk[u] * a.block_size + c.slot_of(a, p)) * a.Hkv + c.hkv) * HD;
       ve = e + vofs;
     } else {
       ksrc = a.k_new, vsrc = a.v_new, sdt = a.n_dt;

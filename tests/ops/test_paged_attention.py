@@ -243,6 +243,24 @@ def test_paged_attention_kernel(B, T, hd, G):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("BS", [1, 12, 48])
+@pytest.mark.parametrize("T", [1, 16])
+def test_paged_attention_kernel_any_block_size(BS, T):
+    """Pages of any size: a power of two takes shifts in the kernel (1, 16, ...), others a division (12, 48); decode
+    (CUDA-core small CTA) and verify (tensor cores) rows, one split and several (800 cached rows), bf16."""
+    B, Hkv, G, hd, L = 3, 2, 8, 128, 2
+    pool, bt, ks, kl = _pages(B, T, Hkv, hd, L, BS, max_ctx=800, seed=BS * 10 + T)
+    gen = torch.Generator().manual_seed(BS + T)
+    q = torch.randn(B, T, Hkv * G, hd, generator=gen).bfloat16().to(DEV)
+    kn = torch.randn(B, T, Hkv, hd, generator=gen).bfloat16().to(DEV)
+    vn = torch.randn(B, T, Hkv, hd, generator=gen).bfloat16().to(DEV)
+    for causal in (True, False):
+        o = torch.ops.dflash.paged_attention(q, kn, vn, pool, 1, bt, ks, kl, causal, hd ** -0.5)
+        want = paged_attention_ref(*(t.double() for t in (q, kn, vn, pool)), 1, bt, ks, kl, causal, hd ** -0.5)
+        record_err(f"paged_attention block size {BS} T {T} {'causal' if causal else 'block'}", o, want, 1.5e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("B,T", [(1, 1), (8, 16), (64, 5)])
 def test_kv_write_kernel(B, T):
     Hkv, hd, L, BS = 2, 128, 3, 16
