@@ -81,3 +81,14 @@ __device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// Raw bits of element i of a tensor with dtype code dt: only the load, so that a run of loads stays in flight;
+// rawf converts them once all are issued.
+__device__ __forceinline__ unsigned rawld(const void* p, int dt, i64 i) {
+  unsigned r;
+  if (dt == DT_F32) r = ((const unsigned*)p)[i];
+  else r = ((const u16*)p)[i];
+  return r;
+}
+__device__ __forceinline__ float rawf(unsigned r, int dt) {
+  return dt == DT_F32 ? __uint_as_float(r) : dt == DT_BF16 ? bf16_to_f((u16)r) : f16_to_f((u16)r);
+}

@@ -16,18 +16,8 @@
 #error "L2EPS (the l2norm epsilon) comes from gdn/spec.py through NVRTC -D options"
 #endif
 
-// Raw bits of element i of a tensor with dtype code dt (common.cuh): only the load, so that a run of loads stays in
-// flight; rawf converts. rawld_row: the E (2 or 4) elements of a row at element `base` in one vector load (fp32
-// words in order, or 16-bit pairs in the low words; base * element size aligned to that load).
-__device__ __forceinline__ unsigned rawld(const void* p, int dt, i64 i) {
-  unsigned r;
-  if (dt == DT_F32) r = ((const unsigned*)p)[i];
-  else r = ((const u16*)p)[i];
-  return r;
-}
-__device__ __forceinline__ float rawf(unsigned r, int dt) {
-  return dt == DT_F32 ? __uint_as_float(r) : dt == DT_BF16 ? bf16_to_f((u16)r) : f16_to_f((u16)r);
-}
+// rawld_row: the E (2 or 4) elements of a row at element `base` in one vector load (fp32 words in order, or 16-bit
+// pairs in the low words; base * element size aligned to that load); row_elem converts one (rawf, common.cuh).
 template <int E>
 __device__ __forceinline__ uint4 rawld_row(const void* p, int dt, i64 base) {
   uint4 r = make_uint4(0u, 0u, 0u, 0u);
