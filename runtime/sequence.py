@@ -26,6 +26,10 @@ def token_ids(prompt, vocab_size: int, what: str = "prompt") -> list[int]:
         items = list(prompt)
     except TypeError:
         raise TokenIdError(f"{what} must be a list of token ids, got {type(prompt).__name__}") from None
+    # the common case, Python ints in range, checked in C (bool is its own type, so never passes here): the per-id
+    # loop below took ~0.5 us a token on the admission path, i.e. ~0.2 ms per joining request of 300 tokens
+    if set(map(type, items)) == {int} and 0 <= min(items) and max(items) < vocab_size:
+        return items
     out = []
     for i, t in enumerate(items):
         # operator.index accepts int / numpy / torch integers and rejects 3.7 or np.float32(4.0), which int() truncates

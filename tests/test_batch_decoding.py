@@ -152,10 +152,10 @@ def test_device_step_path_batch_matches_alone(pair, alone, inflight):
 
 
 def test_join_does_not_drain_the_steps_in_flight(pair, alone):
-    """A request that joins mid-run has its prefill launched, then the next step without it (it sits out while its
-    prefill runs beside the steps), and only then are the step before and the join collected: the host never waits
-    for the GPU between a join and the next launch; the step after holds the joiner. A request that joins an empty
-    batch runs in the very next step (the device keeps its first token). Tokens stay those generated alone."""
+    """A request that joins mid-run is admitted right after the next step is launched without it (it sits out while
+    its prefill runs beside the steps): its prefill's launch comes with two steps queued, and only then are the join
+    and the step before collected; the step after holds the joiner. A request that joins an empty batch runs in the
+    very next step (the device keeps its first token). Tokens stay those generated alone."""
     target, drafter, prompts = pair
     toks, _ = alone
     rt = graph_runtime(target, drafter, prompts, toks)
@@ -170,9 +170,9 @@ def test_join_does_not_drain_the_steps_in_flight(pair, alone):
     p1 = [int(t) for t in prompts[1]]
     i = next(k for k, (n, a) in enumerate(log) if n == "launch_prefill" and a[0].tokens[:len(p1)] == p1)
     joiner = log[i][1][0]
-    assert log[i + 1][0] == "launch" and joiner not in log[i + 1][1].rows  # others run: it sits out one step
-    assert log[i - 1][0] == "collect" and [n for n, _ in log[i + 2:i + 4]] == ["collect", "collect"]
-    assert log[i + 4][0] == "launch" and joiner in log[i + 4][1].rows
+    assert log[i - 1][0] == "launch" and joiner not in log[i - 1][1].rows  # others run first: it sits out one step
+    assert log[i - 2][0] == "collect" and [n for n, _ in log[i + 1:i + 3]] == ["collect", "collect"]
+    assert log[i + 3][0] == "launch" and joiner in log[i + 3][1].rows
     assert full(rt)
 
 
