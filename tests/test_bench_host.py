@@ -18,13 +18,18 @@ def test_bench_host_rows_and_pools(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_host, "host_us_per_step", spy)
     out = tmp_path / "host.json"
     assert bench_host.main(["--batch", "1,4", "--max-new-tokens", "33", "--json", str(out)]) == 0
-    rows = {(r["kind"], r["batch"]): r for r in json.loads(out.read_text())["rows"]}
+    res = json.loads(out.read_text())
+    rows = {(r["kind"], r["batch"]): r for r in res["rows"]}
+    serve = {(r["kind"], r["batch"]): r for r in res["serve"]}  # the serving run: at the widest batch, 4 per row
+    assert set(serve) == {("plain", 4), ("dflash", 4)}
+    assert all(r["requests"] == 16 and 0 < r["window_us_median"] <= r["window_us_p90"] <= r["window_us_max"]
+               for r in serve.values())
     assert set(rows) == {("plain", 1), ("plain", 4), ("dflash", 1), ("dflash", 4)}
     assert all(r["host_us_per_step"] > 0 for r in rows.values())
     # 32 new tokens after the prefill's: one per plain launch, 4 per spec launch; scheduler steps also count the
     # last collect and the launches in flight when a request completes (their rows are dropped)
     assert 32 <= rows["plain", 1]["steps"] <= 34 and 8 <= rows["dflash", 1]["steps"] <= 11
-    rt = made[-1]
+    rt = made[-1]  # the serving runs used it last: its pools are full again
     assert rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.slots.num_free == rt.slots.num_total
 
 

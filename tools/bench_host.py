@@ -2,7 +2,11 @@
 reservation, step tables, staging fill, collect, commit bookkeeping, emit) at batch 1 / 4 / 16, plain and DFlash,
 with the device's step replaced by a stand-in that writes plausible results (n = accepted + 1) and does nothing
 else. On a GPU this host time overlaps the step in flight; once it exceeds the device's step time it sets the
-pace (bench e2e's idle% then rises). The ratio printed is host(batch B) / host(batch 1) of the same run."""
+pace (bench e2e's idle% then rises). The ratio printed is host(batch B) / host(batch 1) of the same run.
+Then a serving run at the widest batch: B x 4 requests (prompts of 100-500 tokens, 64-192 new), B at a time, one
+joining as another leaves, and the window the device must cover: from a step's collect returning (the device goes on
+with the step queued behind it) to the next launch. A window longer than the device's step (bench e2e's step_ms)
+idles the device; a joiner's admission inside it did (scheduler.step launches first)."""
 from __future__ import annotations
 
 import argparse
@@ -52,6 +56,42 @@ def host_us_per_step(rt, batch: int, spec: bool, gamma: int, new_tokens: int, pr
     return (time.perf_counter() - t0) / steps * 1e6, steps
 
 
+def serve_window(rt, batch: int, spec: bool, gamma: int, per_slot: int = 4) -> dict:
+    """A serving run (module doc): host us a scheduler step and the collect -> next launch windows, in us."""
+    from dflash_trt.runtime.backends.graph_executor import PrefillRow
+    rng = np.random.default_rng(batch)
+    for _ in range(batch * per_slot):
+        rt.add_request([int(t) for t in rng.integers(0, rt.tcfg.vocab_size - 1, int(rng.integers(100, 500)))],
+                       int(rng.integers(64, 192)), gamma=gamma if spec else None, spec=spec)
+    sch, ex, marks = rt.scheduler, rt.executor, []
+    sch.max_batch = batch
+    launch, collect = ex.launch, ex.collect
+
+    def timed_launch(plan):
+        marks.append(("launch", time.perf_counter()))
+        return launch(plan)
+
+    def timed_collect(pending):
+        r = collect(pending)
+        if not isinstance(pending, PrefillRow):
+            marks.append(("collect", time.perf_counter()))
+        return r
+
+    ex.launch, ex.collect = timed_launch, timed_collect
+    try:
+        steps, t0 = 0, time.perf_counter()
+        while sch.has_work:
+            sch.step()
+            steps += 1
+        secs = time.perf_counter() - t0
+    finally:
+        del ex.launch, ex.collect  # the instance attributes: the class's methods again
+    win = np.array([b[1] - a[1] for a, b in zip(marks, marks[1:]) if a[0] == "collect" and b[0] == "launch"]) * 1e6
+    return {"requests": batch * per_slot, "steps": steps, "host_us_per_step": secs / steps * 1e6,
+            "window_us_median": float(np.median(win)), "window_us_p90": float(np.percentile(win, 90)),
+            "window_us_max": float(win.max())}
+
+
 def main(argv=None) -> int:
     from dflash_trt.abi import PoolSizes
     from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
@@ -60,6 +100,7 @@ def main(argv=None) -> int:
     from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.load import UsageError
     from dflash_trt.runtime.runtime import Runtime
+    from dflash_trt.runtime.scheduler import PREFETCH
     from dflash_trt.export.checkpoint import load_drafter, load_target
     from dflash_trt.tools.bench import hardware
     from dflash_trt.tools.demo import default_pair
@@ -79,8 +120,8 @@ def main(argv=None) -> int:
     tdir, ddir = (a.model, a.drafter) if a.model else default_pair()[:2]
     target = load_target(tdir)
     drafter = load_drafter(ddir, target) if ddir else None
-    sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=16, dkv_blocks=16 * 64 + 64,
-                      ctx_window=1024, prefill_chunk=64)
+    sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=16 + PREFETCH,
+                      dkv_blocks=16 * 64 + 64, ctx_window=1024, prefill_chunk=64)
     rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg if drafter else None, sizes,
                  device=TorchCpuDevice(), gate=Gate(min_rate=0.0), executor=lambda rt: GraphStepExecutor(rt, inflight=1))
     rt.executor.steps = StandInSteps(rt.executor.steps.state, a.accepted)
@@ -98,6 +139,13 @@ def main(argv=None) -> int:
                          "over_first_batch": us / base})
             print(f"  {rows[-1]['kind']:<6} batch {b:2d}: {us:8.1f} us a step ({us / b:6.1f} per sequence; "
                   f"{us / base:.2f}x batch {batches[0]}), {steps} steps")
+    serve = []
+    for spec in ([False, True] if drafter is not None else [False]):
+        w = dict(serve_window(rt, batches[-1], spec, a.gamma), kind="dflash" if spec else "plain", batch=batches[-1])
+        serve.append(w)
+        print(f"  serve {w['kind']:<6} batch {w['batch']:2d}, {w['requests']} requests: {w['host_us_per_step']:.1f} us"
+              f" a step; collect -> next launch {w['window_us_median']:.0f} us median, {w['window_us_p90']:.0f} p90,"
+              f" {w['window_us_max']:.0f} max ({w['steps']} steps)")
     if a.json:
-        write_json(a.json, {"hardware": hw, "rows": rows, "gamma": a.gamma, "accepted": a.accepted})
+        write_json(a.json, {"hardware": hw, "rows": rows, "serve": serve, "gamma": a.gamma, "accepted": a.accepted})
     return 0
