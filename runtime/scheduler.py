@@ -17,7 +17,8 @@
 
 With an executor that keeps one step in flight (the GPU), step t+1 is planned and launched while step t
 runs: its rows' seq_len, positions and bonus are advanced on the device by step t itself, so the host only
-needs what it decides (rows, pages, the ctx window's base). Pages are therefore reserved for every step not
+needs what it decides (rows, pages, the ctx window's base). There, with requests running, plan + launch come
+before admit (Scheduler.step): a joiner's host work then overlaps two queued steps. Pages are therefore reserved for every step not
 yet finished (`Request.ahead` rows), and a request's state on the host lags the device by its steps in flight.
 Host bookkeeping only — numpy; no torch here.
 """
@@ -120,7 +121,7 @@ class Scheduler:
         With requests running the launch comes before the admission: a joiner cannot take this step anyway (its
         prefill is not collected), and its admission's host work (pages, tables, the prefill's launches) then runs
         while two steps are queued on the device rather than between a step's collect and the next launch (bench
-        host's serving run, batch 16 DFlash, 64 requests: that window's p90 530 -> 130 us, the longest 820 -> 200
+        host's serving run, batch 16 DFlash, 2-core EPYC: that window's p90 ~480 -> ~140 us, the longest ~710 -> ~240
         us). With nothing to step yet, the admission comes first and the step runs behind its prefills; so it does on
         a host executor (nothing in flight to overlap: its joiners take the step they were admitted in)."""
         touched: list[Request] = []

@@ -26,8 +26,8 @@ def token_ids(prompt, vocab_size: int, what: str = "prompt") -> list[int]:
         items = list(prompt)
     except TypeError:
         raise TokenIdError(f"{what} must be a list of token ids, got {type(prompt).__name__}") from None
-    # the common case, Python ints in range, checked in C (bool is its own type, so never passes here): the per-id
-    # loop below took ~0.5 us a token on the admission path, i.e. ~0.2 ms per joining request of 300 tokens
+    # the common case, Python ints in range, checked in C (bool is its own type, so never passes here): a joiner's
+    # admission checks its prompt again, and the per-id loop below took 45 us for 300 tokens (this: 15 us)
     if set(map(type, items)) == {int} and 0 <= min(items) and max(items) < vocab_size:
         return items
     out = []
