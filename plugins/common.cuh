@@ -47,6 +47,21 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+// warp_sum / warp_max of N values at once, their shuffle rounds interleaved: 5 dependent rounds for all N, not per value
+template <int N>
+__device__ __forceinline__ void warp_sum_n(float (&v)[N]) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+}
+template <int N>
+__device__ __forceinline__ void warp_max_n(float (&v)[N]) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = fmaxf(v[i], __shfl_xor_sync(0xffffffffu, v[i], o));
+}
 // Programmatic dependent launch (cuda_launch.launch(pdl=True)): a kernel launched that way may start before the
 // previous kernel on its stream has finished (Inductor's PDL kernels let the next one start once their loads are
 // done). pdl_wait() returns once that kernel (and, through its own wait, every earlier one) has completed and its

@@ -70,11 +70,8 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
   auto orow = [&](int r) { return c.orow(a, r); };
   if (k0 >= k1) return c.write_empty(a);
   const int ntiles = (k1 - k0 + KT - 1) / KT;
-  // page ids of tiles 0 and 1 in flight together; tile it + 2's are read while tile it + 1 is copied
-  int blk[KvTile<HD, TD>::KPT], nblk[KvTile<HD, TD>::KPT];
-  tile_pages<HD, TD>(a, c, k0, min(k0 + KT, k1), blk);
-  if (ntiles > 1) tile_pages<HD, TD>(a, c, k0 + KT, min(k0 + 2 * KT, k1), nblk);
-  load_kv_tile<HD, TD, false>(a, c, tiles, k0, min(k0 + KT, k1), blk);
+  int nblk[KvTile<HD, TD>::KPT];
+  kv_pipe_start<HD, TD, false>(a, c, tiles, ntiles, nblk);
   cp_commit();
   {  // Q rows: all loads in flight together, then scaled into shared memory
     constexpr int QPT = R * HD / (4 * NT);
@@ -104,10 +101,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
   for (int i = 0; i < RW; ++i) c.visible(a, w + NW * i, vlo[i], vlim[i]);
   for (int it = 0; it < ntiles; ++it) {
     const int j0 = k0 + it * KT, nk = min(KT, k1 - j0);
-    if (it + 1 < ntiles) {
-      load_kv_tile<HD, TD, false>(a, c, tiles + ((it + 1) & 1) * 2 * KT * RS, j0 + KT, min(j0 + 2 * KT, k1), nblk);
-      if (it + 2 < ntiles) tile_pages<HD, TD>(a, c, j0 + 2 * KT, min(j0 + 3 * KT, k1), nblk);
-    }
+    kv_pipe_next<HD, TD, false>(a, c, tiles, it, ntiles, j0, nblk);
     cp_commit();
     cp_wait1();
     __syncthreads();
@@ -129,7 +123,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
                   qb.z * kf[6] + qb.w * kf[7];
       }
     }
-    // online softmax of the warp's RW rows, their shuffle reductions interleaved (5 rounds for all rows, not 5 per row)
+    // online softmax of the warp's RW rows, their shuffle reductions interleaved (warp_max_n / warp_sum_n)
     float s[RW], red[RW], corr[RW];
 #pragma unroll
     for (int i = 0; i < RW; ++i) {
@@ -137,10 +131,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
       s[i] = r < nr && lane < nk && j >= vlo[i] && j < vlim[i] ? dot[i] : -INFINITY;
       red[i] = s[i];
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-      for (int i = 0; i < RW; ++i) red[i] = fmaxf(red[i], __shfl_xor_sync(0xffffffffu, red[i], o));
+    warp_max_n(red);
 #pragma unroll
     for (int i = 0; i < RW; ++i) {
       const float m_new = fmaxf(m[i], red[i]);
@@ -150,10 +141,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
       m[i] = m_new;
       red[i] = s[i];
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-      for (int i = 0; i < RW; ++i) red[i] += __shfl_xor_sync(0xffffffffu, red[i], o);
+    warp_sum_n(red);
 #pragma unroll
     for (int i = 0; i < RW; ++i) {
       const int r = w + NW * i;

@@ -59,11 +59,8 @@ __device__ __forceinline__ void attn_split_mma(const AttnArgs& a) {
   const CtaShare c(a, R);
   if (c.k0 >= c.k1) return c.write_empty(a);
   const int ntiles = (c.k1 - c.k0 + KT - 1) / KT;
-  // page ids of tiles 0 and 1 in flight together; tile it + 2's are read while tile it + 1 is copied
-  int blk[KvTile<HD, TD>::KPT], nblk[KvTile<HD, TD>::KPT];
-  tile_pages<HD, TD>(a, c, c.k0, min(c.k0 + KT, c.k1), blk);
-  if (ntiles > 1) tile_pages<HD, TD>(a, c, c.k0 + KT, min(c.k0 + 2 * KT, c.k1), nblk);
-  load_kv_tile<HD, TD, true>(a, c, tiles, c.k0, min(c.k0 + KT, c.k1), blk);
+  int nblk[KvTile<HD, TD>::KPT];
+  kv_pipe_start<HD, TD, true>(a, c, tiles, ntiles, nblk);
   cp_commit();
   constexpr int QC = R * HD / 8 / NT, QB = QC < 8 ? QC : 8;  // 16-byte Q chunks per thread; loads in flight at once
   static_assert(QC % QB == 0, "Q chunks per thread");
@@ -96,10 +93,7 @@ __device__ __forceinline__ void attn_split_mma(const AttnArgs& a) {
   for (int d = 0; d < NDT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
   for (int it = 0; it < ntiles; ++it) {
     const int j0 = c.k0 + it * KT;
-    if (it + 1 < ntiles) {
-      load_kv_tile<HD, TD, true>(a, c, tiles + ((it + 1) & 1) * 2 * KT * RS, j0 + KT, min(j0 + 2 * KT, c.k1), nblk);
-      if (it + 2 < ntiles) tile_pages<HD, TD>(a, c, j0 + 2 * KT, min(j0 + 3 * KT, c.k1), nblk);
-    }
+    kv_pipe_next<HD, TD, true>(a, c, tiles, it, ntiles, j0, nblk);
     cp_commit();
     cp_wait1();
     __syncthreads();
