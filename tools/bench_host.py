@@ -41,19 +41,24 @@ class StandInSteps:
         self._result(b, gamma + 1, min(self.accepted + 1, gamma + 1))
 
 
+def drive(sch) -> tuple:
+    """(scheduler steps, seconds) until `sch` has no work left."""
+    steps, t0 = 0, time.perf_counter()
+    while sch.has_work:
+        sch.step()
+        steps += 1
+    return steps, time.perf_counter() - t0
+
+
 def host_us_per_step(rt, batch: int, spec: bool, gamma: int, new_tokens: int, prompt_len: int = 40) -> tuple:
     """(us per scheduler step, steps) decoding `batch` requests of `new_tokens` after their admission."""
     rng = np.random.default_rng(batch)
     for _ in range(batch):
         rt.add_request([int(t) for t in rng.integers(0, rt.tcfg.vocab_size - 1, prompt_len)], new_tokens,
                        gamma=gamma if spec else None, spec=spec)
-    sch = rt.scheduler
-    sch.admit()
-    steps, t0 = 0, time.perf_counter()
-    while sch.has_work:
-        sch.step()
-        steps += 1
-    return (time.perf_counter() - t0) / steps * 1e6, steps
+    rt.scheduler.admit()
+    steps, secs = drive(rt.scheduler)
+    return secs / steps * 1e6, steps
 
 
 def serve_window(rt, batch: int, spec: bool, gamma: int, per_slot: int = 4) -> dict:
@@ -79,11 +84,7 @@ def serve_window(rt, batch: int, spec: bool, gamma: int, per_slot: int = 4) -> d
 
     ex.launch, ex.collect = timed_launch, timed_collect
     try:
-        steps, t0 = 0, time.perf_counter()
-        while sch.has_work:
-            sch.step()
-            steps += 1
-        secs = time.perf_counter() - t0
+        steps, secs = drive(sch)
     finally:
         del ex.launch, ex.collect  # the instance attributes: the class's methods again
     win = np.array([b[1] - a[1] for a, b in zip(marks, marks[1:]) if a[0] == "collect" and b[0] == "launch"]) * 1e6
