@@ -48,7 +48,7 @@ template <int HD, bool F16>
 __device__ __forceinline__ void attn_split_mma(const AttnArgs& a) {
   constexpr int TD = F16 ? DT_F16 : DT_BF16;
   constexpr int R = 16 * NW;
-  constexpr int RS = HD * 2 + 16;  // padded row (bytes) of Q and K/V tiles: the 8 rows of an ldmatrix hit 32 banks
+  constexpr int RS = KvTile<HD, TD>::RS;  // padded row (bytes) of Q and K/V tiles: an ldmatrix's 8 rows hit 32 banks
   constexpr int NKT = KT / 8;      // key n-tiles of S
   constexpr int NDT = HD / 8;      // dim n-tiles of O
   extern __shared__ __align__(16) unsigned char smem[];
