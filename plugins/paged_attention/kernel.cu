@@ -71,7 +71,6 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
   const int ntiles = (k1 - k0 + KT - 1) / KT;
   int nblk[KvTile<HD, TD>::KPT];
   kv_pipe_start<HD, TD, false>(a, c, tiles, ntiles, nblk);
-  cp_commit();
   {  // Q rows: all loads in flight together, then scaled into shared memory
     constexpr int QPT = R * HD / (4 * NT);
     const float qscale = a.scale * 1.4426950408889634f;
@@ -101,9 +100,6 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
   for (int it = 0; it < ntiles; ++it) {
     const int j0 = k0 + it * KT, nk = min(KT, k1 - j0);
     kv_pipe_next<HD, TD, false>(a, c, tiles, it, ntiles, j0, nblk);
-    cp_commit();
-    cp_wait1();
-    __syncthreads();
     const unsigned char* Kt = tiles + (it & 1) * 2 * KT * RS;
     const unsigned char* Vt = Kt + KT * RS;
     // scores: warp w scores rows w + NW*i, lane = key

@@ -61,7 +61,6 @@ __device__ __forceinline__ void attn_split_mma(const AttnArgs& a) {
   const int ntiles = (c.k1 - c.k0 + KT - 1) / KT;
   int nblk[KvTile<HD, TD>::KPT];
   kv_pipe_start<HD, TD, true>(a, c, tiles, ntiles, nblk);
-  cp_commit();
   constexpr int QC = R * HD / 8 / NT, QB = QC < 8 ? QC : 8;  // 16-byte Q chunks per thread; loads in flight at once
   static_assert(QC % QB == 0, "Q chunks per thread");
 #pragma unroll
@@ -94,9 +93,6 @@ __device__ __forceinline__ void attn_split_mma(const AttnArgs& a) {
   for (int it = 0; it < ntiles; ++it) {
     const int j0 = c.k0 + it * KT;
     kv_pipe_next<HD, TD, true>(a, c, tiles, it, ntiles, j0, nblk);
-    cp_commit();
-    cp_wait1();
-    __syncthreads();
     const unsigned char* Kt = tiles + (it & 1) * 2 * KT * RS;
     const unsigned char* Vt = Kt + KT * RS;
     if (active) {

@@ -140,8 +140,8 @@ __device__ __forceinline__ void load_kv_tile(const AttnArgs& a, const CtaShare& 
 }
 
 // The 2-stage pipeline of a CTA's key tiles [k0, k1), both split passes: tile t goes to stage t & 1 of `tiles`, and
-// its page ids are read one tile ahead of its copies (nblk: those of the next tile to copy). The caller commits each
-// issue (cp_commit) and waits.
+// its page ids are read one tile ahead of its copies (nblk: those of the next tile to copy). Each issue is one
+// cp.async group.
 // kv_pipe_start: tile 0's copies issued, tile 1's page ids in flight beside tile 0's.
 template <int HD, int TD, bool ZERO>
 __device__ __forceinline__ void kv_pipe_start(const AttnArgs& a, const CtaShare& c, unsigned char* tiles, int ntiles,
@@ -150,8 +150,10 @@ __device__ __forceinline__ void kv_pipe_start(const AttnArgs& a, const CtaShare&
   tile_pages<HD, TD>(a, c, c.k0, min(c.k0 + KT, c.k1), blk);
   if (ntiles > 1) tile_pages<HD, TD>(a, c, c.k0 + KT, min(c.k0 + 2 * KT, c.k1), nblk);
   load_kv_tile<HD, TD, ZERO>(a, c, tiles, c.k0, min(c.k0 + KT, c.k1), blk);
+  cp_commit();
 }
-// kv_pipe_next, at tile it (keys from j0): tile it + 1's copies issued into the other stage, tile it + 2's page ids read.
+// kv_pipe_next, at tile it (keys from j0): tile it + 1's copies issued into the other stage, tile it + 2's page ids
+// read; returns once tile it has landed in stage it & 1 (its group waited for, then a barrier for every thread's).
 template <int HD, int TD, bool ZERO>
 __device__ __forceinline__ void kv_pipe_next(const AttnArgs& a, const CtaShare& c, unsigned char* tiles, int it,
                                              int ntiles, int j0, int (&nblk)[KvTile<HD, TD>::KPT]) {
@@ -160,6 +162,9 @@ __device__ __forceinline__ void kv_pipe_next(const AttnArgs& a, const CtaShare& 
                                min(j0 + 2 * KT, c.k1), nblk);
     if (it + 2 < ntiles) tile_pages<HD, TD>(a, c, j0 + 2 * KT, min(j0 + 3 * KT, c.k1), nblk);
   }
+  cp_commit();
+  cp_wait1();
+  __syncthreads();
 }
 
 // The arguments of both split passes' entries (kernel.cu), in the launcher's order (launch.py).
