@@ -95,6 +95,16 @@ class StepClock:
         return None
 
 
+def optimizer_step(opt, module, loss):
+    """One update of every stage: gradients of `loss`, their norm clipped to 1 over module's parameters, opt's step.
+    Returns the norm before clipping."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gn = torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    opt.step()
+    return gn
+
+
 def log_step(log, clock: StepClock, stage: str, step: int, loss, every: int) -> None:
     """After step `step` (1-based): the step-count fit when it happens, and the loss every `every` steps."""
     ms = clock.tick(step)

@@ -12,7 +12,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.tools.train.common import StepClock, autocast, cosine_lr, log_step, param_groups, windows
+from dflash_trt.tools.train.common import (StepClock, autocast, cosine_lr, log_step, optimizer_step, param_groups,
+                                           windows)
 from dflash_trt.tools.train.configs import BLOCK
 from dflash_trt.tools.train.generate import continuations
 
@@ -99,10 +100,7 @@ def train_drafter(drafter, data, dev, log, seconds, mask_id, steps=None, batch=6
             gp["lr"] = cosine_lr(step, clock.schedule_total(), lr, warmup)
         with autocast(dev):
             loss, _, _ = drafter_loss(drafter, ctx[idx], seqs[idx], anc, mask_id, w)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, drafter, loss)
         step += 1
         log_step(log, clock, "drafter", step, loss, 100)
     return dict(steps=step, seconds=time.time() - clock.t0, batch_seqs=batch, anchors_per_seq=anchors, peak_lr=lr,

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.tools.train.common import StepClock, autocast, cosine_lr, param_groups, windows
+from dflash_trt.tools.train.common import StepClock, autocast, cosine_lr, optimizer_step, param_groups, windows
 
 
 def next_token_loss(model, x, reduction="mean"):
@@ -48,10 +48,7 @@ def train_target(model, train, held, dev, log, seconds, steps=None, batch=128, L
             gp["lr"] = cosine_lr(step, clock.schedule_total(), lr, warmup)
         with autocast(dev):
             loss = next_token_loss(model, x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        gn = optimizer_step(opt, model, loss)
         step += 1
         ms = clock.tick(step)
         if ms is not None:

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save
 
 from dflash_trt.files import write_bytes
-from dflash_trt.tools.train.common import (Log, StepClock, autocast, cosine_lr, log_step, param_groups, pick_device,
-                                           round_bf16_)
+from dflash_trt.tools.train.common import (Log, StepClock, autocast, cosine_lr, log_step, optimizer_step, param_groups,
+                                           pick_device, round_bf16_)
 from dflash_trt.tools.train.configs import BLOCK
 from dflash_trt.tools.train.data import corpus_files, function_snippets, is_heldout
 from dflash_trt.tools.train.drafter import drafter_loss, eval_drafter, loss_weights, simulate_tau
@@ -200,10 +200,7 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
             gp["lr"] = cosine_lr(step, clock.schedule_total(), lr, 30)
         with autocast(dev):
             loss, _, _ = drafter_loss(drafter, ctx[idx].float(), seqs[idx], anc, mask_id, w)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, drafter, loss)
         step += 1
         log_step(log, clock, "tune", step, loss, 50)
     tune_s = time.time() - t0
