@@ -66,13 +66,21 @@ __device__ __forceinline__ void warp_max_n(float (&v)[N]) {
 // previous kernel on its stream has finished (Inductor's PDL kernels let the next one start once their loads are
 // done). pdl_wait() returns once that kernel (and, through its own wait, every earlier one) has completed and its
 // writes are visible: call it before the first read of anything an earlier kernel writes and before the first write.
-// Our kernels never trigger their dependents early (no griddepcontrol.launch_dependents): a dependent that started
-// before our last read could write into memory we still read (Inductor reuses a dead buffer's storage, and its PDL
-// kernels wait only for the buffers the previous kernel names), so the next kernel starts when our CTAs have exited.
-// A no-op in a normal launch and below sm_90.
+// A kernel lets its dependent start early (pdl_trigger) only once every CTA has done its LAST read of memory (the
+// first thread of a CTA to trigger counts for all of its warps: trigger after a barrier that follows every read): a
+// dependent that started before that could write into memory we still read (Inductor reuses a dead buffer's
+// storage, and its PDL kernels wait only for the buffers the previous kernel names). Reading our outputs stays safe
+// (every dependent waits before it reads them, and Inductor's kernels wait before they trigger their own). Kernels
+// without a trigger let the next kernel start when their CTAs have exited. Both are no-ops in a normal launch and
+// below sm_90.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 // A 16-byte load of data read once (weight streams): non-coherent path, not kept in L1.

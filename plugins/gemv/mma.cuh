@@ -124,6 +124,9 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* _
       part[warp][t * 8 + 2 * c + 1][g + 8] = acc[t][3];
     }
     __syncthreads();
+    // Past the barrier every warp's loads of its last tile went into its mmas: this CTA reads no more memory, so
+    // the next kernel may start (common.cuh; one thread's trigger counts for the whole CTA, hence after the barrier).
+    if (tile >= tiles) pdl_trigger();
     for (int j = tid; j < NT * 8 * 16; j += GEMV_WARPS * 32) {
       const int m = j >> 4, r = j & 15;  // consecutive threads: consecutive rows of w (coalesced y)
       float s = 0.f;
