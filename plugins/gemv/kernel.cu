@@ -2,14 +2,22 @@
 // tensor cores (gemv/mma.cuh).
 #include "common.cuh"
 #include "gemv/mma.cuh"
+#if !defined(GEMV_WARPS) || !defined(GEMV_NARROW_WARPS)
+#error "GEMV_WARPS / GEMV_NARROW_WARPS (warps per CTA) come from gemv/spec.py through NVRTC -D options"
+#endif
 
-// mma_n{8-row tiles of x}_u{32-column chunks per warp per pass}_{dtype}; spec.kernel_name picks one
-#define MMA(NT, U, DT, F16)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
-      mma_n##NT##_u##U##_##DT(const u16* w, const u16* x, void* y, int M, int N, int K, int y_f32) {        \
-    mma_body<NT, F16, U>(w, x, y, M, N, K, y_f32);                                                          \
+// mma_n{8-row tiles of x}_u{32-column chunks per warp per pass}_w{warps per CTA}_{dtype}; spec.kernel_name picks
+// one. MMA expands its arguments (the warp macros) before MMA_ pastes them into the name.
+#define MMA_(NT, U, W, DT, F16)                                                                              \
+  extern "C" __global__ void __launch_bounds__(W * 32)                                                     \
+      mma_n##NT##_u##U##_w##W##_##DT(const u16* w, const u16* x, void* y, int M, int N, int K, int y_f32) { \
+    mma_body<NT, F16, U, W>(w, x, y, M, N, K, y_f32);                                                       \
   }
-#define MMA_U(NT, DT, F16) MMA(NT, 1, DT, F16) MMA(NT, 2, DT, F16) MMA(NT, 4, DT, F16) MMA(NT, 8, DT, F16)
+#define MMA(NT, U, W, DT, F16) MMA_(NT, U, W, DT, F16)
+#define MMA_U(NT, DT, F16)                                                                              \
+  MMA(NT, 1, GEMV_WARPS, DT, F16) MMA(NT, 2, GEMV_WARPS, DT, F16) MMA(NT, 4, GEMV_WARPS, DT, F16)     \
+  MMA(NT, 8, GEMV_WARPS, DT, F16) MMA(NT, 4, GEMV_NARROW_WARPS, DT, F16)
+
 MMA_U(1, bf16, false)
 MMA_U(2, bf16, false)
 MMA_U(1, f16, true)

@@ -11,5 +11,6 @@ def gemv(w, x, y, *, M, N, K, dtype="bfloat16", y_fp32=False, stream=0):
     spec.check(M, N, K, dtype)
     fn = get_function("gemv", spec.kernel_name(M, N, K, dtype))
     tiles = (N + spec.TILE_N - 1) // spec.TILE_N  # persistent CTAs walk the tiles (gemv/mma.cuh)
-    launch(fn, (min(tiles, resident_ctas(fn, spec.WARPS * 32)), 1, 1), (spec.WARPS * 32, 1, 1), 0, stream,
+    threads = spec.warps(N, K) * 32
+    launch(fn, (min(tiles, resident_ctas(fn, threads)), 1, 1), (threads, 1, 1), 0, stream,
            [(w, P), (x, P), (y, P), (M, I), (N, I), (K, I), (int(bool(y_fp32)), I)], pdl=True)

@@ -2,8 +2,8 @@
 // x, one kernel body for every M (spec.py says why: a row's sums must not depend on how many rows came with it).
 //
 // A CTA owns 16 rows of w (one m16 tile of mma.m16n8k16, w as the row-major A operand) and the M rows of x (the
-// col-major B operand: 8 rows of x per n-tile, NT = 1 or 2 tiles). Its GEMV_WARPS warps split K into 32-column
-// chunks (warp j takes chunks j*U .. j*U+U-1, then the next pass GEMV_WARPS*U further on) and the partial sums
+// col-major B operand: 8 rows of x per n-tile, NT = 1 or 2 tiles). Its W warps split K into 32-column
+// chunks (warp j takes chunks j*U .. j*U+U-1, then the next pass W*U further on) and the partial sums
 // meet in shared memory, added in warp order: fixed, so a row's result depends only on (N, K).
 //
 // Column permutation: lane (g = lane/4, c = lane%4) loads ONE 16-byte vector per chunk per operand row: columns
@@ -12,9 +12,6 @@
 // the two steps sum all 32 columns once (a sum over k does not care in which order the columns are visited).
 #pragma once
 #include "common.cuh"
-#ifndef GEMV_WARPS
-#error "GEMV_WARPS (warps per CTA) comes from gemv/spec.py through NVRTC -D options"
-#endif
 
 // Lane (g, c)'s row pointers into the tile of w from row n0: rows n0 + g and n0 + g + 8 (clamped to N-1).
 __device__ __forceinline__ void mma_rows(const uint4*& wg, const uint4*& wh, const u16* w, int n0, int N, int K) {
@@ -63,10 +60,10 @@ __device__ __forceinline__ void mma_load(uint4 (&a)[U], uint4 (&b)[U], uint4 (&x
 // memory, barrier, sum over warps, stores), so the weight stream does not pause for it (H200, 12352 x 2048 at 16
 // rows of x: 15.5 us against 16.9 with one CTA per tile; at 1 row no change). Static smem: the warps' partial tiles. Rows of w past N re-read row
 // N-1 and rows of x past M read zeros; neither is stored. y_f32: y is fp32 (logits), else x's dtype.
-template <int NT, bool F16, int U>
+template <int NT, bool F16, int U, int W>
 __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* __restrict__ x, void* __restrict__ y,
                                          int M, int N, int K, int y_f32) {
-  __shared__ float part[GEMV_WARPS][NT * 8][17];  // [warp][row of x][row of w] (+1: fewer conflicts)
+  __shared__ float part[W][NT * 8][17];  // [warp][row of x][row of w] (+1: fewer conflicts)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   const int nv = K >> 3, tiles = (N + 15) / 16;  // nv: 16-byte vectors per row
   const uint4 *wg, *wh, *xr[NT];
@@ -95,7 +92,7 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* _
     // ~2 us of a CTA's share of HBM at one CTA per SM: the drained wait was a third of an N = 2048 call).
     constexpr int H = U > 1 ? U / 2 : U;  // slots per stage
     for (int ch0 = warp * U;;) {
-      const int next = ch0 + GEMV_WARPS * U;
+      const int next = ch0 + W * U;
       const bool more = next * 4 < nv;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -127,11 +124,11 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* _
     // Past the barrier every warp's loads of its last tile went into its mmas: this CTA reads no more memory, so
     // the next kernel may start (common.cuh; one thread's trigger counts for the whole CTA, hence after the barrier).
     if (tile >= tiles) pdl_trigger();
-    for (int j = tid; j < NT * 8 * 16; j += GEMV_WARPS * 32) {
+    for (int j = tid; j < NT * 8 * 16; j += W * 32) {
       const int m = j >> 4, r = j & 15;  // consecutive threads: consecutive rows of w (coalesced y)
       float s = 0.f;
 #pragma unroll
-      for (int q = 0; q < GEMV_WARPS; ++q) s += part[q][m][r];
+      for (int q = 0; q < W; ++q) s += part[q][m][r];
       if (m < M && n0 + r < N) {
         const i64 o = (i64)m * N + n0 + r;
         if (y_f32)

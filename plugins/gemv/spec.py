@@ -26,7 +26,8 @@ from dflash_trt.plugins.opspec import OpSpec, Port, kernel_need, need
 MAX_ROWS = 16
 CHUNK = 8           # 16-bit elements per 16-byte load: K must be a multiple
 MAX_K = 1 << 20     # int32 column indexing with margin
-WARPS = 8           # warps per CTA: they split K and meet in shared memory
+WARPS = 8           # warps per CTA: they split K and meet in shared memory (rows.cuh / moe: always; mma: warps())
+NARROW_WARPS = 16   # mma warps per CTA for narrow, deep projections (warps())
 TILE_N = 16         # rows of w per CTA (the mma's m16)
 DTYPES = ("bfloat16", "float16")
 
@@ -42,11 +43,22 @@ def check(rows: int, N: int, K: int, dtype: str) -> None:
                 f"dtype (got rows={rows}, N={N}, K={K}, {dtype})")
 
 
+def warps(N: int, K: int) -> int:
+    """Warps per CTA of the mma kernel. A CTA takes 16 rows of w, so N <= 2048 makes at most 128 CTAs: fewer than
+    the H200's 132 SMs, one CTA (8 warps) per SM streaming. There 16 warps (U = 4) keep twice the loads in flight
+    per SM once K >= 2048 gives them work; H200, cold weights, us per call at 1 / 16 rows, 8 warps (U = 8) -> 16:
+    2048 x 2048 3.95 / 4.78 -> 3.80 / 4.43, 2048 x 4096 6.85 / 8.36 -> 6.21 / 7.46, 2048 x 6144 8.64 / 10.77 ->
+    8.08 / 10.10. Wider N stays at 8 (12352 x 2048 at 16 rows: 14.56 at 8 warps, 18.56 at 16)."""
+    return NARROW_WARPS if N <= 2048 and K >= 2048 else WARPS
+
+
 def chunks_per_pass(N: int, K: int) -> int:
     """U: 32-column chunks a warp loads per pass (U * (2 + tiles of x) loads of 16 bytes in flight per lane):
-    one pass over K when K <= 2048 (all WARPS warps busy at small K), at most 8 (the 16-row kernel then takes
-    170 registers), and 4 for N >= 4096 at K = 2048, which measured faster at 1 and 16 rows on the H200 (in_proj
-    12352 x 2048: 14.8 / 15.6 us at U = 4, 16.3 / 18.2 at U = 8)."""
+    4 at 16 warps (warps()); at 8, one pass over K when K <= 1024 (all warps busy at small K), at most 8 (the
+    16-row kernel then takes 170 registers), and 4 for N >= 4096 at K = 2048, which measured faster at 1 and 16 rows
+    on the H200 (in_proj 12352 x 2048: 14.8 / 15.6 us at U = 4, 16.3 / 18.2 at U = 8)."""
+    if warps(N, K) == NARROW_WARPS:
+        return 4
     for u in (1, 2, 4):
         if K <= WARPS * 32 * u:
             return u
@@ -54,9 +66,11 @@ def chunks_per_pass(N: int, K: int) -> int:
 
 
 def kernel_name(rows: int, N: int, K: int, dtype: str) -> str:
-    """The kernel.cu entry: mma_n{8-row tiles of x}_u{chunks per pass}_{dtype}. U depends on (N, K) alone, and
-    rows 1-8 of a 16-row call run the same mma sequence as an 8-row call: a row's result does not depend on M."""
-    return f"mma_n{1 if rows <= 8 else 2}_u{chunks_per_pass(N, K)}_{'bf16' if dtype == 'bfloat16' else 'f16'}"
+    """The kernel.cu entry: mma_n{8-row tiles of x}_u{chunks per pass}_w{warps}_{dtype}. U and the warps depend on
+    (N, K) alone, and rows 1-8 of a 16-row call run the same mma sequence as an 8-row call: a row's result does not
+    depend on M."""
+    return (f"mma_n{1 if rows <= 8 else 2}_u{chunks_per_pass(N, K)}_w{warps(N, K)}_"
+            f"{'bf16' if dtype == 'bfloat16' else 'f16'}")
 
 
 
@@ -87,5 +101,5 @@ SPEC = OpSpec(
     check_shapes=_check_shapes,
     check_kernel=_check_kernel,
     doc="x @ w.T for 1-16 rows of x (decode and verify projections)",
-    cuda_defines={"GEMV_WARPS": WARPS},
+    cuda_defines={"GEMV_WARPS": WARPS, "GEMV_NARROW_WARPS": NARROW_WARPS},
 )

@@ -22,6 +22,16 @@ def test_usable_limits():
     assert not spec.usable(1, 2044, "bfloat16")          # not 16-byte chunks
     assert not spec.usable(1, 2048, "float32")           # fp32 stays cuBLAS
     assert not spec.usable(1, spec.MAX_K + 8, "bfloat16")
+
+
+def test_narrow_deep_projections_take_16_warps():
+    """N <= 2048 rows of w with K >= 2048 (fewer CTAs than SMs, each streaming long rows): 16 warps, U = 4; wider or
+    shallower projections 8 warps. The choice depends on (N, K) only: the same kernel at 1 and 16 rows."""
+    assert spec.kernel_name(1, 2048, 6144, "bfloat16") == "mma_n1_u4_w16_bf16"
+    assert spec.kernel_name(16, 16, 2048, "float16") == "mma_n2_u4_w16_f16"
+    assert spec.kernel_name(1, 2049, 4096, "bfloat16") == "mma_n1_u8_w8_bf16"
+    assert spec.kernel_name(1, 12352, 2048, "bfloat16") == "mma_n1_u4_w8_bf16"
+    assert spec.kernel_name(9, 2048, 1024, "bfloat16") == "mma_n2_u4_w8_bf16"
     with pytest.raises(KernelError, match="multiple of 8"):
         spec.check(1, 16, 12, "bfloat16")
 

@@ -17,7 +17,8 @@ ENTRIES = {
     "conv": ["conv_verify", "conv_roll"],
     "paged_attention": [f"paged_attention_hd{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "f16", "f32")]
     + ["paged_attention_combine", "kv_write"],
-    "gemv": [f"mma_n{n}_u{u}_{d}" for n in (1, 2) for u in (1, 2, 4, 8) for d in ("bf16", "f16")],
+    "gemv": [f"mma_n{n}_u{u}_w{w}_{d}" for n in (1, 2) for u, w in ((1, 8), (2, 8), (4, 8), (8, 8), (4, 16))
+             for d in ("bf16", "f16")],
     "moe": ["moe_plan", "moe_combine", "moe_route"] + [f"moe_dec_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16")] + [f"moe_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16", "f32")],
 }
 
