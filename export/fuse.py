@@ -12,7 +12,8 @@ same dot product; only the GEMM the library picks may differ. Fuse after the mod
 drafter block) goes to our weight-streaming kernel (plugins/gemv: one kernel for every row count, so a token's
 projections in a verify step and in its decode step agree bit for bit), the rest to F.linear (cuBLAS; what ONNX
 export traces on the CPU).
-`Linear` is nn.Linear through it (same parameters and state_dict names).
+`Linear` is nn.Linear through it (same parameters and state_dict names). `swiglu(owner, (gate, up), x)`: the SwiGLU
+MLP's activation of its two projections, one kernel launch when fused on CUDA (plugins/gemv gemv_swiglu).
 """
 from __future__ import annotations
 
@@ -28,14 +29,17 @@ from dflash_trt.plugins.torch_util import dname
 BUFFER = "_fused_"  # buffer name prefix on the owner: _fused_<first layer name>
 
 
+def _gemv_takes(x) -> bool:
+    return gemv_spec.usable(x.numel() // max(x.shape[-1], 1), x.shape[-1], dname(x))
+
+
 def linear(x, w, fp32_out: bool = False):
     """x @ w.T. Inference only (no autograd through the kernel): training steps keep F.linear.
     fp32_out (logits): an fp32 y. CUDA inference takes the GEMM's fp32 sums, not rounded to 16 bits first (one bf16
     ulp at a logit of 16 is 0.125: enough to move a near-tie between the verify and the decode step); elsewhere
     F.linear then a cast (what ONNX export traces, unchanged)."""
-    rows, K = x.numel() // max(x.shape[-1], 1), x.shape[-1]
     infer = x.is_cuda and not torch.is_grad_enabled() and w.dtype == x.dtype
-    if infer and gemv_spec.usable(rows, K, dname(x)):
+    if infer and _gemv_takes(x):
         return torch.ops.dflash.gemv(x, w, fp32_out)
     if infer and fp32_out and x.dtype != torch.float32:
         return gemv_reference.gemv(x, w, fp32_out=True)  # cuBLAS, fp32 output
@@ -81,3 +85,14 @@ def linears(owner: nn.Module, names: tuple[str, ...], x) -> list:
     if w is None:
         return [getattr(owner, n)(x) for n in names]
     return list(torch.split(linear(x, w), [getattr(owner, n).out_features for n in names], dim=-1))
+
+
+def swiglu(owner: nn.Module, names: tuple[str, ...], x):
+    """F.silu(gate(x)) * up(x) of owner's layers names = (gate, up). Fused (fuse_linears) on CUDA inference within the
+    gemv kernel's limits: one launch, the activation in the projection's epilogue (dflash::gemv_swiglu, rounded as
+    below); else the two projections (`linears`) and torch ops."""
+    w = getattr(owner, BUFFER + names[0], None)
+    if w is not None and x.is_cuda and not torch.is_grad_enabled() and w.dtype == x.dtype and _gemv_takes(x):
+        return torch.ops.dflash.gemv_swiglu(x, w)
+    gate, up = linears(owner, names, x)
+    return F.silu(gate) * up

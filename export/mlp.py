@@ -6,11 +6,10 @@ syncs, no data-dependent shapes or Python control flow.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import TargetConfig
-from dflash_trt.export.fuse import Linear, linear, linears
+from dflash_trt.export.fuse import Linear, linear, linears, swiglu
 from dflash_trt.plugins import ops, torch_ops  # noqa: F401  (torch_ops registers torch.ops.dflash.moe_route)
 from dflash_trt.plugins.moe import reference as moe_ref
 
@@ -25,8 +24,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        gate, up = linears(self, self.PROJECTIONS, x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(self, self.PROJECTIONS, x))
 
 
 class Experts(nn.Module):

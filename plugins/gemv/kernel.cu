@@ -6,14 +6,14 @@
 #error "GEMV_WARPS / GEMV_NARROW_WARPS (warps per CTA) come from gemv/spec.py through NVRTC -D options"
 #endif
 
-// mma_n{8-row tiles of x}_u{32-column chunks per warp per pass}_w{warps per CTA}_{dtype}; spec.kernel_name picks
-// one. MMA expands its arguments (the warp macros) before MMA_ pastes them into the name.
-#define MMA_(NT, U, W, DT, F16)                                                                              \
-  extern "C" __global__ void __launch_bounds__(W * 32)                                                     \
-      mma_n##NT##_u##U##_w##W##_##DT(const u16* w, const u16* x, void* y, int M, int N, int K, int y_f32) { \
-    mma_body<NT, F16, U, W>(w, x, y, M, N, K, y_f32);                                                       \
+// mma_n{8-row tiles of x}_u{32-column chunks per warp per pass}_w{warps per CTA}_{dtype}[_swiglu]; spec.kernel_name
+// picks one. MMA expands its arguments (the warp macros) before MMA_ pastes them into the name.
+#define MMA_(NT, U, W, DT, F16, SFX, SWIGLU)                                                                       \
+  extern "C" __global__ void __launch_bounds__(W * 32)                                                           \
+      mma_n##NT##_u##U##_w##W##_##DT##SFX(const u16* w, const u16* x, void* y, int M, int N, int K, int y_f32) { \
+    mma_body<NT, F16, U, W, SWIGLU>(w, x, y, M, N, K, y_f32);                                                     \
   }
-#define MMA(NT, U, W, DT, F16) MMA_(NT, U, W, DT, F16)
+#define MMA(NT, U, W, DT, F16) MMA_(NT, U, W, DT, F16, , false) MMA_(NT, U, W, DT, F16, _swiglu, true)
 #define MMA_U(NT, DT, F16)                                                                              \
   MMA(NT, 1, GEMV_WARPS, DT, F16) MMA(NT, 2, GEMV_WARPS, DT, F16) MMA(NT, 4, GEMV_WARPS, DT, F16)     \
   MMA(NT, 8, GEMV_WARPS, DT, F16) MMA(NT, 4, GEMV_NARROW_WARPS, DT, F16)

@@ -14,10 +14,18 @@
 #include "common.cuh"
 
 // Lane (g, c)'s row pointers into the tile of w from row n0: rows n0 + g and n0 + g + 8 (clamped to N-1).
+// SWIGLU (w = [gate; up], N/2 rows each): gate row n0 + g and its up row N/2 + n0 + g (clamped to N/2-1 and N-1).
+template <bool SWIGLU>
 __device__ __forceinline__ void mma_rows(const uint4*& wg, const uint4*& wh, const u16* w, int n0, int N, int K) {
   const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
-  wg = (const uint4*)(w + (i64)min(n0 + g, N - 1) * K) + c;
-  wh = (const uint4*)(w + (i64)min(n0 + g + 8, N - 1) * K) + c;
+  if constexpr (SWIGLU) {
+    const int r = min(n0 + g, N / 2 - 1);
+    wg = (const uint4*)(w + (i64)r * K) + c;
+    wh = (const uint4*)(w + (i64)(N / 2 + r) * K) + c;
+  } else {
+    wg = (const uint4*)(w + (i64)min(n0 + g, N - 1) * K) + c;
+    wh = (const uint4*)(w + (i64)min(n0 + g + 8, N - 1) * K) + c;
+  }
 }
 
 // Slots u0 .. u1-1 of a pass of a lane's loads: chunks ch0 + u (32 columns each) of its rows g, g+8 of the tile
@@ -55,17 +63,30 @@ __device__ __forceinline__ void mma_load(uint4 (&a)[U], uint4 (&b)[U], uint4 (&x
   mma_load_x<NT, U>(xv, xr, xok, ch0, nv, u0, u1);
 }
 
+// silu(gate) * up of two of the GEMM's fp32 sums, rounded as eager torch rounds F.silu(gate) * up of the 16-bit
+// projections: each sum to 16 bits, silu in fp32 (expf, not the fast exp) to 16 bits, the product to 16 bits.
+template <bool F16>
+__device__ __forceinline__ u16 swiglu_out(float gs, float us) {
+  auto r16 = [](float v) { return F16 ? f16_to_f(f_to_f16(v)) : bf16_to_f(f_to_bf16(v)); };
+  const float g = r16(gs), s = r16(g / (1.f + expf(-g))), p = s * r16(us);
+  return F16 ? f_to_f16(p) : f_to_bf16(p);
+}
+
 // Persistent: the grid is the CTAs the device holds at once (launch.py), each CTA walks tiles blockIdx.x,
 // + gridDim.x, ... and issues the next tile's first loads BEFORE the current tile's epilogue (partials to shared
 // memory, barrier, sum over warps, stores), so the weight stream does not pause for it (H200, 12352 x 2048 at 16
 // rows of x: 15.5 us against 16.9 with one CTA per tile; at 1 row no change). Static smem: the warps' partial tiles. Rows of w past N re-read row
 // N-1 and rows of x past M read zeros; neither is stored. y_f32: y is fp32 (logits), else x's dtype.
-template <int NT, bool F16, int U, int W>
+// SWIGLU (the SwiGLU MLP's fused gate/up projection, w = [gate; up]): a tile is 8 gate rows and their 8 up rows
+// (mma_rows), the same products summed in the same order as the plain kernel's for those rows, and the epilogue
+// stores y [M, N/2] = silu(gate) * up (swiglu_out): no elementwise kernel between the MLP's two projections.
+template <int NT, bool F16, int U, int W, bool SWIGLU>
 __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* __restrict__ x, void* __restrict__ y,
                                          int M, int N, int K, int y_f32) {
   __shared__ float part[W][NT * 8][17];  // [warp][row of x][row of w] (+1: fewer conflicts)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
-  const int nv = K >> 3, tiles = (N + 15) / 16;  // nv: 16-byte vectors per row
+  constexpr int TR = SWIGLU ? 8 : 16;  // output rows of a tile (SWIGLU: 8 gate rows, each with its up row)
+  const int nv = K >> 3, tiles = SWIGLU ? (N / 2 + TR - 1) / TR : (N + TR - 1) / TR;  // nv: 16-byte vectors per row
   const uint4 *wg, *wh, *xr[NT];
   bool xok[NT];
 #pragma unroll
@@ -75,7 +96,7 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* _
   }
   uint4 a[U], b[U], xv[NT][U];
   int tile = blockIdx.x;
-  mma_rows(wg, wh, w, tile * 16, N, K);
+  mma_rows<SWIGLU>(wg, wh, w, tile * TR, N, K);
   // The first pass's weight loads go out before the PDL wait (weights are never written by a step's kernels): under
   // a programmatic launch they overlap the previous kernel's tail. x is an earlier kernel's output: after the wait.
   mma_load_w<U>(a, b, wg, wh, warp * U, nv);
@@ -106,10 +127,10 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* _
       if (!more) break;
       ch0 = next;
     }
-    const int n0 = tile * 16;
+    const int n0 = tile * TR;
     tile += gridDim.x;
     if (tile < tiles) {  // the next tile's loads fly during this tile's epilogue
-      mma_rows(wg, wh, w, tile * 16, N, K);
+      mma_rows<SWIGLU>(wg, wh, w, tile * TR, N, K);
       mma_load<NT, U>(a, b, xv, wg, wh, xr, xok, warp * U, nv);
     }
     // D fragment: d0, d1 = (row of w g, rows of x 2c, 2c+1); d2, d3 = (row of w g + 8, same rows of x)
@@ -124,17 +145,28 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* _
     // Past the barrier every warp's loads of its last tile went into its mmas: this CTA reads no more memory, so
     // the next kernel may start (common.cuh; one thread's trigger counts for the whole CTA, hence after the barrier).
     if (tile >= tiles) pdl_trigger();
-    for (int j = tid; j < NT * 8 * 16; j += W * 32) {
-      const int m = j >> 4, r = j & 15;  // consecutive threads: consecutive rows of w (coalesced y)
-      float s = 0.f;
+    if constexpr (SWIGLU) {
+      const int I = N / 2;
+      for (int j = tid; j < NT * 8 * 8; j += W * 32) {
+        const int m = j >> 3, r = j & 7;  // gate row n0 + r of w is tile row r, its up row tile row r + 8
+        float gs = 0.f, us = 0.f;
 #pragma unroll
-      for (int q = 0; q < W; ++q) s += part[q][m][r];
-      if (m < M && n0 + r < N) {
-        const i64 o = (i64)m * N + n0 + r;
-        if (y_f32)
-          ((float*)y)[o] = s;
-        else
-          ((u16*)y)[o] = F16 ? f_to_f16(s) : f_to_bf16(s);
+        for (int q = 0; q < W; ++q) gs += part[q][m][r], us += part[q][m][r + 8];
+        if (m < M && n0 + r < I) ((u16*)y)[(i64)m * I + n0 + r] = swiglu_out<F16>(gs, us);
+      }
+    } else {
+      for (int j = tid; j < NT * 8 * 16; j += W * 32) {
+        const int m = j >> 4, r = j & 15;  // consecutive threads: consecutive rows of w (coalesced y)
+        float s = 0.f;
+#pragma unroll
+        for (int q = 0; q < W; ++q) s += part[q][m][r];
+        if (m < M && n0 + r < N) {
+          const i64 o = (i64)m * N + n0 + r;
+          if (y_f32)
+            ((float*)y)[o] = s;
+          else
+            ((u16*)y)[o] = F16 ? f_to_f16(s) : f_to_bf16(s);
+        }
       }
     }
     if (tile >= tiles) break;

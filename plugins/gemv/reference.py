@@ -1,4 +1,5 @@
-"""The math of gemv (spec.py): a plain linear layer without bias; fp32_out: the fp32 sums, not rounded to x's dtype."""
+"""The math of gemv (spec.py): a plain linear layer without bias; fp32_out: the fp32 sums, not rounded to x's dtype.
+gemv_swiglu: the SwiGLU MLP's gate/up projection with w = [gate; up], rounded as the unfused eager MLP rounds."""
 from __future__ import annotations
 
 import torch
@@ -11,3 +12,8 @@ def gemv(x, w, fp32_out=False):
             return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).reshape(*x.shape[:-1], -1)
         return F.linear(x.float(), w.float())
     return F.linear(x, w)
+
+
+def gemv_swiglu(x, w):
+    gate, up = gemv(x, w).chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -3,6 +3,9 @@ Math: reference.py.
 
 gemv(x [*, K], w [N, K], fp32_out) -> y [*, N] = x @ w.T, fp32 accumulation, y in x's dtype or fp32 (fp32_out: logits);
 x has 1 to MAX_ROWS rows.
+gemv_swiglu(x [*, K], w [2I, K]) -> y [*, I] = silu(x @ gate.T) * (x @ up.T) for w = [gate; up] (the SwiGLU MLP's fused
+gate/up projection, each output rounded as eager torch rounds the unfused MLP): the same kernel body, its tile the
+gate rows and their up rows, silu * up made in the epilogue (mma.cuh SWIGLU); same limits on (rows, K), I >= 1.
 Why our own kernel: at 1-16 rows a projection is a pure weight stream, and cuBLAS's kernels for these shapes
 read the weights at 40-80% of the copy bandwidth on the H200 (a [1 x 4096] x [4096 x 2048] bf16 out_proj: ~10 us
 for 16.8 MB). gemv/mma.cuh keeps 8-16 weight loads of 16 bytes in flight per lane and multiplies on tensor
@@ -65,13 +68,17 @@ def chunks_per_pass(N: int, K: int) -> int:
     return 4 if K <= WARPS * 32 * 8 and N >= 4096 else 8
 
 
-def kernel_name(rows: int, N: int, K: int, dtype: str) -> str:
-    """The kernel.cu entry: mma_n{8-row tiles of x}_u{chunks per pass}_w{warps}_{dtype}. U and the warps depend on
-    (N, K) alone, and rows 1-8 of a 16-row call run the same mma sequence as an 8-row call: a row's result does not
-    depend on M."""
+def kernel_name(rows: int, N: int, K: int, dtype: str, swiglu: bool = False) -> str:
+    """The kernel.cu entry: mma_n{8-row tiles of x}_u{chunks per pass}_w{warps}_{dtype}[_swiglu]. U and the warps
+    depend on (N, K) alone (N: all rows of w, also for swiglu, so its sums are the plain kernel's), and rows 1-8 of a
+    16-row call run the same mma sequence as an 8-row call: a row's result does not depend on M."""
     return (f"mma_n{1 if rows <= 8 else 2}_u{chunks_per_pass(N, K)}_w{warps(N, K)}_"
-            f"{'bf16' if dtype == 'bfloat16' else 'f16'}")
+            f"{'bf16' if dtype == 'bfloat16' else 'f16'}{'_swiglu' if swiglu else ''}")
 
+
+def tiles(N: int, swiglu: bool = False) -> int:
+    """CTA tiles of w: TILE_N rows each; swiglu: TILE_N / 2 gate rows and their up rows (mma.cuh mma_rows)."""
+    return -(-N // 2 // (TILE_N // 2)) if swiglu else -(-N // TILE_N)
 
 
 def _output_shapes(ins):

@@ -3,6 +3,8 @@ plus a fake impl (torch.compile). Registered through dflash_trt.plugins.torch_op
 dflash_trt.export.fuse.linear, which sends only the calls the kernel takes (spec.usable) here.
 
   gemv(x [*,K], w [N,K], fp32_out=False) -> y [*,N] in x's dtype, or fp32 (logits: sums not rounded to 16 bits)
+  gemv_swiglu(x [*,K], w [2I,K]) -> y [*,I] = silu(x @ gate.T) * (x @ up.T), w = [gate; up] (the SwiGLU MLP's fused
+      gate/up projection with its activation in the kernel's epilogue: no elementwise kernel before down_proj)
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from torch import Tensor
 
 from dflash_trt.plugins import torch_util as U
 from dflash_trt.plugins.gemv import launch, reference, spec
+from dflash_trt.plugins.opspec import need
 
 
 @torch.library.custom_op("dflash::gemv", mutates_args=())
@@ -41,3 +44,34 @@ def _gemv_cuda(x, w, fp32_out=False):
 @gemv.register_fake
 def _gemv_fake(x, w, fp32_out=False):
     return x.new_empty(*x.shape[:-1], w.shape[0], dtype=torch.float32 if fp32_out else x.dtype)
+
+
+@torch.library.custom_op("dflash::gemv_swiglu", mutates_args=())
+def gemv_swiglu(x: Tensor, w: Tensor) -> Tensor:
+    raise NotImplementedError("dflash::gemv_swiglu: no kernel for this device")
+
+
+@gemv_swiglu.register_kernel("cpu")
+def _gemv_swiglu_cpu(x, w):
+    return reference.gemv_swiglu(x, w)
+
+
+@gemv_swiglu.register_kernel("cuda")
+def _gemv_swiglu_cuda(x, w):
+    spec.SPEC.check_shapes([tuple(x.shape), tuple(w.shape)])
+    need(w.shape[0] % 2 == 0, f"gemv_swiglu: w {tuple(w.shape)} must be [gate; up], an even number of rows")
+    U.check_groups(spec.SPEC, (x, w))
+    x, w = x.contiguous(), w.contiguous()
+    if x.data_ptr() % 16 or w.data_ptr() % 16:
+        return reference.gemv_swiglu(x, w)
+    N, K = w.shape
+    M = x.numel() // K
+    y = torch.empty(*x.shape[:-1], N // 2, device=x.device, dtype=x.dtype)
+    launch.gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), M=M, N=N, K=K, dtype=U.dname(x), stream=U.stream(x),
+                swiglu=True)
+    return y
+
+
+@gemv_swiglu.register_fake
+def _gemv_swiglu_fake(x, w):
+    return x.new_empty(*x.shape[:-1], w.shape[0] // 2)
