@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from dflash_trt.export.fuse import fuse_linears
 from dflash_trt.export.mlp import MLP
-from dflash_trt.plugins.gemv import spec
-from dflash_trt.plugins.opspec import ShapeError
+from dflash_trt.plugins.gemv import launch, spec
+from dflash_trt.plugins.opspec import KernelError, ShapeError
 
 
 def _pair(M, I, K, dtype, device, seed):
@@ -31,6 +31,11 @@ def test_kernel_names_and_tiles():
     assert spec.kernel_name(16, 2048, 2048, "float16", swiglu=True) == "mma_n2_u4_w16_f16_swiglu"
     assert spec.tiles(12288, swiglu=True) == spec.tiles(12288) == 768
     assert spec.tiles(2 * 77, swiglu=True) == 10 and spec.tiles(2 * 77) == 10
+
+
+def test_launcher_refuses_an_odd_gate_up_before_any_launch():
+    with pytest.raises(KernelError, match=r"gemv_swiglu: w must be \[gate; up\], an even number of rows \(got 63\)"):
+        launch.gemv(0, 0, 0, M=1, N=63, K=256, swiglu=True)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
