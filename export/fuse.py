@@ -29,6 +29,11 @@ from dflash_trt.plugins.torch_util import dname
 BUFFER = "_fused_"  # buffer name prefix on the owner: _fused_<first layer name>
 
 
+def _infer(x, w) -> bool:
+    """CUDA inference with one dtype: where our kernels may run (no autograd through them)."""
+    return x.is_cuda and not torch.is_grad_enabled() and w.dtype == x.dtype
+
+
 def _gemv_takes(x) -> bool:
     return gemv_spec.usable(x.numel() // max(x.shape[-1], 1), x.shape[-1], dname(x))
 
@@ -38,7 +43,7 @@ def linear(x, w, fp32_out: bool = False):
     fp32_out (logits): an fp32 y. CUDA inference takes the GEMM's fp32 sums, not rounded to 16 bits first (one bf16
     ulp at a logit of 16 is 0.125: enough to move a near-tie between the verify and the decode step); elsewhere
     F.linear then a cast (what ONNX export traces, unchanged)."""
-    infer = x.is_cuda and not torch.is_grad_enabled() and w.dtype == x.dtype
+    infer = _infer(x, w)
     if infer and _gemv_takes(x):
         return torch.ops.dflash.gemv(x, w, fp32_out)
     if infer and fp32_out and x.dtype != torch.float32:
@@ -92,7 +97,7 @@ def swiglu(owner: nn.Module, names: tuple[str, ...], x):
     gemv kernel's limits: one launch, the activation in the projection's epilogue (dflash::gemv_swiglu, rounded as
     below); else the two projections (`linears`) and torch ops."""
     w = getattr(owner, BUFFER + names[0], None)
-    if w is not None and x.is_cuda and not torch.is_grad_enabled() and w.dtype == x.dtype and _gemv_takes(x):
+    if w is not None and _infer(x, w) and _gemv_takes(x):
         return torch.ops.dflash.gemv_swiglu(x, w)
     gate, up = linears(owner, names, x)
     return F.silu(gate) * up

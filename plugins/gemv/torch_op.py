@@ -26,19 +26,25 @@ def _gemv_cpu(x, w, fp32_out=False):
     return reference.gemv(x, w, fp32_out)
 
 
+def _run(x, w, fallback, cols: int, y_dtype, **kw):
+    """Both ops' CUDA kernel: y [*, cols] of launch.gemv(..., **kw), after the shape and dtype checks (done by the
+    caller's own checks first); `fallback()` for a view at an odd offset (the kernel's 16-byte loads cannot read it)."""
+    U.check_groups(spec.SPEC, (x, w))
+    x, w = x.contiguous(), w.contiguous()
+    if x.data_ptr() % 16 or w.data_ptr() % 16:
+        return fallback(x, w)
+    N, K = w.shape
+    y = torch.empty(*x.shape[:-1], cols, device=x.device, dtype=y_dtype)
+    launch.gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), M=x.numel() // K, N=N, K=K, dtype=U.dname(x),
+                stream=U.stream(x), **kw)
+    return y
+
+
 @gemv.register_kernel("cuda")
 def _gemv_cuda(x, w, fp32_out=False):
     spec.SPEC.check_shapes([tuple(x.shape), tuple(w.shape)])
-    U.check_groups(spec.SPEC, (x, w))
-    x, w = x.contiguous(), w.contiguous()
-    if x.data_ptr() % 16 or w.data_ptr() % 16:  # a view at an odd offset: the kernel's 16-byte loads cannot read it
-        return reference.gemv(x, w, fp32_out)
-    N, K = w.shape
-    M = x.numel() // K
-    y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=torch.float32 if fp32_out else x.dtype)
-    launch.gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), M=M, N=N, K=K, dtype=U.dname(x), y_fp32=fp32_out,
-                stream=U.stream(x))
-    return y
+    return _run(x, w, lambda x, w: reference.gemv(x, w, fp32_out), w.shape[0],
+                torch.float32 if fp32_out else x.dtype, y_fp32=fp32_out)
 
 
 @gemv.register_fake
@@ -60,16 +66,7 @@ def _gemv_swiglu_cpu(x, w):
 def _gemv_swiglu_cuda(x, w):
     spec.SPEC.check_shapes([tuple(x.shape), tuple(w.shape)])
     need(w.shape[0] % 2 == 0, f"gemv_swiglu: w {tuple(w.shape)} must be [gate; up], an even number of rows")
-    U.check_groups(spec.SPEC, (x, w))
-    x, w = x.contiguous(), w.contiguous()
-    if x.data_ptr() % 16 or w.data_ptr() % 16:
-        return reference.gemv_swiglu(x, w)
-    N, K = w.shape
-    M = x.numel() // K
-    y = torch.empty(*x.shape[:-1], N // 2, device=x.device, dtype=x.dtype)
-    launch.gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), M=M, N=N, K=K, dtype=U.dname(x), stream=U.stream(x),
-                swiglu=True)
-    return y
+    return _run(x, w, reference.gemv_swiglu, w.shape[0] // 2, x.dtype, swiglu=True)
 
 
 @gemv_swiglu.register_fake
