@@ -35,8 +35,8 @@ RECOMPILE_LIMIT = 64  # keys per step function: batch buckets x K x greedy/sampl
 # 157 -> 144 (0.375 -> 0.326 ms); compiled target step K=1 0.220 -> 0.195 ms, K=16 0.275 -> 0.258.
 # triton.enable_pdl: programmatic dependent launch between the step's kernels on sm_90+ (Inductor checks the GPU):
 # each Triton kernel lets the next one start once its loads are done, and our kernels, launched the same way, start
-# their work that needs no input (gemv: the first weight loads) under the previous kernel's tail (common.cuh says
-# why ours never let the next start early). Off with DFLASH_TRT_PDL=0 (cuda_launch.pdl_switch). H200, bf16, batch 1:
+# their work that needs no input (gemv: the first weight loads) under the previous kernel's tail; of ours only gemv
+# lets the next start early, once its CTAs' last reads are done (common.cuh has the rule). Off with DFLASH_TRT_PDL=0 (cuda_launch.pdl_switch). H200, bf16, batch 1:
 # trained pair compiled target step K=1 0.195 -> 0.151 ms, K=16 0.259 -> 0.203, plain / spec step 0.232 -> 0.196 /
 # 0.358 -> 0.315 ms (two leases), tokens identical to PDL off; 0.9B random config, one lease, K=1 / K=16: off
 # 0.787 / 0.990 ms, our kernels only 0.763 / 0.983, with Inductor's 0.721 / 0.946.
