@@ -84,9 +84,15 @@ class FusedSteps:
         return run_graph(graph, self.target, self.drafter, x, want_logits=logits)
 
     def _commit(self, out, n, b, ix, seq_len, pos):
-        """The device part of the one commit path, drafter ctx rows at logical rows position - ctx_base."""
+        """The device part of the one commit path, drafter ctx rows at logical rows position - ctx_base.
+        n is tied to the step's argmax (its value unchanged: an argmax is >= 0) so that the pool writes follow every
+        read of the pools in any order of the compiled graph. Where n does not depend on the step (prefill: the valid
+        rows; decode: the live flags), Inductor may place a read after the write that its rows allow (kv_write's rows
+        are the K/V projections, conv_roll's the pre-conv columns) and then copy the whole pool in and back out
+        around the write: H200, trained pair bf16, the decode step's last attention after kv_write, two 17.8 MB
+        copies of the KV pool, 35 us of a 0.19 ms step."""
         t = WriteTables(ix["slot"], ix["seq_len"], ix["block_table"])
-        n = as_int32(n)  # once for the four commit kernels
+        n = as_int32(torch.where(out["argmax"][:, 0] >= 0, n, 0))  # once for the four commit kernels
         dkv = None
         if self.drafter is not None:
             t.ctx_table, t.ctx_start = ix["ctx_table"], ix["ctx_start"]
@@ -143,13 +149,9 @@ class FusedSteps:
         rp = _sampling(b)
         ix, gi = self._index(b, seq_len)
         out = self._target(target_graph(1), bonus[:, None], pos, gi, logits=rp is not None)
-        tok = out["argmax"]
-        # n (always live) is made from the step's output, as spec's n is from its acceptance, so the commit's
-        # kv_write follows every read of the KV pool in any order of the graph: with n independent of the step,
-        # Inductor may place the last attention after the write and then copy the whole pool in and back out
-        # around it (H200, trained pair bf16: two 17.8 MB copies, 35 us of a 0.19 ms decode step).
-        n = torch.where(tok[:, 0] >= 0, b["live"], 0)
+        n = b["live"].clone()
         self._commit(out, n, b, ix, seq_len, pos)
+        tok = out["argmax"]
         if rp is not None:
             tok = sample(token_probs(out["logits"][:, 0], rp), uniform(rp["seed"], seq_len + 1, TOKEN))[:, None]
         self._advance(b, tok, n, seq_len, bonus, self._window(b, seq_len))
