@@ -107,7 +107,7 @@ def test_sampled_steps_compile_and_draw_the_uncompiled_tokens(compiled_rt, modul
 def test_compiled_steps_write_the_pools_in_place(reference):  # noqa: F811
     """No compiled step allocates a buffer of a pool's size and dtype: the commit writes every pool in place. Where
     Inductor cannot order a write after every read of its pool it copies the whole pool in and back out around it
-    (the bf16 decode step once did for the KV pool: two 17.8 MB copies, a fifth of its time). bf16: the path with
+    (the bf16 decode step once did for the KV pool: two 17.8 MB copies, 35 us of a 0.23 ms step). bf16: the path with
     our gemv kernels, where that graph came out."""
     import math
     import re
