@@ -27,8 +27,8 @@ def _gemv_cpu(x, w, fp32_out=False):
 
 
 def _run(x, w, fallback, cols: int, y_dtype, **kw):
-    """Both ops' CUDA kernel: y [*, cols] of launch.gemv(..., **kw), after the shape and dtype checks (done by the
-    caller's own checks first); `fallback()` for a view at an odd offset (the kernel's 16-byte loads cannot read it)."""
+    """Both ops' CUDA kernel: y [*, cols] of launch.gemv(..., **kw). The caller has checked the shapes; this checks
+    the dtypes. `fallback(x, w)` for a view at an odd offset (the kernel's 16-byte loads cannot read it)."""
     U.check_groups(spec.SPEC, (x, w))
     x, w = x.contiguous(), w.contiguous()
     if x.data_ptr() % 16 or w.data_ptr() % 16:
