@@ -6,6 +6,9 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
+
+_held = threading.local()  # lock files this thread holds: a nested entry_lock of one entry passes through
 
 
 def _write_atomic(path: str, mode: str, write) -> str:
@@ -37,11 +40,22 @@ def write_bytes(path: str, data) -> str:
 @contextlib.contextmanager
 def entry_lock(entry: str, progress=print, doing: str = "filling"):
     """Exclusive advisory lock on `entry` (a cache entry directory; the lock file is `entry`.lock) for the body.
-    Another holder: says so once through `progress`, then waits. The lock dies with its process (flock)."""
-    with open(entry.rstrip(os.sep) + ".lock", "a") as lock:
+    Another holder: says so once through `progress`, then waits. The lock dies with its process (flock).
+    Re-entrant within a thread (an export under the cache's lock replaces its entry under the same lock);
+    other threads and processes wait."""
+    name = os.path.abspath(entry.rstrip(os.sep)) + ".lock"
+    held = _held.__dict__.setdefault("names", set())
+    if name in held:
+        yield
+        return
+    with open(name, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             progress(f"waiting for another process {doing} {entry} ...")
             fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        held.add(name)
+        try:
+            yield
+        finally:
+            held.discard(name)

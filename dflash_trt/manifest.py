@@ -17,7 +17,7 @@ from dataclasses import asdict, fields
 
 import numpy as np
 
-from dflash_trt.files import write_json
+from dflash_trt.files import entry_lock, write_json
 from dflash_trt.abi import (DRAFTER_CTX, MAX_K, PREFILL, PoolSizes, drafter_block_graph, drafter_block_lens,
                             graph_io, parse_target_graph, pool_specs, target_graph)
 from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, read_json
@@ -84,6 +84,22 @@ class Manifest:
         path = write_json(os.path.join(root, FILENAME), self.data)
         self.root = root
         return path
+
+    def update(self, engines: dict | None = None, **fields) -> None:
+        """Add `engines` (name -> record) and set top-level `fields` in root/manifest.json under the directory's
+        lock (entry_lock, shared with the exporter and the builders), re-reading the file inside it: concurrent
+        writers of one manifest each add their records and none is lost. self.data becomes the merged file."""
+        path = os.path.join(self.root, FILENAME)
+        with entry_lock(self.root, lambda *_: None, "recording into"):
+            try:
+                data = read_json(path)
+            except ConfigError as e:
+                raise ManifestError(str(e)) from None
+            if engines:
+                data["engines"] = {**(data.get("engines") or {}), **engines}
+            data.update(fields)
+            write_json(path, data)
+        self.data = data
 
     # ---- loading + validation ---------------------------------------------------------
     @classmethod

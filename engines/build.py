@@ -21,6 +21,7 @@ from dflash_trt.abi import parse_ks, parse_target_graph
 from dflash_trt.files import entry_lock, write_bytes
 from dflash_trt.hashing import sha256_files
 from dflash_trt.manifest import Manifest, ManifestError, diff_io
+from dflash_trt.owned import claim
 from dflash_trt.plugins import trt_compat as C
 from dflash_trt.engines.network import (BuildError, builder_config, cc_str, local_gpu_cc, network_io,
                       parse_cc, parse_graph, resolve_ccs)
@@ -54,8 +55,10 @@ def _load_timing_cache(cfg_factory, path):
 
 
 def build_one(man: Manifest, name: str, *, builder, ccs, plugins=True, batch=None, timing_cache=None,
-              opt_level=None, out_dir=None) -> dict:
-    """Build the engine of graph `name`; returns its manifest record (the engine file is written)."""
+              opt_level=None) -> dict:
+    """Build the engine of graph `name`, write it into man.root/engines and record it in the manifest;
+    returns its record. The export directory must be ours (dflash_trt.owned marker) and is claimed, written
+    and recorded under its lock, so concurrent builders and exports of it lose nothing."""
     from dflash_trt.plugins import trt_plugins
 
     rec_g = man.require_graph(name)
@@ -80,10 +83,22 @@ def build_one(man: Manifest, name: str, *, builder, ccs, plugins=True, batch=Non
                          + "; ".join(sorted({m for _, m in trt_plugins.SHAPE_ERRORS})))
     if plan is None:
         raise BuildError(f"TensorRT failed to build {name} (see the TensorRT errors above)")
-    out_dir = out_dir or os.path.join(man.root, ENGINE_DIR)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, name + ".engine")
-    write_bytes(path, plan)
+    rel = f"{ENGINE_DIR}/{name}.engine"
+    path = os.path.join(man.root, ENGINE_DIR, name + ".engine")
+    with entry_lock(man.root, lambda *_: None, "building engines in"):
+        claim(man.root, "export", [rel], BuildError)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_bytes(path, plan)
+        rec = _record(man, name, path, rec_g, onnx_sha256, ccs, info, io, batch if dynamic else None,
+                      (round(t1 - t0, 2), round(t2 - t1, 2)))
+        man.update(engines={name: rec})
+    return rec
+
+
+def _record(man, name, path, rec_g, onnx_sha256, ccs, info, io, batch, seconds) -> dict:
+    """The manifest record of the engine just written at `path`."""
+    from dflash_trt.plugins import trt_plugins
+
     warns = sorted({f"{op}: {msg}" for op, msg in trt_plugins.KERNEL_WARNINGS})
     return {
         "record_version": RECORD_VERSION,
@@ -94,9 +109,9 @@ def build_one(man: Manifest, name: str, *, builder, ccs, plugins=True, batch=Non
         "plugins": {op: {"namespace": trt_plugins.NAMESPACE, "version": trt_plugins.PLUGIN_VERSIONS[op], "layers": n}
                     for op, n in sorted(info["plugin_layers"].items())},
         "inlined_ops": info["inlined"], "layers": info["layers"],
-        "batch": dict(zip(("min", "opt", "max"), batch)) if dynamic else None,
+        "batch": dict(zip(("min", "opt", "max"), batch)) if batch else None,
         "io": io, "kernel_warnings": warns,
-        "parse_seconds": round(t1 - t0, 2), "build_seconds": round(t2 - t1, 2),
+        "parse_seconds": seconds[0], "build_seconds": seconds[1],
     }
 
 
@@ -121,6 +136,7 @@ def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=
     progress = progress or (lambda *_: None)
     man = Manifest.load(manifest_dir)
     names = select_graphs(man, ks, graphs)
+    claim(man.root, "export", [], BuildError)  # an export dflash-trt did not write is refused before any build
     gpu = local_gpu_cc()
     ccs = resolve_ccs(parse_cc(target_cc) if target_cc else None, gpu)
     maxb = int(max_batch if max_batch is not None else (man.batch if isinstance(man.batch, int) else man.sizes.max_seqs))
@@ -135,14 +151,11 @@ def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=
     progress(f"dflash-trt build: {C.FLAVOUR} {C.VERSION}; CC {', '.join(cc_str(c) for c in ccs)}"
              f"{' (no GPU here)' if gpu is None else f' (GPU CC {cc_str(gpu)})'}; plugins "
              f"{'on' if plugins else 'off (ONNX function bodies inlined)'}; batch 1..{maxb}; {len(names)} engines")
-    engines = dict(man.data.get("engines") or {})
     t_all = time.perf_counter()
     for i, name in enumerate(names, 1):
         rec = build_one(man, name, builder=builder, ccs=ccs, plugins=plugins, batch=(1, optb, maxb),
                         timing_cache=cache, opt_level=opt_level)
-        engines[name] = rec
-        man.data["engines"] = engines
-        man.save(man.root)  # after every engine: an interrupted build keeps what it finished
+        # recorded by build_one after every engine: an interrupted build keeps what it finished
         plug = ", ".join(f"{op}x{r['layers']}" for op, r in rec["plugins"].items()) or (
             f"inlined {sum(rec['inlined_ops'].values())} dflash nodes" if rec["inlined_ops"] else "no dflash nodes")
         progress(f"[{i}/{len(names)}] {name:<16} parse {rec['parse_seconds']:5.1f} s  build {rec['build_seconds']:6.1f} s"
@@ -151,15 +164,18 @@ def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=
             progress(f"    warning: the dflash CUDA kernels cannot run this engine's plugin shapes: {w}")
     tc_file = None
     if cache is not None and timing_cache_path:
-        write_bytes(timing_cache_path, cache.serialize())
+        rel = os.path.relpath(os.path.abspath(timing_cache_path), man.root)
+        with entry_lock(man.root, lambda *_: None, "building engines in"):
+            if not rel.startswith(".."):  # written into the export: claimed like its engines
+                claim(man.root, "export", [rel.replace(os.sep, "/")], BuildError)
+            write_bytes(timing_cache_path, cache.serialize())
         tc_file = os.path.abspath(timing_cache_path)
     elif timing_cache_path:
         progress("timing cache: not used by TensorRT-RTX (it picks kernels when the engine loads); nothing saved")
-    man.data["engine_build"] = {"trt": C.describe(), "compute_capabilities": [cc_str(c) for c in ccs],
-                                "plugins": plugins, "timing_cache": tc_file,
-                                "seconds": round(time.perf_counter() - t_all, 2)}
-    man.save(man.root)
-    total = sum(engines[n]["bytes"] for n in names)
+    man.update(engine_build={"trt": C.describe(), "compute_capabilities": [cc_str(c) for c in ccs],
+                             "plugins": plugins, "timing_cache": tc_file,
+                             "seconds": round(time.perf_counter() - t_all, 2)})
+    total = sum(man.data["engines"][n]["bytes"] for n in names)
     progress(f"built {len(names)} engines in {time.perf_counter() - t_all:.1f} s, {_mib(total)} total; "
              f"recorded in {os.path.join(man.root, 'manifest.json')}")
     return man

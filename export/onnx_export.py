@@ -19,8 +19,6 @@ import io
 import json
 import logging
 import os
-import re
-import shutil
 import sys
 import time
 import warnings
@@ -29,6 +27,7 @@ from dataclasses import asdict
 from dflash_trt.abi import DEFAULT_KS, PoolSizes, graph_io, parse_ks
 from dflash_trt.config import cache_root
 from dflash_trt.files import entry_lock
+from dflash_trt.owned import check_replaceable, read_marker, staged_dir
 from dflash_trt.export.graphs import run_graph
 from dflash_trt.manifest import Manifest, ManifestError, diff_io, expected_graphs
 
@@ -134,15 +133,17 @@ class ExportError(ValueError):
     """An export cannot be written where asked (directory holds other files, cache not writable, ...)."""
 
 
-_EXPORT_FILES = re.compile(r"^(manifest\.json|.*\.onnx|.*\.onnx\.data|engines|timing\.cache)$")
+KIND = "export"  # the ownership marker's kind (dflash_trt.owned)
 
 
 def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, batch="B",
-                  want_logits=True, dtype="float32", check=True, progress=print) -> Manifest:
+                  want_logits=True, dtype="float32", check=True, progress=print, _cache_entry=False) -> Manifest:
     """Export every graph of the ABI and write manifest.json, atomically: everything goes into a fresh
-    temporary directory beside out_dir, renamed into place only when complete. An older export in out_dir
-    is replaced as a whole (its engines too: they were built from its graphs), never mixed with new files;
-    a directory holding anything else is refused."""
+    temporary directory beside out_dir, renamed into place only when complete (under out_dir's lock, which
+    the engine builder also takes). An older export of ours in out_dir (its ownership marker lists every
+    entry, dflash_trt.owned) is replaced as a whole (its engines too: they were built from its graphs), never
+    mixed with new files; any other non-empty directory is refused before loading anything. Temporaries of
+    killed exports of out_dir are removed."""
     import torch
 
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
@@ -150,13 +151,7 @@ def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSiz
     sizes = sizes or PoolSizes()
     progress = progress or (lambda *_: None)
     out_dir = os.path.abspath(out_dir)
-    if os.path.isdir(out_dir):
-        other = sorted(f for f in os.listdir(out_dir) if not _EXPORT_FILES.match(f))
-        if other:
-            raise ExportError(f"--out {out_dir} holds files that are not an export ({', '.join(other[:3])}); "
-                              "choose an empty or new directory")
-    elif os.path.exists(out_dir):
-        raise ExportError(f"--out {out_dir} exists and is not a directory")
+    check_replaceable(out_dir, KIND, ExportError, trust_unmarked=_cache_entry)
     t_all = time.perf_counter()
     tdt = getattr(torch, dtype)
     target = load_target(model_dir, tdt)
@@ -165,11 +160,8 @@ def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSiz
                        kv_dtype=dtype, target={"dir": os.path.abspath(model_dir), "hash": checkpoint_hash(model_dir)},
                        drafter={"dir": os.path.abspath(drafter_dir), "hash": checkpoint_hash(drafter_dir)}
                        if drafter_dir else None)
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    tmp = f"{out_dir}.tmp{os.getpid()}.{os.urandom(4).hex()}"
-    os.makedirs(tmp)
-    man.root = tmp
-    try:
+    with staged_dir(out_dir, KIND, ExportError, trust_unmarked=_cache_entry, lock=True, progress=progress) as tmp:
+        man.root = tmp
         names = expected_graphs(man.ks, drafter.cfg.block_size if drafter is not None else None)
         for i, name in enumerate(names, 1):
             t0 = time.perf_counter()
@@ -182,25 +174,10 @@ def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSiz
         man.data["export_seconds"] = round(time.perf_counter() - t_all, 2)
         man.data["exporter"] = _source_hash()
         man.save(tmp)
-        _replace_dir(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     man.root = out_dir
     total = sum(g["bytes"] for g in man.data["graphs"].values())
     progress(f"exported {len(names)} graphs to {out_dir} in {man.data['export_seconds']:.1f} s, {_mb(total)} total")
     return man
-
-
-def _replace_dir(new: str, dst: str) -> None:
-    """Put directory `new` at `dst`; an existing `dst` is renamed aside first and deleted after, so a reader
-    sees the old complete export, no directory, or the new complete one — never a mix."""
-    old = None
-    if os.path.exists(dst):
-        old = f"{dst}.old{os.getpid()}.{os.urandom(4).hex()}"
-        os.replace(dst, old)
-    os.replace(new, dst)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _mb(n: int) -> str:
@@ -245,10 +222,9 @@ def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None
     with entry_lock(out, progress, "exporting into"):
         if _valid_entry(out, progress):  # the other process finished it
             return out
-        _remove_dead_leftovers(out)
         try:
             export_graphs(model_dir, drafter_dir, out, ks, sizes, batch=batch, want_logits=want_logits,
-                          dtype=dtype, progress=progress)
+                          dtype=dtype, progress=progress, _cache_entry=True)
         except OSError as e:
             raise ExportError(f"cannot write {where}: {e.strerror}") from None
     return out
@@ -258,6 +234,10 @@ def _valid_entry(out: str, progress) -> bool:
     """A complete cache entry whose every graph matches its recorded sha256 (read only)."""
     if not os.path.isfile(os.path.join(out, "manifest.json")):
         return False
+    if (read_marker(out) or {}).get("kind") != KIND:
+        progress(f"cached export {out} has no dflash-trt ownership marker (an older dflash-trt wrote it); "
+                 "exporting again")
+        return False
     try:
         m = Manifest.load(out)
         for g in m.graphs:
@@ -265,25 +245,6 @@ def _valid_entry(out: str, progress) -> bool:
     except ManifestError as e:
         progress(f"cached export {out} is damaged ({e}); exporting again")
         return False
-    return True
-
-
-def _remove_dead_leftovers(out: str) -> None:
-    """Temporary dirs (<entry>.tmp<pid>.* / .old<pid>.*) of exports whose process is gone."""
-    d, base = os.path.split(out)
-    for f in os.listdir(d):
-        m = re.match(re.escape(base) + r"\.(?:tmp|old)(\d+)\.", f)
-        if m and not _alive(int(m.group(1))):
-            shutil.rmtree(os.path.join(d, f), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 

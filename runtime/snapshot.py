@@ -13,8 +13,10 @@ No pickle anywhere. Rows are stored in logical order, so restore may place them 
 page ids are an allocator detail of the saving process. The ctx rows keep their in-page offset
 (`start`), so the window slides at exactly the same steps as in the uninterrupted run.
 
-Writes are atomic: both files go into a sibling temp directory that is renamed over `path`; the
-sha256 in meta.json binds the pair, so a torn or edited state file is detected, not decoded.
+Writes are atomic: both files (and dflash-trt's ownership marker, dflash_trt.owned) go into a sibling
+temp directory that is renamed over `path`; the sha256 in meta.json binds the pair, so a torn or edited
+state file is detected, not decoded. Only an empty or missing directory, or a snapshot this product wrote
+(its marker lists everything in it), is ever replaced: anything else is refused before a byte is written.
 Restore validates everything (identity, hashes, shapes, bookkeeping) BEFORE it allocates; then it
 takes a slot and pages from the runtime's allocators and gives all of them back if anything fails.
 """
@@ -23,8 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict
 
 import numpy as np
@@ -32,11 +32,13 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from dflash_trt.owned import check_replaceable, staged_dir
 from dflash_trt.plugins.opspec import dtype_name
 from dflash_trt.runtime.commit import cdiv
 from dflash_trt.runtime.sequence import Sequence
 
 FORMAT = "dflash-trt-sequence"
+KIND = "snapshot"  # the ownership marker's kind (dflash_trt.owned)
 VERSION = 1
 META, STATE = "meta.json", "state.safetensors"
 # PoolSizes fields that shape a sequence's state or its graphs' static dims; pool capacities
@@ -126,6 +128,11 @@ def save_sequence(rt, seq: Sequence, path: str, extra: dict | None = None) -> st
         raise SnapshotError(f"sequence {seq.seq_id} was released; nothing to save")
     if seq.bonus is None:
         raise SnapshotError(f"sequence {seq.seq_id} has not been prefilled; save after prefill")
+    try:
+        extra_json = json.loads(json.dumps(extra))
+    except (TypeError, ValueError) as e:
+        raise SnapshotError(f"{path}: extra is not JSON-serialisable ({e}); nothing written") from None
+    check_replaceable(os.path.abspath(path), KIND, SnapshotError)  # before the device copies below
     if len(seq.pages) > cdiv(seq.seq_len, rt.sizes.page_size):
         # pages past seq_len are a reservation for a step still in flight (GPU executor): the device
         # is ahead of seq_len and the host state is not the state a restore would continue from
@@ -155,7 +162,7 @@ def save_sequence(rt, seq: Sequence, path: str, extra: dict | None = None) -> st
                 "saved_seq_id": seq.seq_id},
         "ctx": ctx,
         "saved_by": {"device": getattr(dev, "name", type(dev).__name__), "backend": getattr(rt.backend, "name", "?")},
-        "extra": extra,
+        "extra": extra_json,
     }
     _write_atomic(path, json.dumps(meta, indent=1).encode(), blob)
     return path
@@ -170,29 +177,12 @@ def _write_file(p: str, data: bytes) -> None:
 
 def _write_atomic(path: str, meta: bytes, blob: bytes) -> None:
     path = os.path.abspath(path)
-    ours = os.path.isdir(path) and (not os.listdir(path) or os.path.isfile(os.path.join(path, META)))
-    if os.path.exists(path) and not ours:
-        raise SnapshotError(f"{path}: exists and is not a snapshot directory; refusing to overwrite it")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".snapshot-", dir=parent)  # same filesystem, so rename is atomic
-    old = None
     try:
-        _write_file(os.path.join(tmp, STATE), blob)
-        _write_file(os.path.join(tmp, META), meta)
-        if os.path.isdir(path) and os.listdir(path):
-            # rename() cannot replace a non-empty directory: move the old snapshot aside first
-            old = tempfile.mkdtemp(prefix=".snapshot-old-", dir=parent)
-            os.replace(path, old)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not os.path.exists(path):
-            os.replace(old, path)  # put the previous snapshot back
-            old = None
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        with staged_dir(path, KIND, SnapshotError) as tmp:  # same filesystem, so the rename is atomic
+            _write_file(os.path.join(tmp, STATE), blob)
+            _write_file(os.path.join(tmp, META), meta)
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot write the snapshot: {e.strerror or e}") from None
 
 
 # ---- read + validate (no allocation) ------------------------------------------------------
@@ -206,6 +196,8 @@ def read_meta(path: str) -> dict:
             meta = json.loads(f.read().decode())
     except FileNotFoundError:
         raise SnapshotError(f"{path}: not a snapshot ({META} missing)") from None
+    except OSError as e:  # e.g. meta.json is a directory
+        raise SnapshotError(f"{p}: cannot read ({e.strerror or e})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SnapshotError(f"{p}: corrupt, not valid JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:

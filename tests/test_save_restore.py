@@ -337,7 +337,7 @@ def test_save_replaces_atomically_and_refuses_foreign_paths(tmp_path, pair, full
     assert sorted(os.listdir(tmp_path)) == ["s"]  # no temp or old directory left behind
     assert read_meta(path)["seq"]["seq_len"] == seq.seq_len
     (tmp_path / "file").write_text("mine")
-    with pytest.raises(SnapshotError, match="not a snapshot directory"):
+    with pytest.raises(SnapshotError, match="file: exists and is not a directory; refusing to overwrite it"):
         rt.save_sequence(seq, str(tmp_path / "file"))
     assert (tmp_path / "file").read_text() == "mine"
     seq.pages.extend(rt.kv_alloc.alloc(1))  # what a step in flight holds: a reservation past seq_len
