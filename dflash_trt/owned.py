@@ -85,7 +85,7 @@ def check_replaceable(path: str, kind: str, error, trust_unmarked: bool = False)
     other = foreign_entries(path, kind, trust_unmarked)
     if other:
         more = f" and {len(other) - 3} more" if len(other) > 3 else ""
-        raise error(f"{path}: holds files dflash-trt did not write as a {kind} ({', '.join(other[:3])}{more}); "
+        raise error(f"{path}: holds files that are not a dflash-trt {kind}'s ({', '.join(other[:3])}{more}); "
                     "refusing to replace it: choose an empty or new directory")
 
 
