@@ -158,3 +158,83 @@ def test_killed_export_leftover_removed_live_and_foreign_kept(target, tmp_path):
     for g in m.graphs:
         m.verify_graph(g)
     assert read_marker(out)["entries"] == ["manifest.json", "target_k1.onnx", "target_prefill.onnx"]
+
+
+@pytest.fixture(scope="module")
+def exported(target, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("exported") / "exp")
+    onnx_export.export_graphs(target, None, out, (1,), SIZES, check=False, progress=None)
+    return out
+
+
+def _copy(src, tmp_path):
+    import shutil
+
+    return shutil.copytree(src, str(tmp_path / "exp"))
+
+
+@pytest.fixture
+def fake_trt(monkeypatch):
+    """build_one's TensorRT calls stubbed: the 'engine' is the graph path's bytes, built once both builders hold
+    their (then identical) manifest, so without the lock + re-read one record would overwrite the other."""
+    from dflash_trt.engines import build
+
+    class Builder:
+        def __init__(self, barrier=None):
+            self.barrier = barrier
+
+        def build_serialized_network(self, network, cfg):
+            if self.barrier is not None:
+                self.barrier.wait(30)
+            return network.encode()
+
+    def network_io(network):
+        man = Manifest.load(os.path.dirname(network))
+        ins, outs = man.io(os.path.basename(network)[:-len(".onnx")])
+        return {"inputs": ins, "outputs": outs}
+
+    monkeypatch.setattr(build, "parse_graph", lambda builder, path, plugins: (
+        path, None, {"plugin_layers": {}, "inlined": {}, "layers": 1}))
+    monkeypatch.setattr(build, "network_io", network_io)
+    monkeypatch.setattr(build, "builder_config", lambda *a, **k: None)
+    return build, Builder
+
+
+def test_concurrent_builders_of_one_manifest_lose_nothing(exported, tmp_path, fake_trt):
+    from dflash_trt.hashing import sha256_files
+    from dflash_trt.owned import check_replaceable
+
+    build, Builder = fake_trt
+    out = _copy(exported, tmp_path)
+    errors, barrier = [], threading.Barrier(2)
+
+    def run(name):
+        try:
+            build.build_one(Manifest.load(out), name, builder=Builder(barrier), ccs=[(8, 9)], batch=(1, 1, 2))
+        except BaseException as e:  # noqa: BLE001 - reported by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(g,)) for g in ("target_k1", "target_prefill")]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert errors == []
+    engines = Manifest.load(out).data["engines"]
+    assert sorted(engines) == ["target_k1", "target_prefill"]
+    for g, rec in engines.items():
+        assert rec["engine_sha256"] == sha256_files([os.path.join(out, rec["file"])])
+    assert {"engines/target_k1.engine", "engines/target_prefill.engine"} <= set(read_marker(out)["entries"])
+    check_replaceable(out, "export", onnx_export.ExportError)  # the engines are ours: a re-export may replace it
+
+
+def test_builder_refuses_an_export_it_did_not_write(exported, tmp_path, fake_trt):
+    from dflash_trt.engines.network import BuildError
+
+    build, Builder = fake_trt
+    out = _copy(exported, tmp_path)
+    _user_dir(out, {"engines/target_k1.engine": b"mine"})  # a file of the user's where the engine would go
+    with pytest.raises(BuildError, match=r"engines/target_k1.engine exists and was not written by dflash-trt"):
+        build.build_one(Manifest.load(out), "target_k1", builder=Builder(), ccs=[(8, 9)], batch=(1, 1, 2))
+    _unchanged(out, {"engines/target_k1.engine": b"mine"})
+    os.remove(os.path.join(out, MARKER))
+    with pytest.raises(BuildError, match=rf"{out}: has no dflash-trt export marker"):
+        build.build_one(Manifest.load(out), "target_k1", builder=Builder(), ccs=[(8, 9)], batch=(1, 1, 2))
