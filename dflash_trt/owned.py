@@ -25,7 +25,7 @@ from dflash_trt.files import entry_lock, write_json
 MARKER = ".dflash-trt-output.json"
 PRODUCT = "dflash-trt"
 # a file being written atomically (dflash_trt.files) or a staged/retired directory: ours by its naming
-_TEMP = re.compile(r"\.(?:tmp|old)(\d+)\.[0-9a-f]{8}$")
+_TEMP = re.compile(r"\.(?:tmp|old)(\d+)\.[0-9a-f]+$")
 
 
 def read_marker(d: str) -> dict | None:
@@ -110,7 +110,7 @@ def remove_dead_leftovers(path: str, trust_unmarked: bool = False) -> list[str]:
         return gone
     host = socket.gethostname()
     for f in names:
-        m = re.fullmatch(re.escape(base) + r"\.(tmp|old)(\d+)\.[0-9a-f]{8}", f)
+        m = re.fullmatch(re.escape(base) + r"\.(tmp|old)(\d+)\.[0-9a-f]+", f)
         p = os.path.join(d, f)
         if not m or not os.path.isdir(p) or os.path.islink(p) or _alive(int(m.group(2))):
             continue

@@ -104,7 +104,7 @@ def test_foreign_graph_refused_by_every_consumer(pairs, old_export, tmp_path):
 
 def test_export_refuses_a_directory_of_other_files(pairs, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(onnx_export.ExportError, match=r"holds files that are not an export \(notes.txt\)"):
+    with pytest.raises(onnx_export.ExportError, match=r"holds files that are not a dflash-trt export's \(notes.txt\)"):
         onnx_export.export_graphs(*pairs[0], str(tmp_path), KS, SIZES, check=False, progress=None)
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
