@@ -128,6 +128,12 @@ def test_cache_damaged_entry_rebuilt_and_dead_leftovers_removed(pairs, tmp_path)
     msgs.clear()  # a hit: nothing written, nothing said
     onnx_export.ensure_export(*pairs[0], KS, SIZES, cache_dir=str(tmp_path), progress=msgs.append)
     assert msgs == []
+    from dflash_trt.owned import MARKER, read_marker
+
+    os.remove(os.path.join(out, MARKER))  # an entry of an older dflash-trt: the cache is ours, it is exported again
+    assert onnx_export.ensure_export(*pairs[0], KS, SIZES, cache_dir=str(tmp_path), progress=msgs.append) == out
+    assert any("has no dflash-trt ownership marker" in m for m in msgs), msgs
+    assert read_marker(out)["kind"] == "export"
 
 
 RACE = """
