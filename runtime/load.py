@@ -95,11 +95,15 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=gate, executor=graph_executor), codec
     import torch
 
-    from dflash_trt.export.checkpoint import load_drafter, load_target
+    from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
 
     dt = getattr(torch, dtype)
     target = load_target(model_dir, dt)
     drafter = load_drafter(drafter_dir, target, dt) if drafter_dir else None
+    # the weights' identity in snapshots, the one an export of these checkpoints records (runtime/snapshot.py)
+    target.checkpoint_hash = checkpoint_hash(model_dir)
+    if drafter is not None:
+        drafter.checkpoint_hash = checkpoint_hash(drafter_dir)
     dev = None
     if on_gpu:
         from dflash_trt.runtime.devices.cuda import CudaDevice

@@ -1,9 +1,10 @@
-"""Save / restore one sequence's decoding state (issue 10, item 5), on every device.
+"""Save / restore one sequence's decoding state, on every device.
 
 A snapshot is a DIRECTORY holding two files:
-  meta.json          format/version, the runtime identity (field -> value) and its sha256, the sequence
-                     bookkeeping (tokens, bonus, seq_len, page counts, CtxWindow start/end/total), the
-                     sha256 of state.safetensors, and optional caller data (`extra`).
+  meta.json          format/version, the runtime identity (field -> value, the weights' checkpoint hashes
+                     included) and its sha256, the sequence bookkeeping (tokens, bonus, seq_len, page counts,
+                     CtxWindow start/end/total), the sha256 of state.safetensors, optional caller data
+                     (`extra`), and field_sha256 over all of these: an edited field is refused, not decoded.
   state.safetensors  the sequence's rows only (never a whole pool), as host arrays:
                      kv [La,2,seq_len,Hkv,hd]   target K/V rows 0..seq_len-1 in logical order
                      gdn [Lg,Hv,dk,dv]          its GDN state slot;  conv [Lg,C,W-1] its conv slot
@@ -39,7 +40,7 @@ from dflash_trt.runtime.sequence import Sequence
 
 FORMAT = "dflash-trt-sequence"
 KIND = "snapshot"  # the ownership marker's kind (dflash_trt.owned)
-VERSION = 1
+VERSION = 2  # 2: field_sha256 covers every field of meta.json
 META, STATE = "meta.json", "state.safetensors"
 # PoolSizes fields that shape a sequence's state or its graphs' static dims; pool capacities
 # (kv_blocks, dkv_blocks, max_seqs) are not identity: a bigger or busier runtime may take the sequence,
@@ -61,10 +62,22 @@ class SnapshotMismatch(SnapshotError):
 
 
 # ---- identity ---------------------------------------------------------------------------
+def _params_hash(mod) -> str:
+    """sha256 over every parameter's name, shape, dtype and bytes (any device)."""
+    import torch  # only reached for backends that hold torch modules
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in mod.named_parameters():
+            h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+            h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def _weights_id(backend, which: str) -> str | None:
-    """A cheap fingerprint of the target/drafter weights: two checkpoints with one config would
-    otherwise pass the config check and continue as garbage. Checkpoint hash when the backend runs
-    an export (manifest), else a strided sample of every parameter of the torch module."""
+    """The target/drafter weights' identity, the same on every backend for one checkpoint: its checkpoint_hash,
+    from the export's manifest (ort, trt) or from the module loaded from it (torch, `checkpoint_hash` set by
+    load_runtime). A module built otherwise has only the hash of its parameters, which no export can match."""
     b = backend
     while b is not None and not hasattr(b, "manifest") and not hasattr(b, "target"):
         b = getattr(b, "inner", None)  # wrappers (test drafters, recorders) hold the real backend
@@ -77,16 +90,8 @@ def _weights_id(backend, which: str) -> str | None:
     mod = getattr(b, which, None)
     if mod is None:
         return None
-    import torch  # only reached for backends that hold torch modules
-
-    names, parts = [], []
-    with torch.no_grad():
-        for name, p in mod.named_parameters():
-            flat = p.detach().reshape(-1)
-            parts.append(flat[:: max(1, flat.numel() // 64)][:64].float())
-            names.append(f"{name}{tuple(p.shape)}")
-        sample = torch.cat(parts).cpu().numpy() if parts else np.zeros(0, np.float32)  # one device copy
-    return "params:" + hashlib.sha256("\n".join(names).encode() + sample.tobytes()).hexdigest()[:16]
+    h = getattr(mod, "checkpoint_hash", None)
+    return f"checkpoint:{h}" if isinstance(h, str) else "params:" + _params_hash(mod)
 
 
 def identity(rt) -> dict:
@@ -107,16 +112,32 @@ def _hash(ident: dict) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
+def _field_hashes(meta: dict) -> dict:
+    """field -> sha256 (16 hex) of its JSON value, as it reads back, for every meta.json field but this map;
+    dict fields per key (seq.tokens, seq.bonus, ctx.start, identity.weights.target, ...), so a refusal names the
+    edited one. Covers what a continuation starts from and the caller's `extra`, which the caller resumes from.
+    It detects edits and damage; it is no signature (there is no secret)."""
+    flat = {}
+    for k, v in json.loads(json.dumps(meta)).items():
+        if k == "field_sha256":
+            continue
+        flat.update({f"{k}.{sk}": sv for sk, sv in v.items()} if isinstance(v, dict) and k != "extra" else {k: v})
+    return {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16] for k, v in flat.items()}
+
+
 def _diff(saved: dict, now: dict) -> list[str]:
     out = []
+    same_drafter = saved.get("drafter") == now.get("drafter")
     for k in sorted(set(saved) | set(now)):
         a, b = saved.get(k, "(absent)"), now.get(k, "(absent)")
-        if k.startswith("drafter.") and saved.get("drafter") != now.get("drafter"):
+        if k.startswith(("drafter.", "weights.drafter")) and not same_drafter:
             continue  # 'drafter: True vs False' says it; its fields would only repeat it
-        if k.startswith("weights.") and str(a).split(":")[0] != str(b).split(":")[0]:
-            continue  # fingerprints of different kinds (export hash vs torch sample) do not compare
-        if a != b:
-            out.append(f"{k}: file {a!r}, this runtime {b!r}")
+        if k.startswith("weights.") and (a is None or b is None) and (k == "weights.target" or now.get("drafter")):
+            out.append(f"{k}: the weights cannot be identified (file {a!r}, this runtime {b!r})")
+        elif a != b:
+            kinds = k.startswith("weights.") and str(a).split(":")[0] != str(b).split(":")[0]
+            out.append(f"{k}: file {a!r}, this runtime {b!r}" + (" (a checkpoint hash and a parameter hash: "
+                                                                 "the same weights cannot be shown)" if kinds else ""))
     return out
 
 
@@ -164,6 +185,7 @@ def save_sequence(rt, seq: Sequence, path: str, extra: dict | None = None) -> st
         "saved_by": {"device": getattr(dev, "name", type(dev).__name__), "backend": getattr(rt.backend, "name", "?")},
         "extra": extra_json,
     }
+    meta["field_sha256"] = _field_hashes(meta)
     _write_atomic(path, json.dumps(meta, indent=1).encode(), blob)
     return path
 
@@ -204,9 +226,15 @@ def read_meta(path: str) -> dict:
         raise SnapshotError(f"{p}: not a {FORMAT} snapshot")
     if meta.get("version") != VERSION:
         raise SnapshotError(f"{p}: snapshot version {meta.get('version')!r}, this runtime reads version {VERSION}")
-    for k in ("identity", "identity_sha256", "state_sha256", "seq", "ctx"):
+    for k in ("identity", "identity_sha256", "state_sha256", "seq", "ctx", "field_sha256"):
         if k not in meta:
             raise SnapshotError(f"{p}: corrupt, field '{k}' missing")
+    saved = meta["field_sha256"] if isinstance(meta["field_sha256"], dict) else {}
+    now = _field_hashes(meta)
+    bad = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if bad:
+        shown = ", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+        raise SnapshotError(f"{p}: corrupt or edited, {shown} not as saved (sha256 differs from field_sha256)")
     return meta
 
 
@@ -219,11 +247,10 @@ def _int(v, what: str, lo: int, hi: int, path: str) -> int:
 def _load_checked(rt, path: str) -> tuple[dict, dict]:
     """(meta, host arrays) after every check a restore needs; raises SnapshotError, allocates nothing."""
     meta = read_meta(path)
-    now = identity(rt)
-    if meta["identity_sha256"] != _hash(now):
-        diff = _diff(meta["identity"] if isinstance(meta["identity"], dict) else {}, now)
-        if diff:
-            raise SnapshotMismatch(path, diff)
+    # compared field by field, not by identity_sha256: fields that cannot be identified (None) never match
+    diff = _diff(meta["identity"] if isinstance(meta["identity"], dict) else {}, identity(rt))
+    if diff:
+        raise SnapshotMismatch(path, diff)
     sp = os.path.join(path, STATE)
     try:
         with open(sp, "rb") as f:
