@@ -56,6 +56,7 @@ def refused(fn, err, *names):
 
 NORM, DOWN = "model.norm.weight", "model.layers.0.mlp.down_proj.weight"
 Q = "model.layers.3.self_attn.q_proj.weight"
+K_BIAS = "model.layers.3.self_attn.k_proj.bias"
 
 
 def _fp8(w):
@@ -97,7 +98,9 @@ def _grow(cfg):
     (None, _grow, CheckpointError, ["missing tensor 'model.layers.4."]),
     (lambda w: w.update({"model.rotary_emb.inv_freq": torch.ones(4)}), None, CheckpointError,
      ["'model.rotary_emb.inv_freq'", "unknown tensor"]),
-], ids=["attention_bias", "q-bias", "gate-bias", "int-norm", "extra-layers", "missing-layer", "unknown"])
+    (None, lambda c: c.update(tie_word_embeddings=True), CheckpointError,
+     ["'lm_head.weight' differs from 'model.embed_tokens.weight'"]),
+], ids=["attention_bias", "q-bias", "gate-bias", "int-norm", "extra-layers", "missing-layer", "unknown", "untied-copy"])
 def test_target_tensor_used_or_refused(pair, tmp_path, weights, config, err, names):
     d = altered(pair[0], tmp_path / "t", weights, config)
     refused(lambda: load_target(d), err, *names)
@@ -250,12 +253,12 @@ def test_cli_one_line_per_refusal(tmp_path, capsys):
     t = SHIPPED_T
     cases = {
         "quant": altered(t, tmp_path / "q", config=lambda c: c.update(quantization_config={"quant_method": "fp8"})),
-        "bias": altered(t, tmp_path / "b", lambda w: w.update({"model.layers.3.self_attn.k_proj.bias": torch.zeros(128)})),
+        "bias": altered(t, tmp_path / "b", lambda w: w.update({K_BIAS: torch.zeros(128)})),
         "nan": altered(t, tmp_path / "n", lambda w: w[NORM].fill_(math.nan)),
         "config": altered(t, tmp_path / "c", config=lambda c: c.update(eos_token_id="</s>")),
     }
     cases["index"] = sharded(t, tmp_path / "i", lambda k, s: "/etc/passwd" if k == NORM else s)
-    want = {"quant": "quantization_config", "bias": "k_proj.bias", "nan": NORM, "config": "eos_token_id",
+    want = {"quant": "quantization_config", "bias": K_BIAS, "nan": NORM, "config": "eos_token_id",
             "index": "/etc/passwd"}
     for name, d in cases.items():
         rc = cli.main(["generate", "--model", d, "--drafter", SHIPPED_D, "--prompt", "x", "--max-new-tokens", "2"])
