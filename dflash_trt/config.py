@@ -7,13 +7,13 @@ Every error names the file and the field, so a user can fix the checkpoint rathe
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
+from dflash_trt import config_fields as fields
+from dflash_trt.config_fields import ConfigError, read_json
 
-class ConfigError(ValueError):
-    """A checkpoint's config.json is missing, unreadable or inconsistent."""
+__all__ = ["ConfigError", "DrafterConfig", "TargetConfig", "cache_root", "moe_layers", "read_json"]
 
 
 def cache_root() -> str:
@@ -22,45 +22,23 @@ def cache_root() -> str:
     return os.environ.get("DFLASH_TRT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash_trt")
 
 
-def read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise ConfigError(f"{path}: file not found")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object at top level")
-    return data
-
-
-def _get(cfg: dict, key: str, path: str, default=...):
-    if key in cfg and cfg[key] is not None:
-        return cfg[key]
-    if default is ...:
-        raise ConfigError(f"{path}: missing required field '{key}'")
-    return default
-
-
-def _int(cfg: dict, key: str, path: str, default=..., minimum: int = 1) -> int:
-    """An integer field >= minimum (sizes and counts: >= 1), one clear line otherwise."""
-    v = _get(cfg, key, path, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or int(v) < minimum:
-        raise ConfigError(f"{path}: field '{key}' must be an integer >= {minimum}, got {v!r}")
-    return int(v)
+_int = fields.integer
 
 
 def _rope(cfg: dict, path: str) -> tuple[float, float]:
     """rope_theta / partial_rotary_factor at top level (transformers 4) or in rope_parameters (5)."""
-    rp = cfg.get("rope_parameters") or {}
-    rs = cfg.get("rope_scaling") or {}
-    theta = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
-    partial = cfg.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0))
+    rp, rs = fields.obj(cfg, "rope_parameters", path), fields.obj(cfg, "rope_scaling", path)
+    theta = fields.number(cfg, "rope_theta", path, None, positive=True)
+    if theta is None:
+        theta = fields.number(rp, "rope_theta", path, 10000.0, positive=True, name="rope_parameters.rope_theta")
+    partial = fields.number(cfg, "partial_rotary_factor", path, None, positive=True, maximum=1.0)
+    if partial is None:
+        partial = fields.number(rp, "partial_rotary_factor", path, 1.0, positive=True, maximum=1.0,
+                                name="rope_parameters.partial_rotary_factor")
     rope_type = rp.get("rope_type", rs.get("rope_type", rs.get("type", "default")))
     if rope_type not in ("default", "mrope", None):
         raise ConfigError(f"{path}: rope type '{rope_type}' is not supported (only plain/multi-axis RoPE)")
-    return float(theta), float(partial)
+    return theta, partial
 
 
 def _moe_fields(cfg: dict, path: str, n_layers: int) -> dict:
@@ -76,12 +54,7 @@ def _moe_fields(cfg: dict, path: str, n_layers: int) -> dict:
                                           for i in dense):
         raise ConfigError(f"{path}: field 'mlp_only_layers' must list layer indices in 0..{n_layers - 1}, "
                           f"got {dense!r}")
-    norm = cfg.get("norm_topk_prob", True)
-    if not isinstance(norm, bool):
-        raise ConfigError(f"{path}: field 'norm_topk_prob' must be true or false, got {norm!r}")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"{path}: field 'hidden_act' {act!r} is not supported (only 'silu')")
+    norm = fields.boolean(cfg, "norm_topk_prob", path, True)
     return dict(num_experts=n_exp, num_experts_per_tok=top_k,
                 moe_intermediate_size=_int(cfg, "moe_intermediate_size", path),
                 shared_expert_intermediate_size=_int(cfg, "shared_expert_intermediate_size", path),
@@ -174,21 +147,20 @@ class TargetConfig:
                 f"{path}: model_type '{mt}' is not supported (expected qwen3_next, qwen3_5_text, qwen3_5, "
                 "qwen3_5_moe_text or qwen3_5_moe)"
             )
+        fields.refuse_unsupported(raw, path)
+        if cfg is not raw:
+            fields.refuse_unsupported(cfg, path, "text_config.")
         n_layers = _int(cfg, "num_hidden_layers", path)
-        layer_types = cfg.get("layer_types")
+        layer_types = fields.str_list(cfg, "layer_types", path, ("full_attention", "linear_attention"), n_layers)
         if layer_types is None:
             interval = _int(cfg, "full_attention_interval", path, 4)
             layer_types = [
                 "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
             ]
-        if len(layer_types) != n_layers:
-            raise ConfigError(f"{path}: layer_types has {len(layer_types)} entries, num_hidden_layers is {n_layers}")
         moe = _moe_fields(cfg, path, n_layers)
         theta, partial = _rope(cfg, path)
         n_heads = _int(cfg, "num_attention_heads", path)
         hidden = _int(cfg, "hidden_size", path)
-        eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         c = cls(
             model_type=mt or "qwen3_5",
             vocab_size=_int(cfg, "vocab_size", path),
@@ -203,15 +175,15 @@ class TargetConfig:
             head_dim=_int(cfg, "head_dim", path, hidden // n_heads),
             rope_theta=theta,
             partial_rotary_factor=partial,
-            rms_norm_eps=float(_get(cfg, "rms_norm_eps", path, 1e-6)),
+            rms_norm_eps=fields.number(cfg, "rms_norm_eps", path, 1e-6, positive=True),
             lin_num_k_heads=_int(cfg, "linear_num_key_heads", path),
             lin_num_v_heads=_int(cfg, "linear_num_value_heads", path),
             lin_k_dim=_int(cfg, "linear_key_head_dim", path),
             lin_v_dim=_int(cfg, "linear_value_head_dim", path),
             conv_kernel=_int(cfg, "linear_conv_kernel_dim", path, 4),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=fields.boolean(cfg, "tie_word_embeddings", path, False),
             gdn_layout=layout,
-            eos_token_ids=eos_ids,
+            eos_token_ids=fields.int_list(cfg, "eos_token_id", path, single_ok=True) or [],
             **moe,
         )
         c.validate(path)
@@ -279,27 +251,19 @@ class DrafterConfig:
         if not isinstance(dc, dict):
             raise ConfigError(f"{path}: 'dflash_config' must be an object")
 
-        def get(key, default=None):
-            """dflash_config first, then top level: the released checkpoints mix both."""
-            v = dc.get(key)
-            return raw.get(key, default) if v is None else v
-
+        # dflash_config first, then top level: the released checkpoints mix both
+        merged = {**raw, **{k: v for k, v in dc.items() if v is not None}}
         for key in _DRAFTER_UNSUPPORTED:
-            if get(key) is not None:
+            if merged.get(key) is not None:
                 raise ConfigError(f"{path}: field '{key}' is not supported (DFlash2 conv/selector layers, own "
                                   "embeddings and mask_embedding overrides are not implemented)")
-        if get("attention_bias", False):
-            raise ConfigError(f"{path}: field 'attention_bias' true is not supported (q/k/v/o biases)")
-        act = get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"{path}: field 'hidden_act' {act!r} is not supported (only 'silu')")
-        taps, mask = get("target_layer_ids"), get("mask_token_id")
+        fields.refuse_unsupported(merged, path)
+        taps = fields.int_list(merged, "target_layer_ids", path)
         if taps is None:
             raise ConfigError(f"{path}: missing 'dflash_config.target_layer_ids' (or top-level target_layer_ids)")
-        if mask is None:
+        if merged.get("mask_token_id") is None:
             raise ConfigError(f"{path}: missing 'dflash_config.mask_token_id' (or top-level mask_token_id)")
-        merged = {**raw, **{k: v for k, v in dc.items() if v is not None}}
-        rs, rp = merged.get("rope_scaling") or {}, merged.get("rope_parameters") or {}
+        rs, rp = fields.obj(merged, "rope_scaling", path), fields.obj(merged, "rope_parameters", path)
         if rs and rs.get("rope_type", rs.get("type", "default")) != "default":
             raise ConfigError(f"{path}: field 'rope_scaling' {rs!r} is not supported (YaRN and other rope "
                               "scaling: plain RoPE only)")
@@ -312,35 +276,14 @@ class DrafterConfig:
         n_heads = _int(merged, "num_attention_heads", path)
         hidden = _int(merged, "hidden_size", path)
         n_layers = _int(merged, "num_hidden_layers", path)
-        types = get("layer_types")
-        if types is not None:
-            if not isinstance(types, list) or len(types) != n_layers:
-                raise ConfigError(f"{path}: field 'layer_types' must list {n_layers} layer types, got {types!r}")
-            bad = [t for t in types if t not in ("full_attention", "sliding_attention")]
-            if bad:
-                raise ConfigError(f"{path}: field 'layer_types' has unknown type {bad[0]!r} "
-                                  "(expected full_attention or sliding_attention)")
-        types = list(types or ["full_attention"] * n_layers)
+        types = fields.str_list(merged, "layer_types", path, ("full_attention", "sliding_attention"), n_layers)
+        types = types or ["full_attention"] * n_layers
         window = 0
-        if "sliding_attention" in types and get("use_sliding_window", True) is not False:
+        if "sliding_attention" in types and fields.boolean(merged, "use_sliding_window", path, True):
             window = _int(merged, "sliding_window", path)
-        causal = get("is_causal")
-        if causal is not None and not isinstance(causal, bool):
-            raise ConfigError(f"{path}: field 'is_causal' must be true or false, got {causal!r}")
-
-        def num(key, default):
-            v = get(key, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ConfigError(f"{path}: field '{key}' must be a number, got {v!r}")
-            return float(v)
-
-        softcap = num("final_logit_softcapping", 0.0)
-        if softcap < 0:
-            raise ConfigError(f"{path}: field 'final_logit_softcapping' must be >= 0, got {softcap}")
         # the drafter borrows the target's embedding and lm_head: its vocabulary (draft_vocab_size, else the
         # vocab_size its config.json states) must be the target's
-        dvs_field = "draft_vocab_size" if get("draft_vocab_size") is not None else "vocab_size"
-        dvs = get(dvs_field)
+        dvs_field = "draft_vocab_size" if merged.get("draft_vocab_size") is not None else "vocab_size"
         c = cls(
             hidden_size=hidden,
             intermediate_size=_int(merged, "intermediate_size", path),
@@ -348,19 +291,19 @@ class DrafterConfig:
             num_heads=n_heads,
             num_kv_heads=_int(merged, "num_key_value_heads", path, n_heads),
             head_dim=_int(merged, "head_dim", path, hidden // n_heads),
-            rms_norm_eps=float(_get(merged, "rms_norm_eps", path, 1e-6)),
+            rms_norm_eps=fields.number(merged, "rms_norm_eps", path, 1e-6, positive=True),
             rope_theta=theta,
             block_size=_int(merged, "block_size", path, 16),
-            target_layer_ids=[_int({"target_layer_ids": t}, "target_layer_ids", path, minimum=0) for t in taps],
-            mask_token_id=_int({"mask_token_id": mask}, "mask_token_id", path, minimum=0),
-            num_target_layers=get("num_target_layers"),
+            target_layer_ids=taps,
+            mask_token_id=_int(merged, "mask_token_id", path, minimum=0),
+            num_target_layers=_int(merged, "num_target_layers", path, None),
             layer_types=types,
             sliding_window=window,
-            is_causal=causal,
-            input_embedding_scale=num("input_embedding_scale", 1.0),
-            output_multiplier=num("output_multiplier", 1.0),
-            final_logit_softcapping=softcap,
-            draft_vocab_size=None if dvs is None else _int(merged, dvs_field, path),
+            is_causal=fields.boolean(merged, "is_causal", path, None),
+            input_embedding_scale=fields.number(merged, "input_embedding_scale", path, 1.0),
+            output_multiplier=fields.number(merged, "output_multiplier", path, 1.0),
+            final_logit_softcapping=fields.number(merged, "final_logit_softcapping", path, 0.0, minimum=0),
+            draft_vocab_size=_int(merged, dvs_field, path, None),
             vocab_field=dvs_field,
         )
         if c.num_heads % c.num_kv_heads:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -22,7 +23,20 @@ class CheckpointError(ValueError):
     """A weight file is missing, unreadable, or lacks / mis-shapes a tensor."""
 
 
-def _weight_files(d: str) -> list[str]:
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _inside(root: str, d: str, rel) -> bool:
+    """An index entry names a file in the checkpoint directory: relative, and its folder resolves inside it.
+    The file itself may be a symlink (the Hugging Face cache links snapshot files to its blob store)."""
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel):
+        return False
+    folder = os.path.realpath(os.path.dirname(os.path.join(d, rel)))
+    return os.path.commonpath([root, folder]) == root
+
+
+def _weight_map(d: str) -> tuple[list[str], dict[str, str] | None]:
+    """(weight files, tensor name -> file as the index maps it, or None for a single model.safetensors)."""
     single = os.path.join(d, "model.safetensors")
     index = os.path.join(d, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -32,31 +46,50 @@ def _weight_files(d: str) -> list[str]:
             raise CheckpointError(str(e)) from None
         if not isinstance(wm, dict) or not wm:
             raise CheckpointError(f"{index}: missing or empty 'weight_map'")
-        files = sorted(set(wm.values()))
-        for f in files:
+        root = os.path.realpath(d)
+        for name, f in wm.items():
+            if not _inside(root, d, f):
+                raise CheckpointError(f"{index}: tensor '{name}' maps to {f!r}, which is not a file inside "
+                                      f"the checkpoint directory {d}")
+        for f in sorted(set(wm.values())):
             if not os.path.isfile(os.path.join(d, f)):
                 raise CheckpointError(f"{index}: shard '{f}' is listed but {os.path.join(d, f)} does not exist")
-        return [os.path.join(d, f) for f in files]
+        where = {k: os.path.normpath(os.path.join(d, f)) for k, f in wm.items()}
+        return sorted(set(where.values())), where
     if os.path.isfile(single):
-        return [single]
+        return [single], None
     if any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(d)):
         raise CheckpointError(f"{d}: only pickle weights (.bin/.pt) found; dflash-trt loads safetensors only")
     raise CheckpointError(f"{d}: no model.safetensors or model.safetensors.index.json")
 
 
+def _weight_files(d: str) -> list[str]:
+    return _weight_map(d)[0]
+
+
 class WeightSource:
-    """Lazy view of all tensors of a checkpoint dir: name -> (file, loader)."""
+    """Lazy view of all tensors of a checkpoint dir: name -> (file, loader). With an index, each tensor is read
+    from the shard the index names, and a shard holding a tensor the index does not map to it is refused
+    (a second copy would otherwise be silently ignored or win, depending on the order)."""
 
     def __init__(self, d: str):
-        self.files = _weight_files(d)
+        self.files, index = _weight_map(d)
         self.where: dict[str, str] = {}
         for f in self.files:
             try:
                 with safe_open(f, framework="pt") as h:
-                    for k in h.keys():
-                        self.where[k] = f
+                    keys = list(h.keys())
             except Exception as e:  # safetensors raises its own error types for corrupt headers
                 raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+            for k in keys:
+                if index is not None and index.get(k) != f:
+                    mapped = os.path.basename(index[k]) if k in index else "no shard"
+                    raise CheckpointError(f"{f}: tensor '{k}' is in this shard but the index maps it to {mapped} "
+                                          "(a tensor in two shards, or missing from the index, is ambiguous)")
+                self.where[k] = f
+        for k, f in (index or {}).items():
+            if k not in self.where:
+                raise CheckpointError(f"{f}: the index maps tensor '{k}' to this shard, which does not hold it")
 
     def get(self, name: str) -> torch.Tensor:
         f = self.where[name]
@@ -66,15 +99,28 @@ class WeightSource:
         except Exception as e:
             raise CheckpointError(f"{f}: tensor '{name}' could not be read ({e})") from None
 
+    def read(self, name: str) -> torch.Tensor:
+        """A weight, checked once at load: a float dtype we compute in, every value finite."""
+        t, f = self.get(name), self.where[name]
+        if t.dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{f}: tensor '{name}' has dtype {str(t.dtype).removeprefix('torch.')}; only "
+                                  "float32/float16/bfloat16 weights are loaded (quantized checkpoints are not "
+                                  "supported)")
+        if not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{f}: tensor '{name}' holds non-finite values (NaN or Inf)")
+        return t
+
 
 def _where(src: WeightSource) -> str:
     """The checkpoint named in a missing-tensor message: its one weight file, else its directory."""
     return src.files[0] if len(src.files) == 1 else os.path.dirname(src.files[0])
 
 
-def _bind(module: torch.nn.Module, src: WeightSource, name_of, dtype, what: str, built=None) -> None:
+def _bind(module: torch.nn.Module, src: WeightSource, name_of, dtype, what: str, built=None,
+          unused=lambda: None) -> None:
     """Copy every parameter of `module` from the checkpoint, checking presence and shape first.
-    built: checkpoint key -> (tensor, file) for tensors assembled from others (stacked experts)."""
+    built: checkpoint key -> (tensor, file) for tensors assembled from others (stacked experts).
+    unused: refuses left-over tensors; called once nothing is missing (a missing tensor is the better message)."""
     built = built or {}
     params = dict(module.named_parameters(remove_duplicate=True))
     missing = [name_of(p) for p in params if name_of(p) not in src.where and name_of(p) not in built]
@@ -83,15 +129,19 @@ def _bind(module: torch.nn.Module, src: WeightSource, name_of, dtype, what: str,
             f"{what} checkpoint {_where(src)}: "
             f"missing tensor '{missing[0]}'" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
         )
+    unused()
     for p_name, p in params.items():
         key = name_of(p_name)
-        t, f = built[key] if key in built else (src.get(key), src.where[key])
+        t, f = built[key] if key in built else (src.read(key), src.where[key])
         if tuple(t.shape) != tuple(p.shape):
             raise CheckpointError(
                 f"{f}: tensor '{key}' has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
             )
+        cast = t.to(dtype).contiguous()
+        if cast.dtype == torch.float16 and t.dtype != torch.float16 and not bool(torch.isfinite(cast).all()):
+            raise CheckpointError(f"{f}: tensor '{key}' has values beyond the float16 range")
         with torch.no_grad():
-            p.data = t.to(dtype).contiguous()
+            p.data = cast
 
 
 def _target_prefix(src: WeightSource) -> str:
@@ -122,7 +172,7 @@ def _stack_experts(model: TargetModel, src: WeightSource, prefix: str) -> dict:
                     missing = fused[0] if fused[0] not in src.where else fused[1]
                     raise CheckpointError(f"target checkpoint {_where(src)}: missing tensor '{key}' "
                                           f"(layer {i} has {E} experts; no fused '{missing}' either)")
-                t = src.get(key)
+                t = src.read(key)
                 if tuple(t.shape) != shape:
                     raise CheckpointError(f"{src.where[key]}: tensor '{key}' has shape {tuple(t.shape)}, "
                                           f"expected {shape}")
@@ -133,6 +183,43 @@ def _stack_experts(model: TargetModel, src: WeightSource, prefix: str) -> dict:
     return built
 
 
+_QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "scale_inv", ".qweight", ".qzeros",
+                   ".scales", ".g_idx", ".absmax", ".quant_map")
+
+
+def _why_unused(key: str, layers: str, n_layers: int) -> str:
+    if key.endswith(_QUANT_SUFFIXES):
+        return "a quantization tensor: quantized checkpoints are not supported"
+    if key.endswith(".bias"):
+        return "a bias: these projections have none here"
+    m = re.match(re.escape(layers) + r"layers\.(\d+)\.", key)
+    if m and int(m.group(1)) >= n_layers:
+        return f"layer {m.group(1)} is beyond num_hidden_layers {n_layers}"
+    return "unknown tensor"
+
+
+def _refuse_unused(src: WeightSource, used: set, what: str, layers: str, n_layers: int, ignored=()) -> None:
+    """Every tensor of the checkpoint is bound to the model or refused here by name: one left over (a bias, a
+    scale, an extra layer, a typo) would change the math the checkpoint's author meant without a word."""
+    extra = sorted(k for k in src.where if k not in used and not k.startswith(tuple(ignored)))
+    if extra:
+        k = extra[0]
+        more = f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(f"{src.where[k]}: {what} tensor '{k}' is not used by the model "
+                              f"({_why_unused(k, layers, n_layers)}){more}")
+
+
+def _expert_keys(cfg: TargetConfig, src: WeightSource, prefix: str) -> set:
+    """The checkpoint names _stack_experts reads: a layer's fused pair when present, else its per-expert ones."""
+    keys = set()
+    for i in cfg.moe_layers:
+        base = f"{prefix}layers.{i}.mlp.experts."
+        if not all(base + n in src.where for n in ("gate_up_proj", "down_proj")):
+            keys |= {f"{base}{e}.{n}.weight" for e in range(cfg.num_experts)
+                     for n in ("gate_proj", "up_proj", "down_proj")}
+    return keys
+
+
 def load_target(d: str, dtype=torch.float32) -> TargetModel:
     cfg = TargetConfig.from_dict(read_json(os.path.join(d, "config.json")), os.path.join(d, "config.json"))
     src = WeightSource(d)
@@ -141,8 +228,18 @@ def load_target(d: str, dtype=torch.float32) -> TargetModel:
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in src.where
     if tied and not cfg.tie_word_embeddings:
         raise CheckpointError(f"{src.files[0]}: missing tensor 'lm_head.weight' and tie_word_embeddings is false")
-    _bind(model, src, lambda n: "lm_head.weight" if n == "lm_head.weight" else prefix + n, dtype, "target",
-          built=_stack_experts(model, src, prefix))
+    name_of = lambda n: "lm_head.weight" if n == "lm_head.weight" else prefix + n  # noqa: E731
+    used = {name_of(n) for n, _ in model.named_parameters()} | _expert_keys(cfg, src, prefix)
+    if tied and "lm_head.weight" in src.where:  # a tied checkpoint may still store the copy: it must be one
+        if not torch.equal(src.read("lm_head.weight"), src.read(prefix + "embed_tokens.weight")):
+            raise CheckpointError(f"{src.where['lm_head.weight']}: tensor 'lm_head.weight' differs from "
+                                  f"'{prefix}embed_tokens.weight' but tie_word_embeddings is true")
+        used.add("lm_head.weight")
+    # text decoder only: a multimodal checkpoint's vision tower (model.visual.*) and the multi-token-prediction
+    # head Qwen releases ship (mtp.*; DFlash drafts instead) are not used, by name, never loaded
+    ignored = ["mtp."] + (["model.visual."] if prefix == "model.language_model." else [])
+    _bind(model, src, name_of, dtype, "target", built=_stack_experts(model, src, prefix),
+          unused=lambda: _refuse_unused(src, used, "target", prefix, cfg.num_layers, ignored))
     return model.eval()
 
 
@@ -168,7 +265,9 @@ def load_drafter(d: str, target: TargetModel, dtype=torch.float32) -> Drafter:
         raise ConfigError(f"{src.where[own[0]]}: drafter tensor '{own[0]}' is not supported (own embeddings, "
                           "lm_head, mask_embedding and biases are not implemented; the target's are used)")
     drafter = Drafter(cfg, target.cfg.hidden_size)
-    _bind(drafter, src, lambda n: n, dtype, "drafter")
+    used = {n for n, _ in drafter.named_parameters()}
+    _bind(drafter, src, lambda n: n, dtype, "drafter",
+          unused=lambda: _refuse_unused(src, used, "drafter", "", cfg.num_layers))
     return drafter.eval().bind_target(target)
 
 
