@@ -211,18 +211,12 @@ class Scheduler:
         touched.append(req)
 
     def _fault(self, reqs, err: Exception, touched) -> None:
-        """A fault (not a refusal): reqs fail with it, and the step re-raises the first one once its work is done."""
+        """reqs fail with err; unless it is a refusal (only recorded on them), the step re-raises it once its work is
+        done (the first one, with several)."""
         for req in reqs:
             self._fail(req, err, touched)
-        if self._error is None:
+        if self._error is None and not isinstance(err, REFUSALS):
             self._error = err
-
-    def _failed(self, req: Request, err: Exception, touched) -> None:
-        """req alone fails with err: a refusal is recorded, any other exception is a fault."""
-        if isinstance(err, REFUSALS):
-            self._fail(req, err, touched)
-        else:
-            self._fault([req], err, touched)
 
     def _raise_fault(self, touched: list) -> list:
         err, self._error = self._error, None
@@ -263,7 +257,7 @@ class Scheduler:
             try:
                 req.seq = rt.add_sequence(req.prompt, sampling=req.sampling)
             except Exception as e:  # a request that cannot be admitted fails alone
-                self._failed(req, e, touched)
+                self._fault([req], e, touched)
                 continue
             req.seq.managed = True  # from now on only this scheduler steps or releases it
             joined.append(req)
@@ -277,7 +271,7 @@ class Scheduler:
             return
         for req, pending in zip(joined, results):
             if isinstance(pending, Exception):  # its prefill launch failed (Runtime._launch_chunk)
-                self._failed(req, pending, touched)
+                self._fault([req], pending, touched)
                 continue
             req.status = RUNNING
             req.inflight += 1  # the first token: wants_step counts it
@@ -329,7 +323,7 @@ class Scheduler:
                     seq.ctx.slide()  # only between launches: no step in flight reads a dropped row
                 commit.reserve(seq, K, rt.kv_alloc, rt.sizes.page_size, ahead=req.ahead)
             except Exception as e:  # out of pages (or a fault): this request fails, the others run
-                self._failed(req, e, touched)
+                self._fault([req], e, touched)
                 continue
             req.ahead += K
             req.inflight += 1
