@@ -166,6 +166,9 @@ class HostStepExecutor:
     def settle(self) -> None:
         """Nothing runs beside anything here (every launch is synchronous)."""
 
+    def quiesce(self) -> None:
+        """After a launch or collect that raised: nothing of it still runs (every launch is synchronous)."""
+
     def zero_slot(self, slot: int) -> None:
         """A fresh sequence's GDN and conv state: zeros (before its prefill)."""
         zero = getattr(self.rt.device, "zero_slot", None)

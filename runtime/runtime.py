@@ -172,7 +172,11 @@ class Runtime:
         if self.sizes.max_seq_len < len(ids) + 1:  # prefill() could never finish: refuse before taking a slot
             raise CapacityError(f"prompt of {len(ids)} tokens does not fit max_seq_len={self.sizes.max_seq_len}")
         slot = self.slots.alloc()
-        self.executor.zero_slot(slot)  # a fresh sequence starts from zero state (on the stream of its prefill)
+        try:
+            self.executor.zero_slot(slot)  # a fresh sequence starts from zero state (on the stream of its prefill)
+        except BaseException:
+            self.slots.free(slot)
+            raise
         seq = Sequence(self._next_id, ids, slot, self.sizes.max_blocks, ctx=self._new_ctx(), owner=self,
                        sampling=sampling)
         self._next_id += 1
@@ -282,16 +286,18 @@ class Runtime:
         """Rows [lo, lo + chunk) of each of seqs (pages reserved) as one launch, then committed on the host;
         per sequence its pending result or the error that failed it. A launch the executor refuses (PoolExhausted
         / ValueError, e.g. a sampling row on graphs without logits) wrote nothing: with several rows, each is
-        retried alone, so only the sequences that cause it fail (each put back as add_sequence left it)."""
+        retried alone, so only the sequences that cause it fail (each put back as add_sequence left it). Any other
+        exception may have left part of the launch's work behind: every sequence of the launch fails with it."""
         C, ps = self.sizes.prefill_chunk, self.sizes.page_size
         chunks = [s.tokens[lo:lo + C] for s in seqs]
         try:
             pending = self.executor.launch_prefill(seqs, chunks)
-        except (PoolExhausted, ValueError) as e:
-            if len(seqs) > 1:
+        except Exception as e:
+            if isinstance(e, (PoolExhausted, ValueError)) and len(seqs) > 1:
                 return [self._launch_chunk([s], lo)[0] for s in seqs]
-            self._rewind(seqs[0])
-            return [e]
+            for s in seqs:
+                self._rewind(s)
+            return [e] * len(seqs)
         for s, chunk in zip(seqs, chunks):
             commit.finish(s, len(chunk), self.kv_alloc, ps)  # n = the chunk's length
         return list(pending)
@@ -357,7 +363,9 @@ class Runtime:
         return sch.add(prompt, max_new_tokens, sp)
 
     def step(self):
-        """One scheduler step; returns the requests that got tokens, finished or failed."""
+        """One scheduler step; returns the requests that got tokens, finished or failed. An exception inside it (a
+        fault, not a request's refusal) fails the requests it belongs to (state "failed", .error set, slot and pages
+        freed) and is re-raised once the step's other requests have moved on; the next step() continues."""
         return self.scheduler.step() if self.scheduler is not None else []
 
     @property

@@ -15,6 +15,12 @@
                    tokens per row -> commit.finish (a request that steps again keeps its next step's worst case of
                    pages) -> tokens appended; EOS / max tokens -> the request leaves
 
+Faults: a refusal a request meets in normal serving (PoolExhausted, ValueError: out of pages, a bad sampling row)
+fails that request alone and is recorded on it. Any other exception raised by a phase of a step is a fault: the
+requests it belongs to fail with it (Scheduler._fault; a launch or a collect belongs to every row of its step: their
+device state is unknown, so they fail rather than retry), the step's other work goes on, and step() re-raises the
+first fault at its end so the caller sees it; the next step() continues from consistent pools.
+
 With an executor that keeps one step in flight (the GPU), step t+1 is planned and launched while step t
 runs: its rows' seq_len, positions and bonus are advanced on the device by step t itself, so the host only
 needs what it decides (rows, pages, the ctx window's base). There, with requests running, plan + launch come
@@ -33,6 +39,7 @@ from dflash_trt.runtime.pools import PoolExhausted
 from dflash_trt.runtime.sampling import GREEDY, SamplingParams
 
 WAITING, RUNNING, FINISHED, FAILED = "waiting", "running", "finished", "failed"
+REFUSALS = (PoolExhausted, ValueError)  # what a request can meet in normal serving: recorded, not raised
 PREFETCH = 2  # requests admitted (prefilled) ahead of a free row while steps are in flight (Scheduler._admit)
 
 
@@ -83,6 +90,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.inflight: deque = deque()  # (plan or Join, pending handle), in launch order
         self._next_id = 0
+        self._error: Exception | None = None  # the step's first fault, re-raised when it ends (_raise_fault)
         self.on_step = None  # hook(rt, request) after each of its steps is finished (tests, tracing)
 
     # ---- requests -------------------------------------------------------------------------
@@ -125,21 +133,31 @@ class Scheduler:
         us). With nothing to step yet, the admission comes first and the step runs behind its prefills; so it does on
         a host executor (nothing in flight to overlap: its joiners take the step they were admitted in)."""
         touched: list[Request] = []
-        plan = self._launch(self._plan(touched)) if self.running and self.ex.ahead else None
+        plan = self._launch(self._plan(touched), touched) if self.running and self.ex.ahead else None
         self._admit(touched)
         if plan is None:
-            plan = self._launch(self._plan(touched))
-        return self._collect_due(touched, plan)
+            plan = self._launch(self._plan(touched), touched)
+        return self._raise_fault(self._collect_due(touched, plan))
 
     def admit(self) -> list[Request]:
         """Only the admission part of a step (prefill waiting requests); benchmarks time it on its own."""
         touched: list[Request] = []
         self._admit(touched)
-        return touched
+        return self._raise_fault(touched)
 
-    def _launch(self, plan: StepPlan | None) -> StepPlan | None:
-        if plan is not None:
+    def _launch(self, plan: StepPlan | None, touched) -> StepPlan | None:
+        """Launch plan; a launch that raises fails every row of it (None: nothing was launched)."""
+        if plan is None:
+            return None
+        try:
             self.inflight.append((plan, self.ex.launch(plan)))
+        except Exception as e:
+            for req in plan.reqs:  # the launch is not in flight: what _plan counted for it goes
+                req.ahead -= plan.K
+                req.inflight -= 1
+            self.ex.quiesce()  # a part of it that reached the device has run before its rows' pages go back
+            self._fault(plan.reqs, e, touched)
+            return None
         return plan
 
     def _collect_due(self, touched, plan: StepPlan | None) -> list[Request]:
@@ -174,7 +192,7 @@ class Scheduler:
         touched: list[Request] = []
         while self.inflight:
             self._collect(*self.inflight.popleft(), touched)
-        return list(dict.fromkeys(touched))
+        return self._raise_fault(list(dict.fromkeys(touched)))
 
     def _landed(self, req: Request) -> None:
         """One launch of req collected; a request that left gives its pages and slot back with its last one."""
@@ -184,9 +202,27 @@ class Scheduler:
             req.seq = None
 
     def _fail(self, req: Request, err: Exception, touched) -> None:
+        """The one place a request fails: it leaves with finish_reason "error" and err recorded; its slot and pages
+        go back now, or as its last launch in flight lands (release). One that already left stays as it left."""
+        if req.done:
+            return
         self.release(req, "error")
         req.status, req.error = FAILED, err
         touched.append(req)
+
+    def _fault(self, reqs, err: Exception, touched) -> None:
+        """reqs fail with err; unless it is a refusal (only recorded on them), the step re-raises it once its work is
+        done (the first one, with several)."""
+        for req in reqs:
+            self._fail(req, err, touched)
+        if self._error is None and not isinstance(err, REFUSALS):
+            self._error = err
+
+    def _raise_fault(self, touched: list) -> list:
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+        return touched
 
     def _admit(self, touched) -> None:
         rt, joined = self.rt, []
@@ -220,8 +256,8 @@ class Scheduler:
             req = self.waiting.popleft()
             try:
                 req.seq = rt.add_sequence(req.prompt, sampling=req.sampling)
-            except (PoolExhausted, ValueError) as e:  # a request that cannot be admitted fails alone
-                self._fail(req, e, touched)
+            except Exception as e:  # a request that cannot be admitted fails alone
+                self._fault([req], e, touched)
                 continue
             req.seq.managed = True  # from now on only this scheduler steps or releases it
             joined.append(req)
@@ -230,13 +266,12 @@ class Scheduler:
         # the joiners' prefills together: their chunks share launches (Runtime.launch_prefills)
         try:
             results = rt.launch_prefills([r.seq for r in joined], _api="_scheduler")
-        except BaseException as e:  # not one request's fault (the launch itself broke): none keeps its slot
-            for req in joined:
-                self._fail(req, e, touched)
-            raise
+        except Exception as e:  # not one request's fault (the prefills' host work broke): none keeps its slot
+            self._fault(joined, e, touched)
+            return
         for req, pending in zip(joined, results):
-            if isinstance(pending, Exception):
-                self._fail(req, pending, touched)
+            if isinstance(pending, Exception):  # its prefill launch failed (Runtime._launch_chunk)
+                self._fault([req], pending, touched)
                 continue
             req.status = RUNNING
             req.inflight += 1  # the first token: wants_step counts it
@@ -287,8 +322,8 @@ class Scheduler:
                 if self.ex.ahead and seq.ctx is not None:
                     seq.ctx.slide()  # only between launches: no step in flight reads a dropped row
                 commit.reserve(seq, K, rt.kv_alloc, rt.sizes.page_size, ahead=req.ahead)
-            except (PoolExhausted, ValueError) as e:  # out of pages: this request fails, the others run
-                self._fail(req, e, touched)
+            except Exception as e:  # out of pages (or a fault): this request fails, the others run
+                self._fault([req], e, touched)
                 continue
             req.ahead += K
             req.inflight += 1
@@ -299,41 +334,57 @@ class Scheduler:
 
     def _collect(self, plan: StepPlan | Join, pending, touched) -> None:
         rt = self.rt
-        res = self.ex.collect(pending)
+        reqs = [plan.req] if isinstance(plan, Join) else plan.reqs
+        try:
+            res = self.ex.collect(pending)
+        except Exception as e:  # the launch's result is lost: every row of it fails
+            self.ex.quiesce()
+            for req in reqs:
+                req.ahead -= plan.K if isinstance(plan, StepPlan) else 0
+                self._landed(req)
+            self._fault(reqs, e, touched)
+            return
         if isinstance(plan, Join):
-            req = plan.req
-            self._landed(req)
-            if req.status == RUNNING:  # else it left while its prefill was in flight
-                req.seq.bonus = int(res)
-                self._emit(req, [req.seq.bonus], touched)
+            self._landed(plan.req)
+            if plan.req.status == RUNNING:  # else it left while its prefill was in flight
+                plan.req.seq.bonus = int(res)
+                self._emit(plan.req, [plan.req.seq.bonus], touched)
             return
         accepted = []
         ns, tokens = res.n.tolist(), res.tokens.tolist()  # Python ints at once, not a numpy scalar per token
-        for b, req in enumerate(plan.reqs):
+        for b, req in enumerate(reqs):
             req.ahead -= plan.K
             self._landed(req)
             if req.status != RUNNING:
                 continue  # left while this step was in flight: its rows are dropped
-            n = ns[b]
-            # a request that steps again keeps the pages of its next step's worst case (at this width) rather than give
-            # them back for the next plan to take straight back: 2 allocs + 1.5 frees per request and step otherwise.
-            # `bench host`, batch 16 DFlash, 2-core Xeon, 6 alternating runs: 273-451 us a step (median ~418) -> 225-375
-            # (median ~230). The admission sums stay exact: a request's pages owed (_pages_owed) fall as it holds more.
-            keep = req.ahead + (plan.K if req.wants_step else 0)
-            commit.finish(req.seq, n, rt.kv_alloc, rt.sizes.page_size, ahead=keep)
-            new = tokens[b][:n]
-            req.seq.bonus = new[-1]
-            req.steps += 1
+            try:
+                self._finish_row(req, plan, res, b, ns[b], tokens[b], touched)
+            except Exception as e:  # this row's host work (or the on_step hook) failed: it fails alone
+                self._fault([req], e, touched)
+                continue
             if plan.kind == SPEC:
-                req.accepted.append(n - 1)
-                accepted.append(n - 1)
-            if self.on_step is not None:
-                self.on_step(rt, req, plan, res, b)
-            self._emit(req, new, touched)
+                accepted.append(ns[b] - 1)
         if plan.kind == SPEC and accepted:
             rt.gate.record(sum(accepted) / len(accepted), plan.gamma)
         elif plan.kind == DECODE:
             rt.gate.tick()
+
+    def _finish_row(self, req: Request, plan: StepPlan, res, b: int, n: int, tokens: list, touched) -> None:
+        """Row b of a collected step: commit.finish of its n rows, then its new tokens."""
+        # a request that steps again keeps the pages of its next step's worst case (at this width) rather than give
+        # them back for the next plan to take straight back: 2 allocs + 1.5 frees per request and step otherwise.
+        # `bench host`, batch 16 DFlash, 2-core Xeon, 6 alternating runs: 273-451 us a step (median ~418) -> 225-375
+        # (median ~230). The admission sums stay exact: a request's pages owed (_pages_owed) fall as it holds more.
+        keep = req.ahead + (plan.K if req.wants_step else 0)
+        commit.finish(req.seq, n, self.rt.kv_alloc, self.rt.sizes.page_size, ahead=keep)
+        new = tokens[:n]
+        req.seq.bonus = new[-1]
+        req.steps += 1
+        if plan.kind == SPEC:
+            req.accepted.append(n - 1)
+        if self.on_step is not None:
+            self.on_step(self.rt, req, plan, res, b)
+        self._emit(req, new, touched)
 
     def _emit(self, req: Request, new: list[int], touched) -> None:
         """Append tokens, cut at max tokens / the first EOS; a request that is complete leaves."""

@@ -221,6 +221,16 @@ class GraphStepExecutor:
         self.side.synchronize()
         self._unlanded.clear()
 
+    def quiesce(self) -> None:
+        """After a launch or collect that raised: whatever of it reached the device has run, on both streams, before
+        the scheduler gives its rows' pages and slots back. A stream that cannot synchronize has failed its work
+        (CUDA errors are sticky), so nothing of it writes them later either."""
+        try:
+            self.dev.synchronize()
+            self.settle()
+        except Exception:
+            self._unlanded.clear()
+
     def _after_prefills(self, rows) -> None:
         """A step with a row whose prefill is not collected starts after the prefill stream's work so far (a wait on
         the device: the host goes on)."""
