@@ -7,6 +7,8 @@ import fcntl
 import json
 import os
 
+from dflash_trt import log
+
 
 def _write_atomic(path: str, mode: str, write) -> str:
     """write(f) into a unique temp file beside `path`, then os.replace: concurrent writers never share a temp."""
@@ -35,7 +37,7 @@ def write_bytes(path: str, data) -> str:
 
 
 @contextlib.contextmanager
-def entry_lock(entry: str, progress=print, doing: str = "filling"):
+def entry_lock(entry: str, progress=log.progress, doing: str = "filling"):
     """Exclusive advisory lock on `entry` (a cache entry directory; the lock file is `entry`.lock) for the body.
     Another holder: says so once through `progress`, then waits. The lock dies with its process (flock)."""
     with open(entry.rstrip(os.sep) + ".lock", "a") as lock:

@@ -17,6 +17,7 @@ import sys
 import time
 import warnings
 
+from dflash_trt import log
 from dflash_trt.abi import parse_ks, parse_target_graph
 from dflash_trt.files import entry_lock, write_bytes
 from dflash_trt.hashing import sha256_files
@@ -114,7 +115,7 @@ def check_build_args(max_batch=None, opt_batch=None, opt_level=None) -> None:
 
 
 def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=None, target_cc=None, plugins=True,
-                  max_batch=None, opt_batch=None, opt_level=None, progress=print) -> Manifest:
+                  max_batch=None, opt_batch=None, opt_level=None, progress=log.progress) -> Manifest:
     """Build the selected graphs of a manifest directory; records them in its manifest.json."""
     check_build_args(max_batch=max_batch, opt_batch=opt_batch, opt_level=opt_level)  # before TensorRT loads
     trt = C.require()
@@ -165,7 +166,7 @@ def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=
     return man
 
 
-def ensure_engines(manifest_dir: str, graphs=None, progress=print) -> Manifest:
+def ensure_engines(manifest_dir: str, graphs=None, progress=log.progress) -> Manifest:
     """Build the engines of `graphs` (default: all) that are missing, stale or from another TensorRT; keep the
     others. The trt backend's front doors call this after the export (the cache entry gains its engines)."""
     from dflash_trt.engines.load import EngineError, check_engine
@@ -182,7 +183,7 @@ def ensure_engines(manifest_dir: str, graphs=None, progress=print) -> Manifest:
     man = Manifest.load(manifest_dir)
     if missing(man):  # under the entry's lock: concurrent front doors build once, the others wait and reuse
         try:
-            with entry_lock(man.root, progress or print, "building engines in"):
+            with entry_lock(man.root, progress or log.progress, "building engines in"):
                 need = missing(Manifest.load(manifest_dir))  # what another process built meanwhile is kept
                 if need:
                     build_engines(manifest_dir, graphs=need, progress=progress)

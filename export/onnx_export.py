@@ -26,6 +26,7 @@ import time
 import warnings
 from dataclasses import asdict
 
+from dflash_trt import log
 from dflash_trt.abi import DEFAULT_KS, PoolSizes, graph_io, parse_ks
 from dflash_trt.config import cache_root
 from dflash_trt.files import entry_lock
@@ -138,14 +139,15 @@ _EXPORT_FILES = re.compile(r"^(manifest\.json|.*\.onnx|.*\.onnx\.data|engines|ti
 
 
 def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, batch="B",
-                  want_logits=True, dtype="float32", check=True, progress=print) -> Manifest:
+                  want_logits=True, dtype="float32", check=True, progress=log.progress) -> Manifest:
     """Export every graph of the ABI and write manifest.json, atomically: everything goes into a fresh
     temporary directory beside out_dir, renamed into place only when complete. An older export in out_dir
     is replaced as a whole (its engines too: they were built from its graphs), never mixed with new files;
     a directory holding anything else is refused."""
-    import torch
-
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
+    from dflash_trt.optional import require_torch
+
+    torch = require_torch("exporting the checkpoint to ONNX", ExportError)
 
     sizes = sizes or PoolSizes()
     progress = progress or (lambda *_: None)
@@ -220,7 +222,7 @@ def _source_hash() -> str:
 
 
 def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, cache_dir=None,
-                  batch="B", want_logits=True, dtype="float32", progress=print) -> str:
+                  batch="B", want_logits=True, dtype="float32", progress=log.progress) -> str:
     """Export once, reuse after: the cache entry is keyed by both checkpoint hashes, the settings and a hash
     of the exporter's source. Returns the manifest directory.
 

@@ -5,6 +5,7 @@ The one place that wires a target (+ drafter) to a backend; the CLI, demo, bench
 from __future__ import annotations
 
 from dflash_trt.abi import DEFAULT_KS, PoolSizes
+from dflash_trt.optional import require_torch
 from dflash_trt.runtime.runtime import Runtime
 
 
@@ -69,6 +70,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     if dtype not in DTYPES:
         raise UsageError(f"dtype '{dtype}' not supported ({', '.join(DTYPES)})")
     if on_gpu:
+        require_torch(f"--device {device}", UsageError)  # the GPU pools are torch tensors
         from dflash_trt.runtime.devices.cuda import require_cuda
 
         require_cuda()
@@ -93,9 +95,9 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         from dflash_trt.runtime.backends.trt import graph_executor
 
         return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=gate, executor=graph_executor), codec
-    import torch
-
     from dflash_trt.export.checkpoint import load_drafter, load_target
+
+    torch = require_torch(f"--backend {backend}", UsageError)
 
     dt = getattr(torch, dtype)
     target = load_target(model_dir, dt)

@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from dflash_trt.files import write_json
+from dflash_trt.log import progress
 from dflash_trt.tools.bench import graph_replay_ms
 
 HK, HV, DK, DV = 16, 32, 128, 128
@@ -175,7 +176,7 @@ def main(argv=None):
         from dflash_trt.tools import bench_attention
         out["attention_rows"], out["attention_targets"] = bench_attention.run(bw)
     write_json(a.json, out)
-    print(f"wrote {a.json}")
+    progress(f"wrote {a.json}")
     return 0
 
 
