@@ -1,9 +1,10 @@
 """`dflash-trt` command line. Each subcommand lives in its own module; this file only dispatches."""
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
+
+from dflash_trt.args import ArgumentParser
 
 # subcommand -> (module with add_args(parser) and run(args), help)
 COMMANDS = {
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     if argv and argv[0] in PASSTHROUGH:
         mod = importlib.import_module(PASSTHROUGH[argv[0]][0])
         return _run(argv[0], lambda: mod.main(argv[1:]))
-    p = argparse.ArgumentParser(prog="dflash-trt", description=__doc__)
+    p = ArgumentParser(prog="dflash-trt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, (mod, help_) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_)

@@ -11,7 +11,6 @@ TensorRT flavour and version, compute capabilities, plugin versions, the source 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -19,6 +18,7 @@ import warnings
 
 from dflash_trt import log
 from dflash_trt.abi import parse_ks, parse_target_graph
+from dflash_trt.args import ArgumentParser
 from dflash_trt.files import entry_lock, write_bytes
 from dflash_trt.hashing import sha256_files
 from dflash_trt.manifest import Manifest, ManifestError, diff_io
@@ -194,7 +194,7 @@ def ensure_engines(manifest_dir: str, graphs=None, progress=log.progress) -> Man
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="dflash-trt build", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="dflash-trt build", description=__doc__.split("\n\n")[0])
     p.add_argument("--manifest", required=True, help="directory of `dflash-trt export` (or its manifest.json)")
     p.add_argument("--k", type=parse_ks, help="build target_k{K} for these K only (default: every exported K)")
     p.add_argument("--graphs", help="comma-separated graph names to build (overrides --k)")

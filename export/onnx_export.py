@@ -28,6 +28,7 @@ from dataclasses import asdict
 
 from dflash_trt import log
 from dflash_trt.abi import DEFAULT_KS, PoolSizes, graph_io, parse_ks
+from dflash_trt.args import ArgumentParser
 from dflash_trt.config import cache_root
 from dflash_trt.files import entry_lock
 from dflash_trt.export.graphs import run_graph
@@ -313,7 +314,7 @@ def _parse_batch(s: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="dflash-trt export", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="dflash-trt export", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="target checkpoint dir (HF format)")
     p.add_argument("--drafter", help="DFlash drafter checkpoint dir (omit: target graphs only)")
     p.add_argument("--k", type=parse_ks, default=list(DEFAULT_KS), help="verify widths, e.g. 1,2,3,4,8,16")

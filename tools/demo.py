@@ -48,13 +48,13 @@ def run(args) -> int:
     from dflash_trt.runtime.runtime import check_gamma
     from dflash_trt.tools.generate import verify_widths
 
-    tdir, ddir, what = default_pair()
-    progress(f"model: {what}\nbackend: {args.backend} (CPU)")
-    block = DrafterConfig.from_dict(read_json(os.path.join(ddir, "config.json"))).block_size
     if args.max_new_tokens < 1:  # checked before the (possibly slow) export / weight load
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    tdir, ddir, what = default_pair()
+    block = DrafterConfig.from_dict(read_json(os.path.join(ddir, "config.json"))).block_size
     if args.gamma is not None:
         check_gamma(args.gamma, block)
+    progress(f"model: {what}\nbackend: {args.backend} (CPU)")
     sizes = PoolSizes(max_seq_len=512, kv_blocks=40, dkv_blocks=80, max_seqs=1)
     rt, codec = load_runtime(tdir, ddir, args.backend, sizes, ks=verify_widths(args.gamma, block, True))
     ids = codec.encode(args.prompt)

@@ -8,7 +8,7 @@ import os
 from dflash_trt.abi import PoolSizes
 from dflash_trt.config import DrafterConfig, read_json
 from dflash_trt.log import progress
-from dflash_trt.runtime.load import UsageError, load_runtime
+from dflash_trt.runtime.load import UsageError, check_checkpoint_dir, load_runtime
 from dflash_trt.runtime.runtime import check_gamma
 from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.runtime.sequence import TokenIdError
@@ -75,8 +75,10 @@ def run(args) -> int:
         text = read_prompt(args)
     except UnicodeDecodeError as e:
         raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason})") from None
+    check_checkpoint_dir(args.model, "--model")
     block = None
     if args.drafter:
+        check_checkpoint_dir(args.drafter, "--drafter")
         p = os.path.join(args.drafter, "config.json")
         block = DrafterConfig.from_dict(read_json(p), p).block_size
         if args.gamma is not None and not args.no_spec:
