@@ -1,9 +1,10 @@
 """`dflash-trt` command line. Each subcommand lives in its own module; this file only dispatches."""
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
+
+from dflash_trt.args import ArgumentParser
 
 # subcommand -> (module with add_args(parser) and run(args), help)
 COMMANDS = {
@@ -19,32 +20,38 @@ PASSTHROUGH = {
 }
 
 
-def _user_errors() -> tuple:
-    """Every exception class that means bad input (not a bug): printed as one line, exit 2. Imported here, not at
-    module top, so `dflash-trt --help` stays fast; optional stacks (TensorRT, ORT) only when installed."""
-    from dflash_trt.config import ConfigError
-    from dflash_trt.engines.load import EngineError
-    from dflash_trt.engines.network import BuildError
-    from dflash_trt.export.checkpoint import CheckpointError
-    from dflash_trt.export.onnx_export import ExportError
-    from dflash_trt.manifest import ManifestError
-    from dflash_trt.plugins.opspec import KernelError
-    from dflash_trt.plugins.trt_compat import ParserLibError, TensorRTMissing
-    from dflash_trt.runtime.devices.cuda import CudaUnavailable
-    from dflash_trt.runtime.load import UsageError
-    from dflash_trt.runtime.pools import PoolExhausted
-    from dflash_trt.runtime.runtime import CapacityError, GammaError
-    from dflash_trt.runtime.sampling import SamplingError
-    from dflash_trt.runtime.sequence import SequenceError, TokenIdError
-    from dflash_trt.runtime.snapshot import SnapshotError
+# module -> the exception classes in it that mean bad input or an unusable environment, not a bug
+USER_ERRORS = {
+    "dflash_trt.config": ("ConfigError",),
+    "dflash_trt.manifest": ("ManifestError",),
+    "dflash_trt.export.checkpoint": ("CheckpointError",),
+    "dflash_trt.export.onnx_export": ("ExportError",),
+    "dflash_trt.engines.load": ("EngineError",),
+    "dflash_trt.engines.network": ("BuildError",),
+    "dflash_trt.plugins.opspec": ("KernelError", "ShapeError"),
+    "dflash_trt.plugins.nvrtc": ("NvrtcError",),
+    "dflash_trt.plugins.trt_compat": ("ParserLibError", "TensorRTMissing"),
+    "dflash_trt.runtime.devices.cuda": ("CudaUnavailable",),
+    "dflash_trt.runtime.load": ("UsageError",),
+    "dflash_trt.runtime.pools": ("PoolExhausted",),
+    "dflash_trt.runtime.runtime": ("CapacityError", "GammaError"),
+    "dflash_trt.runtime.sampling": ("SamplingError",),
+    "dflash_trt.runtime.sequence": ("SequenceError", "TokenIdError"),
+    "dflash_trt.runtime.snapshot": ("SnapshotError",),
+    # ONNX Runtime's load errors
+    "onnxruntime.capi.onnxruntime_pybind11_state": ("Fail", "InvalidArgument", "InvalidGraph", "InvalidProtobuf",
+                                                    "NoSuchFile", "NoModel", "NotImplemented"),
+}
 
-    errs = [ConfigError, CheckpointError, ManifestError, ExportError, SnapshotError, CapacityError, PoolExhausted,
-            UsageError, KernelError, EngineError, BuildError, CudaUnavailable, TensorRTMissing, ParserLibError,
-            GammaError, SequenceError, TokenIdError, SamplingError, NotImplementedError, OSError]
-    ort = sys.modules.get("onnxruntime.capi.onnxruntime_pybind11_state")  # only if ORT ran: its load errors
-    if ort is not None:
-        errs += [getattr(ort, n) for n in ("Fail", "InvalidArgument", "InvalidGraph", "InvalidProtobuf", "NoSuchFile",
-                                           "NoModel", "NotImplemented") if isinstance(getattr(ort, n, None), type)]
+
+def _user_errors() -> tuple:
+    """Every exception class that means bad input (not a bug): printed as one line, exit 2. Only from modules
+    already imported (an error can only come from a module that ran), so an install without torch, TensorRT or
+    ORT never imports them here and `dflash-trt --help` stays fast."""
+    errs = [NotImplementedError, OSError]
+    for mod, names in USER_ERRORS.items():
+        m = sys.modules.get(mod)
+        errs += [getattr(m, n) for n in names if m is not None and isinstance(getattr(m, n, None), type)]
     return tuple(errs)
 
 
@@ -71,7 +78,7 @@ def main(argv=None) -> int:
     if argv and argv[0] in PASSTHROUGH:
         mod = importlib.import_module(PASSTHROUGH[argv[0]][0])
         return _run(argv[0], lambda: mod.main(argv[1:]))
-    p = argparse.ArgumentParser(prog="dflash-trt", description=__doc__)
+    p = ArgumentParser(prog="dflash-trt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, (mod, help_) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_)

@@ -10,6 +10,8 @@ import threading
 
 _held = threading.local()  # lock files this thread holds: a nested entry_lock of one entry passes through
 
+from dflash_trt import log
+
 
 def _write_atomic(path: str, mode: str, write) -> str:
     """write(f) into a unique temp file beside `path`, then os.replace: concurrent writers never share a temp."""
@@ -38,7 +40,7 @@ def write_bytes(path: str, data) -> str:
 
 
 @contextlib.contextmanager
-def entry_lock(entry: str, progress=print, doing: str = "filling"):
+def entry_lock(entry: str, progress=log.progress, doing: str = "filling"):
     """Exclusive advisory lock on `entry` (a cache entry directory; the lock file is `entry`.lock) for the body.
     Another holder: says so once through `progress`, then waits. The lock dies with its process (flock).
     Re-entrant within a thread (an export under the cache's lock replaces its entry under the same lock);

@@ -11,13 +11,14 @@ TensorRT flavour and version, compute capabilities, plugin versions, the source 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 import warnings
 
+from dflash_trt import log
 from dflash_trt.abi import parse_ks, parse_target_graph
+from dflash_trt.args import ArgumentParser
 from dflash_trt.files import entry_lock, write_bytes
 from dflash_trt.hashing import sha256_files
 from dflash_trt.manifest import Manifest, ManifestError, diff_io
@@ -129,7 +130,7 @@ def check_build_args(max_batch=None, opt_batch=None, opt_level=None) -> None:
 
 
 def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=None, target_cc=None, plugins=True,
-                  max_batch=None, opt_batch=None, opt_level=None, progress=print) -> Manifest:
+                  max_batch=None, opt_batch=None, opt_level=None, progress=log.progress) -> Manifest:
     """Build the selected graphs of a manifest directory; records them in its manifest.json."""
     check_build_args(max_batch=max_batch, opt_batch=opt_batch, opt_level=opt_level)  # before TensorRT loads
     trt = C.require()
@@ -181,7 +182,7 @@ def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=
     return man
 
 
-def ensure_engines(manifest_dir: str, graphs=None, progress=print) -> Manifest:
+def ensure_engines(manifest_dir: str, graphs=None, progress=log.progress) -> Manifest:
     """Build the engines of `graphs` (default: all) that are missing, stale or from another TensorRT; keep the
     others. The trt backend's front doors call this after the export (the cache entry gains its engines)."""
     from dflash_trt.engines.load import EngineError, check_engine
@@ -198,7 +199,7 @@ def ensure_engines(manifest_dir: str, graphs=None, progress=print) -> Manifest:
     man = Manifest.load(manifest_dir)
     if missing(man):  # under the entry's lock: concurrent front doors build once, the others wait and reuse
         try:
-            with entry_lock(man.root, progress or print, "building engines in"):
+            with entry_lock(man.root, progress or log.progress, "building engines in"):
                 need = missing(Manifest.load(manifest_dir))  # what another process built meanwhile is kept
                 if need:
                     build_engines(manifest_dir, graphs=need, progress=progress)
@@ -209,7 +210,7 @@ def ensure_engines(manifest_dir: str, graphs=None, progress=print) -> Manifest:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="dflash-trt build", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="dflash-trt build", description=__doc__.split("\n\n")[0])
     p.add_argument("--manifest", required=True, help="directory of `dflash-trt export` (or its manifest.json)")
     p.add_argument("--k", type=parse_ks, help="build target_k{K} for these K only (default: every exported K)")
     p.add_argument("--graphs", help="comma-separated graph names to build (overrides --k)")

@@ -8,22 +8,25 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, read_json
-from dflash_trt.export.drafter import Drafter
 from dflash_trt.hashing import sha256_files
-from dflash_trt.export.target import TargetModel
+
+if TYPE_CHECKING:  # torch only where weights load: the ORT path hashes checkpoints and reads tokenizers without it
+    import torch
+
+    from dflash_trt.export.drafter import Drafter
+    from dflash_trt.export.target import TargetModel
 
 
 class CheckpointError(ValueError):
     """A weight file is missing, unreadable, or lacks / mis-shapes a tensor."""
 
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")  # by name: torch loads lazily
 
 
 def _inside(root: str, d: str, rel) -> bool:
@@ -101,8 +104,10 @@ class WeightSource:
 
     def read(self, name: str) -> torch.Tensor:
         """A weight, checked once at load: a float dtype we compute in, every value finite."""
+        import torch
+
         t, f = self.get(name), self.where[name]
-        if t.dtype not in _FLOAT_DTYPES:
+        if str(t.dtype) not in _FLOAT_DTYPES:
             raise CheckpointError(f"{f}: tensor '{name}' has dtype {str(t.dtype).removeprefix('torch.')}; only "
                                   "float32/float16/bfloat16 weights are loaded (quantized checkpoints are not "
                                   "supported)")
@@ -121,6 +126,8 @@ def _bind(module: torch.nn.Module, src: WeightSource, name_of, dtype, what: str,
     """Copy every parameter of `module` from the checkpoint, checking presence and shape first.
     built: checkpoint key -> (tensor, file) for tensors assembled from others (stacked experts).
     unused: refuses left-over tensors; called once nothing is missing (a missing tensor is the better message)."""
+    import torch
+
     built = built or {}
     params = dict(module.named_parameters(remove_duplicate=True))
     missing = [name_of(p) for p in params if name_of(p) not in src.where and name_of(p) not in built]
@@ -157,6 +164,8 @@ def _stack_experts(model: TargetModel, src: WeightSource, prefix: str) -> dict:
     mlp.experts.gate_up_proj [E,2I,H] and mlp.experts.down_proj [E,H,I]). A layer whose fused tensors are in
     the checkpoint is bound from them directly. Each per-expert tensor is checked by name and shape here,
     so the error names the tensor the user has, not our stacked one."""
+    import torch
+
     cfg, built = model.cfg, {}
     E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     for i in cfg.moe_layers:
@@ -220,7 +229,13 @@ def _expert_keys(cfg: TargetConfig, src: WeightSource, prefix: str) -> set:
     return keys
 
 
-def load_target(d: str, dtype=torch.float32) -> TargetModel:
+def load_target(d: str, dtype=None) -> TargetModel:
+    """dtype: a torch dtype (default float32)."""
+    import torch
+
+    from dflash_trt.export.target import TargetModel
+
+    dtype = dtype or torch.float32
     cfg = TargetConfig.from_dict(read_json(os.path.join(d, "config.json")), os.path.join(d, "config.json"))
     src = WeightSource(d)
     prefix = _target_prefix(src)
@@ -243,7 +258,13 @@ def load_target(d: str, dtype=torch.float32) -> TargetModel:
     return model.eval()
 
 
-def load_drafter(d: str, target: TargetModel, dtype=torch.float32) -> Drafter:
+def load_drafter(d: str, target: TargetModel, dtype=None) -> Drafter:
+    """dtype: a torch dtype (default float32)."""
+    import torch
+
+    from dflash_trt.export.drafter import Drafter
+
+    dtype = dtype or torch.float32
     path = os.path.join(d, "config.json")
     cfg = DrafterConfig.from_dict(read_json(path), path)
     cfg.check_against(target.cfg, path)
@@ -292,6 +313,8 @@ def checkpoint_hash(d: str) -> str:
 
 def save_checkpoint(module: torch.nn.Module, config: dict, d: str, prefix: str = "", dtype=None) -> None:
     """Write config.json + model.safetensors (used for the embedded demo models and by tests)."""
+    from safetensors.torch import save_file
+
     os.makedirs(d, exist_ok=True)
     tensors = {}
     for n, p in module.named_parameters(remove_duplicate=True):

@@ -24,7 +24,9 @@ import time
 import warnings
 from dataclasses import asdict
 
+from dflash_trt import log
 from dflash_trt.abi import DEFAULT_KS, PoolSizes, graph_io, parse_ks
+from dflash_trt.args import ArgumentParser
 from dflash_trt.config import cache_root
 from dflash_trt.files import entry_lock
 from dflash_trt.owned import check_replaceable, read_marker, staged_dir
@@ -137,16 +139,17 @@ KIND = "export"  # the ownership marker's kind (dflash_trt.owned)
 
 
 def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, batch="B",
-                  want_logits=True, dtype="float32", check=True, progress=print, _cache_entry=False) -> Manifest:
+                  want_logits=True, dtype="float32", check=True, progress=log.progress, _cache_entry=False) -> Manifest:
     """Export every graph of the ABI and write manifest.json, atomically: everything goes into a fresh
     temporary directory beside out_dir, renamed into place only when complete (under out_dir's lock, which
     the engine builder also takes). An older export of ours in out_dir (its ownership marker lists every
     entry, dflash_trt.owned) is replaced as a whole (its engines too: they were built from its graphs), never
     mixed with new files; any other non-empty directory is refused before loading anything. Temporaries of
     killed exports of out_dir are removed."""
-    import torch
-
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
+    from dflash_trt.optional import require_torch
+
+    torch = require_torch("exporting the checkpoint to ONNX", ExportError)
 
     sizes = sizes or PoolSizes()
     progress = progress or (lambda *_: None)
@@ -197,7 +200,7 @@ def _source_hash() -> str:
 
 
 def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, cache_dir=None,
-                  batch="B", want_logits=True, dtype="float32", progress=print) -> str:
+                  batch="B", want_logits=True, dtype="float32", progress=log.progress) -> str:
     """Export once, reuse after: the cache entry is keyed by both checkpoint hashes, the settings and a hash
     of the exporter's source. Returns the manifest directory.
 
@@ -272,7 +275,7 @@ def _parse_batch(s: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="dflash-trt export", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="dflash-trt export", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="target checkpoint dir (HF format)")
     p.add_argument("--drafter", help="DFlash drafter checkpoint dir (omit: target graphs only)")
     p.add_argument("--k", type=parse_ks, default=list(DEFAULT_KS), help="verify widths, e.g. 1,2,3,4,8,16")

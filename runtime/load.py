@@ -4,7 +4,11 @@ The one place that wires a target (+ drafter) to a backend; the CLI, demo, bench
 """
 from __future__ import annotations
 
+import os
+
 from dflash_trt.abi import DEFAULT_KS, PoolSizes
+from dflash_trt.config import read_json
+from dflash_trt.optional import require_torch
 from dflash_trt.runtime.runtime import Runtime
 
 
@@ -44,6 +48,16 @@ class UsageError(ValueError):
     """A device / dtype / backend combination the runtime does not offer (the CLI prints it as one line)."""
 
 
+def check_checkpoint_dir(d: str, what: str) -> None:
+    """A checkpoint argument that is not a directory with config.json, refused by name before anything reads it
+    (the ORT cache path would otherwise fail on the weights listing, naming neither)."""
+    if not os.path.isdir(d):
+        raise UsageError(f"{what} {d}: not a directory (a checkpoint directory holds config.json and the weights)")
+    if not os.path.isfile(os.path.join(d, "config.json")):
+        raise UsageError(f"{what} {d}: no config.json in it (not a Hugging Face checkpoint directory)")
+    read_json(os.path.join(d, "config.json"))  # JSON at all: a cached export would never read it
+
+
 def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = "torch",
                  sizes: PoolSizes | None = None, gate=None, ks=DEFAULT_KS, device: str = "cpu",
                  dtype: str | None = None, compile_steps: bool = False) -> tuple[Runtime, object]:
@@ -57,6 +71,9 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     per step key on first use (runtime/backends/torch_compile.py). A missing GPU fails with one clear line."""
     from dflash_trt.runtime.backends import make_backend
 
+    check_checkpoint_dir(model_dir, "target checkpoint")
+    if drafter_dir:
+        check_checkpoint_dir(drafter_dir, "drafter checkpoint")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise UsageError(f"device '{device}' not supported (cpu, cuda, cuda:N)")
     if backend == "trt":  # before anything exports, builds or loads: one line if engines cannot run here
@@ -69,6 +86,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     if dtype not in DTYPES:
         raise UsageError(f"dtype '{dtype}' not supported ({', '.join(DTYPES)})")
     if on_gpu:
+        require_torch(f"--device {device}", UsageError)  # the GPU pools are torch tensors
         from dflash_trt.runtime.devices.cuda import require_cuda
 
         require_cuda()
@@ -93,9 +111,9 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         from dflash_trt.runtime.backends.trt import graph_executor
 
         return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=gate, executor=graph_executor), codec
-    import torch
-
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
+
+    torch = require_torch(f"--backend {backend}", UsageError)
 
     dt = getattr(torch, dtype)
     target = load_target(model_dir, dt)

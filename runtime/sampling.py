@@ -28,6 +28,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from dflash_trt.optional import require_torch
+
 # draw purposes (the third key of uniform): independent streams per position
 TOKEN, DRAFT, ACCEPT, RESIDUAL = 1, 2, 3, 4
 SEED_BITS = 63  # seeds are non-negative int64
@@ -81,7 +83,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def resolved(self) -> "SamplingParams":
-        """These parameters with a seed (a fresh random one when none was given)."""
+        """These parameters with a seed (a fresh random one when none was given). Called when a request is queued,
+        so a sampling request in an install without torch (the sampling math) is refused before any step runs."""
+        if not self.greedy:
+            require_torch("sampling (temperature > 0)", SamplingError)
         return self if self.seed is not None or self.greedy else replace(self, seed=secrets.randbits(SEED_BITS))
 
 

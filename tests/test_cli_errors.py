@@ -1,6 +1,6 @@
-"""One-line errors everywhere and no silent nonsense (issue 13, items 4-5): every user error of every subcommand is
-`dflash-trt <sub>: error: ...` on stderr and exit 2, checked before weights load, graphs trace or TensorRT starts;
-a real bug still raises. In-process through dflash_trt.cli.main."""
+"""One-line errors everywhere and no silent nonsense: every user error of every subcommand (argparse's usage errors
+included) is `dflash-trt <sub>: error: ...` on stderr and exit 2, checked before weights load, graphs trace or
+TensorRT starts; a real bug still raises. In-process through dflash_trt.cli.main."""
 import json
 import os
 import shutil
@@ -30,7 +30,10 @@ def broken_weights(pair, tmp_path_factory):
 
 
 def one_line(capsys, sub, argv, match):
-    rc = cli.main(argv)
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse's usage errors exit from the parser
+        rc = e.code
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "Traceback" not in err
@@ -72,7 +75,49 @@ def test_generate_max_seq_len_and_prompt_file(capsys, pair, tmp_path):
     base = ["generate", "--model", pair[0], "--drafter", pair[1], "--prompt-file", str(f), "--max-new-tokens", "3"]
     one_line(capsys, "generate", base, "needs 3019 positions; this runtime holds max_seq_len=2048")
     assert cli.main(base + ["--max-seq-len", "3100"]) == 0
-    assert "prompt=3000 new=3" in capsys.readouterr().out
+    cap = capsys.readouterr()
+    assert "prompt=3000 new=3" in cap.err  # the stats are a status line: stdout carries the text alone
+    assert cap.out.count("\n") == 1 and "prompt=" not in cap.out
+
+
+@pytest.fixture(scope="module")
+def bad_dirs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "a_file").write_text("not a checkpoint")
+    (d / "no_config").mkdir()
+    (d / "bad_json").mkdir()
+    (d / "bad_json" / "config.json").write_text("{not json")
+    return d
+
+
+@pytest.mark.parametrize("flag", ["--model", "--drafter"])
+@pytest.mark.parametrize("backend", ["torch", "ort"])
+@pytest.mark.parametrize("which,match", [("a_file", ": not a directory"), ("no_config", ": no config.json in it"),
+                                         ("bad_json", "config.json: not valid JSON")])
+def test_generate_checkpoint_dir_that_is_not_one(capsys, pair, bad_dirs, tmp_path, monkeypatch, flag, backend,
+                                                 which, match):
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
+    given = {"--model": pair[0], "--drafter": pair[1], flag: str(bad_dirs / which)}
+    line = one_line(capsys, "generate", ["generate", "--model", given["--model"], "--drafter", given["--drafter"],
+                                         "--prompt", "hi", "--backend", backend], match)
+    assert str(bad_dirs / which) in line
+    assert not os.path.exists(tmp_path / "cache")  # refused before any export
+    assert (bad_dirs / "a_file").read_text() == "not a checkpoint"
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--max-new-tokens", "abc"], "argument --max-new-tokens: invalid int value: 'abc'"),
+    (["--gamma", "99"], "gamma 99 outside [1, block_size-1=15]"),
+    (["--temperature", "-1"], "temperature must be >= 0 (0 = greedy), got -1.0"),
+    (["--temperature", "hot"], "argument --temperature: invalid float value: 'hot'"),
+])
+def test_generate_bad_values_one_line(capsys, pair, broken_weights, argv, match):
+    one_line(capsys, "generate", ["generate", "--model", broken_weights, "--drafter", pair[1], "--prompt", "hi"]
+             + argv, match)
+
+
+def test_generate_without_model_is_one_usage_line(capsys):
+    one_line(capsys, "generate", ["generate", "--prompt", "hi"], "the following arguments are required: --model")
 
 
 def test_generate_missing_prompt_file(capsys, pair, tmp_path):
@@ -84,6 +129,13 @@ def test_generate_prompt_bytes_over_a_small_vocab(capsys, tmp_path):
     tdir, _ = make_tiny_pair(str(tmp_path), seed=0, target_over=dict(vocab=150))  # no tokenizer.json
     one_line(capsys, "generate", ["generate", "--model", tdir, "--prompt", "caf\u00e9"],
              "token id 195 outside the vocabulary [0, 150)")
+
+
+@pytest.mark.parametrize("argv,match", [(["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+                                        (["--max-new-tokens", "abc"], "invalid int value: 'abc'")])
+def test_demo_bad_values_one_line(capsys, monkeypatch, pair, argv, match):
+    monkeypatch.setattr("dflash_trt.tools.demo.default_pair", lambda: (*pair, "test pair"))
+    one_line(capsys, "demo", ["demo"] + argv, match)  # no status line in front of it
 
 
 def test_demo_bad_gamma(capsys, monkeypatch, pair):
@@ -119,6 +171,20 @@ def test_export_sizes_refused_before_tracing(capsys, broken_weights, pair, tmp_p
 
 
 # ---- ORT: bf16 export, garbage graph --------------------------------------------------------------
+def test_export_k_out_of_range(capsys, broken_weights, tmp_path):
+    one_line(capsys, "export", ["export", "--model", broken_weights, "--k", "0,99", "--out", str(tmp_path / "o")],
+             "--k values must be in 1..16")
+    assert not (tmp_path / "o").exists()
+
+
+def test_export_out_is_a_regular_file(capsys, pair, tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    one_line(capsys, "export", ["export", "--model", pair[0], "--k", "1", "--out", str(f)],
+             f"--out {f} exists and is not a directory")
+    assert f.read_text() == "mine"
+
+
 def _copy_export(exported, tmp_path):  # noqa: F811
     d = str(tmp_path / "exp")
     shutil.copytree(exported, d)

@@ -2,12 +2,12 @@
 a ratio against a baseline measured in the same run; each can write JSON."""
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
 import sys
 
+from dflash_trt.args import ArgumentParser
 from dflash_trt.files import write_json
 
 
@@ -59,7 +59,7 @@ def bench_generate(argv) -> int:
     from dflash_trt.runtime.runtime import check_gamma
     from dflash_trt.tools.demo import default_pair
 
-    p = argparse.ArgumentParser(prog="dflash-trt bench generate")
+    p = ArgumentParser(prog="dflash-trt bench generate")
     p.add_argument("--model"), p.add_argument("--drafter")
     p.add_argument("--prompts", help="file: prompts separated by lines with only '---' (default: the demo prompt)")
     p.add_argument("--max-new-tokens", type=int, default=64)

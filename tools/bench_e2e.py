@@ -15,13 +15,13 @@ random 1-layer drafter; never written to disk).
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
 
 import numpy as np
 
+from dflash_trt.args import ArgumentParser
 from dflash_trt.runtime.batching import PREFILL_STEP
 
 TARGETS = {  # issue 10's bench e2e targets
@@ -344,7 +344,7 @@ def check_args(a) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="dflash-trt bench e2e")
+    p = ArgumentParser(prog="dflash-trt bench e2e")
     p.add_argument("--model", required=True, help=f"target checkpoint dir, or '{RANDOM_0P9B}' or 'random-moe-35b-a3b'")
     p.add_argument("--drafter", help="DFlash drafter checkpoint dir")
     p.add_argument("--device", default="cuda")

@@ -9,11 +9,11 @@ with the step queued behind it) to the next launch. A window longer than the dev
 idles the device. A joiner's admission used to sit inside it; Scheduler.step now launches before admitting."""
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 
+from dflash_trt.args import ArgumentParser
 from dflash_trt.files import write_json
 
 
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     from dflash_trt.tools.bench import hardware
     from dflash_trt.tools.demo import default_pair
 
-    p = argparse.ArgumentParser(prog="dflash-trt bench host", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="dflash-trt bench host", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="target checkpoint dir (default: the demo pair)")
     p.add_argument("--drafter", help="DFlash drafter checkpoint dir")
     p.add_argument("--batch", default="1,4,16")

@@ -14,10 +14,11 @@ per graph; launch overhead excluded). Prints a table with the GPU name and write
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
+from dflash_trt.args import ArgumentParser
 from dflash_trt.files import write_json
+from dflash_trt.log import progress
 from dflash_trt.tools.bench import graph_replay_ms
 
 HK, HV, DK, DV = 16, 32, 128, 128
@@ -114,7 +115,7 @@ def bench_one(B, K, iters, reps, replays, fla, cgs):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="dflash-trt bench kernels", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="dflash-trt bench kernels", description=__doc__.splitlines()[0])
     p.add_argument("--ks", default="1,2,4,8,16")
     p.add_argument("--bs", default="1,8,64")
     p.add_argument("--iters", type=int, default=50)
@@ -175,7 +176,7 @@ def main(argv=None):
         from dflash_trt.tools import bench_attention
         out["attention_rows"], out["attention_targets"] = bench_attention.run(bw)
     write_json(a.json, out)
-    print(f"wrote {a.json}")
+    progress(f"wrote {a.json}")
     return 0
 
 

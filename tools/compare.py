@@ -12,7 +12,6 @@ Python: compare(manifest_dir, ["torch", "ort"]) -> CompareReport (.ok, .failures
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash_trt.args import ArgumentParser
 from dflash_trt.manifest import Manifest, ManifestError
 
 DEFAULT_PROMPTS = ["def fibonacci(n):\n    ", "The quick brown fox jumps over the lazy dog because"]
@@ -256,7 +256,7 @@ def compare(manifest, backends=("torch", "ort"), prompts=None, steps: int = 8, *
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="dflash-trt compare", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="dflash-trt compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--manifest", required=True, help="export directory (manifest.json)")
     p.add_argument("--backends", default="torch,ort", help="comma-separated; the first is the reference")
     p.add_argument("--prompts", help="file with one prompt per line (default: two built-in prompts)")

@@ -10,6 +10,7 @@ import os
 
 from dflash_trt.abi import PoolSizes
 from dflash_trt.config import cache_root
+from dflash_trt.log import progress
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "models")
@@ -21,6 +22,10 @@ def default_pair() -> tuple[str, str, str]:
     t, d = os.path.join(SHIPPED, "target"), os.path.join(SHIPPED, "drafter")
     if os.path.isfile(os.path.join(t, "config.json")) and os.path.isfile(os.path.join(d, "config.json")):
         return t, d, "trained tiny pair shipped in models/"
+    from dflash_trt.optional import require_torch
+    from dflash_trt.runtime.load import UsageError
+
+    require_torch("creating the demo's tiny random model (no models/ shipped)", UsageError)
     from dflash_trt.tools.tiny import make_tiny_pair
 
     root = os.path.join(cache_root(), "tiny-random-seed0")
@@ -43,13 +48,13 @@ def run(args) -> int:
     from dflash_trt.runtime.runtime import check_gamma
     from dflash_trt.tools.generate import verify_widths
 
-    tdir, ddir, what = default_pair()
-    print(f"model: {what}\nbackend: {args.backend} (CPU)")
-    block = DrafterConfig.from_dict(read_json(os.path.join(ddir, "config.json"))).block_size
     if args.max_new_tokens < 1:  # checked before the (possibly slow) export / weight load
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    tdir, ddir, what = default_pair()
+    block = DrafterConfig.from_dict(read_json(os.path.join(ddir, "config.json"))).block_size
     if args.gamma is not None:
         check_gamma(args.gamma, block)
+    progress(f"model: {what}\nbackend: {args.backend} (CPU)")
     sizes = PoolSizes(max_seq_len=512, kv_blocks=40, dkv_blocks=80, max_seqs=1)
     rt, codec = load_runtime(tdir, ddir, args.backend, sizes, ks=verify_widths(args.gamma, block, True))
     ids = codec.encode(args.prompt)

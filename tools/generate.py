@@ -7,7 +7,8 @@ import os
 
 from dflash_trt.abi import PoolSizes
 from dflash_trt.config import DrafterConfig, read_json
-from dflash_trt.runtime.load import UsageError, load_runtime
+from dflash_trt.log import progress
+from dflash_trt.runtime.load import UsageError, check_checkpoint_dir, load_runtime
 from dflash_trt.runtime.runtime import check_gamma
 from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.runtime.sequence import TokenIdError
@@ -74,8 +75,10 @@ def run(args) -> int:
         text = read_prompt(args)
     except UnicodeDecodeError as e:
         raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason})") from None
+    check_checkpoint_dir(args.model, "--model")
     block = None
     if args.drafter:
+        check_checkpoint_dir(args.drafter, "--drafter")
         p = os.path.join(args.drafter, "config.json")
         block = DrafterConfig.from_dict(read_json(p), p).block_size
         if args.gamma is not None and not args.no_spec:
@@ -93,9 +96,9 @@ def run(args) -> int:
         raise
     out, st = rt.generate(ids, args.max_new_tokens, gamma=args.gamma, spec=not args.no_spec,
                           temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed)
-    print(codec.decode(out))
+    print(codec.decode(out))  # stdout: the text alone; the stats are a status line
     mode = "plain" if (args.no_spec or rt.dcfg is None) else "dflash"
-    print(f"[{mode}] backend={args.backend} device={args.device} prompt={st.prompt_tokens} new={st.new_tokens} "
+    progress(f"[{mode}] backend={args.backend} device={args.device} prompt={st.prompt_tokens} new={st.new_tokens} "
           f"target_steps={st.target_steps} tau={st.tau:.2f} tok/s={st.tokens_per_s:.1f}"
           + ("" if sp.greedy else f" temperature={sp.temperature:g} seed={sp.seed}")
           + (" (includes capturing the CUDA graphs: see `dflash-trt bench e2e` for speed)" if args.device != "cpu" else ""))

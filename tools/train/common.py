@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from dflash_trt.log import progress
+
 
 class Log:
     """Prints timestamped lines; keyword figures go to data['events'], put() to data[key] (and the file)."""
@@ -16,7 +18,7 @@ class Log:
 
     def __call__(self, msg: str, **kv):
         t = round(time.time() - self.t0, 1)
-        print(f"[{t:7.1f}s] {msg}", flush=True)
+        progress(f"[{t:7.1f}s] {msg}")
         if kv:
             self.data["events"].append(dict(t=t, **kv))
 

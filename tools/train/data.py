@@ -15,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+from dflash_trt.log import progress
 from dflash_trt.tools.train.configs import EOS, MASK
 
 PROMPTS_HEADER = ("# Held-out prompts (first lines of functions of held-out stdlib files; "
@@ -161,7 +162,7 @@ def prepare(work: str, vocab: int = 4096, seed: int = 0, n_prompts: int = 24, pr
         meta["max_files"] = max_files
     with open(os.path.join(work, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    print(f"prepare: {meta['files']} files ({meta['heldout_files']} held out), {meta['train_tokens']:,} train / "
+    progress(f"prepare: {meta['files']} files ({meta['heldout_files']} held out), {meta['train_tokens']:,} train / "
           f"{meta['heldout_tokens']:,} held-out tokens, vocab {meta['vocab']}, {len(prompts)} prompts, "
           f"{meta['seconds']} s")
     return meta

@@ -8,6 +8,7 @@ import shutil
 
 import torch
 
+from dflash_trt.log import progress
 from dflash_trt.tools.train.configs import EOS, MASK
 
 
@@ -96,4 +97,4 @@ def finalize(src: str, work: str, models: str, target_src: str | None = None) ->
             os.chmod(os.path.join(r, fn), 0o644)
     sizes = {n: sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(models, n)) for f in fs)
              for n in ("target", "drafter")}
-    print(f"finalize: {models}/target {sizes['target'] / 1e6:.1f} MB, {models}/drafter {sizes['drafter'] / 1e6:.1f} MB")
+    progress(f"finalize: {models}/target {sizes['target'] / 1e6:.1f} MB, {models}/drafter {sizes['drafter'] / 1e6:.1f} MB")

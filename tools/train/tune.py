@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save
 
 from dflash_trt.files import write_bytes
+from dflash_trt.log import progress
 from dflash_trt.tools.train.common import (Log, StepClock, autocast, cosine_lr, log_step, optimizer_step, param_groups,
                                            pick_device, round_bf16_)
 from dflash_trt.tools.train.configs import BLOCK
@@ -84,7 +85,7 @@ def write_snippets(path: str, work: str, models: str, n_train: int, n_held: int,
     with open(tmp, "w") as f:
         json.dump({"train": tr, "heldout": he}, f)
     os.replace(tmp, path)
-    print(f"{path}: {len(tr)} training and {len(he)} held-out function starts")
+    progress(f"{path}: {len(tr)} training and {len(he)} held-out function starts")
 
 
 def _data(models, target, tok, tr_sn, he_sn, n_new, dtypes, dev, log):
