@@ -1,4 +1,4 @@
-"""Save / restore one sequence's decoding state (issue 10, item 5), on every device.
+"""Save / restore one sequence's decoding state, on every device.
 
 A snapshot is a DIRECTORY holding two files:
   meta.json          format/version, the runtime identity (field -> value) and its sha256, the sequence

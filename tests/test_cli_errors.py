@@ -1,4 +1,4 @@
-"""One-line errors everywhere and no silent nonsense (issue 13, items 4-5): every user error of every subcommand is
+"""One-line errors everywhere and no silent nonsense: every user error of every subcommand is
 `dflash-trt <sub>: error: ...` on stderr and exit 2, checked before weights load, graphs trace or TensorRT starts;
 a real bug still raises. In-process through dflash_trt.cli.main."""
 import json

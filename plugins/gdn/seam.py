@@ -31,5 +31,6 @@ def gdn_chunk(q, k, v, a, b, A_log, dt_bias, state, scale=None, slot=None, valid
     q, k, v, g, beta, state = (t.float() for t in (q, k, v, g, beta, S.rows_of(state, slot)))
     if S.exporting():
         dk = q.shape[3]
-        return gdn_ref.GdnOut(*S.node(SPEC, (q, k, v, g, beta, state), {"scale": dk ** -0.5 if scale is None else scale}))
+        attrs = {"scale": dk ** -0.5 if scale is None else scale}
+        return gdn_ref.GdnOut(*S.node(SPEC, (q, k, v, g, beta, state), attrs))
     return gdn_ref.gdn_chunk_wy16(q, k, v, g, beta, state, scale=scale)
