@@ -15,7 +15,7 @@ from dflash_trt.plugins.registry import bundles
 def _seams() -> dict:
     out = {}
     for b in bundles():
-        for name, fn in b.seam_functions().items():
+        for name, fn in b.functions("seam").items():
             if name in out:
                 raise RuntimeError(f"op folders {out[name].__module__} and {b.package} both define seam '{name}'")
             out[name] = fn

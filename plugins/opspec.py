@@ -152,7 +152,8 @@ class OpBundle:
     onnx_body    the ONNX function body (None: a torch-only op, exported graphs keep standard ops)
     trt_plugin   the TensorRT plugin class (None: no plugin)
     seam         the functions the models call through plugins.ops
-    host_twins   numpy twins of the folder's commit kernels: methods of the host device"""
+    host_twins   numpy twins of the folder's commit kernels: methods of the host device
+    device_ops   the same commit kernels as methods of the torch device (torch ops; functions of (dev, ...))"""
 
     folder: str
     spec: OpSpec
@@ -163,6 +164,7 @@ class OpBundle:
     trt_plugin: str | None = None
     seam: tuple = ()
     host_twins: tuple = ()
+    device_ops: tuple = ()
 
     @property
     def package(self) -> str:
@@ -180,8 +182,6 @@ class OpBundle:
     def register_torch_ops(self):
         return self.load(self.torch_op)
 
-    def seam_functions(self) -> dict:
-        return {ref.rpartition(":")[2]: self.load(ref) for ref in self.seam}
-
-    def host_twin_functions(self) -> dict:
-        return {ref.rpartition(":")[2]: self.load(ref) for ref in self.host_twins}
+    def functions(self, part: str) -> dict:
+        """name -> function of one of the tuple parts (seam, host_twins, device_ops)."""
+        return {ref.rpartition(":")[2]: self.load(ref) for ref in getattr(self, part)}

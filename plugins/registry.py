@@ -30,3 +30,14 @@ def onnx_bundles() -> tuple[OpBundle, ...]:
 def trt_bundles() -> tuple[OpBundle, ...]:
     """The ops with a TensorRT plugin."""
     return tuple(b for b in bundles() if b.trt_plugin is not None)
+
+
+def install_methods(cls, part: str, static: bool = False):
+    """Every bundle's `part` functions (host_twins, device_ops) as methods of `cls`, named as the functions; a name
+    `cls` already has is an error (two folders, or a folder and the class, would define one method)."""
+    for b in bundles():
+        for name, fn in b.functions(part).items():
+            if hasattr(cls, name):
+                raise RuntimeError(f"{b.package} names {part} '{name}', which {cls.__name__} already has")
+            setattr(cls, name, staticmethod(fn) if static else fn)
+    return cls

@@ -4,4 +4,5 @@ from dflash_trt.plugins.gdn.spec import SPEC
 from dflash_trt.plugins.opspec import OpBundle
 
 BUNDLE = OpBundle("gdn", SPEC, onnx_body="onnx_body:body", trt_plugin="trt_plugin:GdnChunkWY16Plugin",
-                  seam=("seam:gdn_chunk",), host_twins=("host:gdn_fold", "host:gdn_set"))
+                  seam=("seam:gdn_chunk",), host_twins=("host:gdn_fold", "host:gdn_set"),
+                  device_ops=("device:gdn_fold", "device:gdn_set"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_trt.plugins.registry import bundles
+from dflash_trt.plugins.registry import install_methods
 
 
 class HostDevice:
@@ -45,14 +45,4 @@ class HostDevice:
         return pool[:, :, bt[logical // bs], logical % bs].copy()
 
 
-def _attach_twins(cls):
-    """The commit kernels' numpy twins, as each op folder's bundle lists them (plugins/<op>/host.py)."""
-    for b in bundles():
-        for name, fn in b.host_twin_functions().items():
-            if hasattr(cls, name):
-                raise RuntimeError(f"{b.package} names host twin '{name}', which {cls.__name__} already has")
-            setattr(cls, name, staticmethod(fn))
-    return cls
-
-
-_attach_twins(HostDevice)
+install_methods(HostDevice, "host_twins", static=True)  # the commit kernels: plugins/<op>/host.py
