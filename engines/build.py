@@ -1,4 +1,4 @@
-"""`dflash-trt build`: TensorRT engines for an exported graph set (DESIGN §4, issue 4).
+"""`dflash-trt build`: TensorRT engines for an exported graph set (DESIGN §4).
 
     dflash-trt build --manifest OUT [--k 1,16] [--timing-cache FILE] [--target-cc 86,89,120]
 

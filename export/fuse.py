@@ -1,4 +1,4 @@
-"""Projections that share an input as ONE GEMM (issue 11 item 1): q/k/v, gate/up, the GDN in-projections.
+"""Projections that share an input as ONE GEMM: q/k/v, gate/up, the GDN in-projections.
 
 `fuse_linears(owner, names)` concatenates the weights of owner's Linear layers `names` into one non-persistent
 buffer and makes each layer's weight a view of its rows, so memory is not doubled and state_dict / parameter

@@ -17,16 +17,11 @@ import re
 import tempfile
 
 from dflash_trt.config import cache_root
-from dflash_trt.plugins.conv import spec as conv_spec
-from dflash_trt.plugins.gdn import spec as gdn_spec
-from dflash_trt.plugins.gemv import spec as gemv_spec
-from dflash_trt.plugins.moe import spec as moe_spec
-from dflash_trt.plugins.paged_attention import spec as attention_spec
+from dflash_trt.plugins.registry import bundles
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # kernel source folder -> the OpSpec whose cuda_defines it is compiled with
-SPECS = {"gdn": gdn_spec.SPEC, "conv": conv_spec.SPEC, "paged_attention": attention_spec.SPEC,
-         "moe": moe_spec.SPEC, "gemv": gemv_spec.SPEC}
+SPECS = {b.folder: b.spec for b in bundles()}
 SOURCES = tuple(SPECS)
 DEFAULT_OPTIONS = ("-std=c++17", "-default-device", "-lineinfo")
 

@@ -1,6 +1,6 @@
 """Model-local ONNX FunctionProtos of the dflash custom ops (DESIGN §3): each op's body in standard ONNX ops
-(plugins/<op>/onnx_body.py) wrapped with the signature of its spec. ONNX Runtime inlines the bodies;
-TensorRT uses them when no plugin creator is registered.
+(plugins/<op>/onnx_body.py, as the registry's bundles name it) wrapped with the signature of its spec. ONNX
+Runtime inlines the bodies; TensorRT uses them when no plugin creator is registered.
 
 add_functions(model): appends the body of every dflash op a graph uses. single_op_model(op, inputs):
 a one-node model for op-level tests of the body (ORT) and of the plugins (TensorRT).
@@ -10,20 +10,12 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from dflash_trt.plugins.conv import onnx_body as conv_body
-from dflash_trt.plugins.conv.spec import SPEC as CONV
-from dflash_trt.plugins.gdn import onnx_body as gdn_body
-from dflash_trt.plugins.gdn.spec import SPEC as GDN
-from dflash_trt.plugins.moe import onnx_body as moe_body
-from dflash_trt.plugins.moe.spec import SPEC as MOE
 from dflash_trt.plugins.onnx_builder import Body
 from dflash_trt.plugins.opspec import DOMAIN, OP_VERSION, PLUGIN_ATTRS
-from dflash_trt.plugins.paged_attention import onnx_body as attention_body
-from dflash_trt.plugins.paged_attention.spec import SPEC as ATTENTION
+from dflash_trt.plugins.registry import onnx_bundles
 
-SPECS = {s.name: s for s in (GDN, CONV, ATTENTION, MOE)}
-_BODIES = {GDN.name: gdn_body.body, CONV.name: conv_body.body, ATTENTION.name: attention_body.body,
-           MOE.name: moe_body.body}
+SPECS = {b.spec.name: b.spec for b in onnx_bundles()}
+_BODIES = {b.spec.name: b.onnx_body_fn() for b in onnx_bundles()}
 
 
 def make_function(op: str, opset: int) -> onnx.FunctionProto:

@@ -1,4 +1,5 @@
-"""The vocabulary every op's spec.py is written in (pure python: no torch, onnx, cuda or tensorrt).
+"""The vocabulary every op folder is written in (pure python: no torch, onnx, cuda or tensorrt): its spec.py and
+its bundle (the __init__.py).
 
 An op's spec is ONE ``OpSpec``: its node signature (inputs, outputs, attributes), dtype groups, shape
 rules and the CUDA kernel's limits. The seam (plugins/ops.py), the ONNX function body, the torch op, the
@@ -6,6 +7,7 @@ launcher and the TensorRT plugin all read it, so the contract is stated once.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -127,3 +129,59 @@ def check_float_dtypes(op: str, dtypes) -> None:
         t = dtype_name(t)
         if not t.startswith(("int", "uint", "bool")) and t not in KERNEL_DTYPES:
             raise KernelError(f"{op}: dtype {t} not supported by the kernels ({list(KERNEL_DTYPES)})")
+
+
+def _load(package: str, ref: str):
+    """'module' or 'module:attr' of `package`, imported on demand (torch, onnx and tensorrt load only when asked)."""
+    mod, _, attr = ref.partition(":")
+    m = importlib.import_module(f"{package}.{mod}")
+    return getattr(m, attr) if attr else m
+
+
+@dataclass(frozen=True)
+class OpBundle:
+    """Everything one op folder (plugins/<folder>/) provides, as `plugins.<folder>.BUNDLE`. The shared modules
+    (ops, torch_ops, trt_plugins, onnx_functions, nvrtc, the host device) read these instead of naming ops.
+    Parts are 'module' or 'module:attr' names inside the folder, imported only when asked for.
+
+    folder       the folder's name: its package, and its kernel.cu compiled with spec.cuda_defines
+    spec         the op's OpSpec (pure python)
+    reference    the reference math (torch)
+    launcher     the NVRTC launchers
+    torch_op     the module whose import registers the folder's dflash:: torch ops
+    onnx_body    the ONNX function body (None: a torch-only op, exported graphs keep standard ops)
+    trt_plugin   the TensorRT plugin class (None: no plugin)
+    seam         the functions the models call through plugins.ops
+    host_twins   numpy twins of the folder's commit kernels: methods of the host device
+    device_ops   the same commit kernels as methods of the torch device (torch ops; functions of (dev, ...))"""
+
+    folder: str
+    spec: OpSpec
+    reference: str = "reference"
+    launcher: str = "launch"
+    torch_op: str = "torch_op"
+    onnx_body: str | None = None
+    trt_plugin: str | None = None
+    seam: tuple = ()
+    host_twins: tuple = ()
+    device_ops: tuple = ()
+
+    @property
+    def package(self) -> str:
+        return f"dflash_trt.plugins.{self.folder}"
+
+    def load(self, ref: str):
+        return _load(self.package, ref)
+
+    def onnx_body_fn(self):
+        return self.load(self.onnx_body)
+
+    def trt_plugin_class(self):
+        return self.load(self.trt_plugin)
+
+    def register_torch_ops(self):
+        return self.load(self.torch_op)
+
+    def functions(self, part: str) -> dict:
+        """name -> function of one of the tuple parts (seam, host_twins, device_ops)."""
+        return {ref.rpartition(":")[2]: self.load(ref) for ref in getattr(self, part)}

@@ -1,4 +1,5 @@
-"""The dflash TensorRT plugins of every op (plugins/<op>/trt_plugin.py) and their registration with TensorRT.
+"""The dflash TensorRT plugins of every op (plugins/<op>/trt_plugin.py, as the registry's bundles name them) and
+their registration with TensorRT.
 
 ``register()`` puts one IPluginCreatorV3One per op into TensorRT's plugin registry (before parsing an ONNX
 graph, and before deserializing an engine); ``unregister()`` removes them (graphs then parse with their ONNX
@@ -7,17 +8,13 @@ function bodies inlined). engines/ reads KERNEL_WARNINGS / SHAPE_ERRORS (trt_bas
 from __future__ import annotations
 
 from dflash_trt.plugins import trt_compat as C
-from dflash_trt.plugins.conv.trt_plugin import CausalConvVerifyPlugin
-from dflash_trt.plugins.gdn.trt_plugin import GdnChunkWY16Plugin
-from dflash_trt.plugins.moe.trt_plugin import MoeExpertsPlugin
-from dflash_trt.plugins.paged_attention.trt_plugin import PagedAttentionPlugin
+from dflash_trt.plugins.registry import trt_bundles
 from dflash_trt.plugins.trt_base import KERNEL_WARNINGS, NAMESPACE, SHAPE_ERRORS, VERSION, DflashPluginCreator
 
 __all__ = ["PLUGINS", "PLUGIN_VERSIONS", "NAMESPACE", "KERNEL_WARNINGS", "SHAPE_ERRORS", "creators", "register",
            "unregister", "registered_names"]
 
-PLUGINS = {cls.SPEC.name: cls for cls in (GdnChunkWY16Plugin, CausalConvVerifyPlugin, PagedAttentionPlugin,
-                                          MoeExpertsPlugin)}
+PLUGINS = {cls.SPEC.name: cls for cls in (b.trt_plugin_class() for b in trt_bundles())}
 PLUGIN_VERSIONS = {name: VERSION for name in PLUGINS}
 
 _registered: dict = {}  # name -> creator; kept alive here (TensorRT holds only a pointer)

@@ -11,14 +11,12 @@ here with n committed rows per sequence. Graphs never mutate pools; a commit doe
   finish  (host, once n is known) seq_len += n, ctx.finish_append(n rows at positions seq_len..), the
                                  reservation's unused tail pages given back.
 
-The CPU path runs the three in sequence (`commit`); the GPU path reserves before the launch and finishes
-when the step's n comes back. numpy + a Device only; no torch here.
+The host path (the scheduler and host_step) runs the three in sequence; the GPU path reserves before the launch
+and finishes when the step's n comes back. A Device only; no torch here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
 
 from dflash_trt.runtime.pools import PoolExhausted
 
@@ -103,31 +101,3 @@ def finish(seq, n: int, kv_alloc, page_size: int, ahead: int = 0) -> None:
     if len(seq.pages) > keep:
         kv_alloc.free(seq.pages[keep:])
         del seq.pages[keep:]
-
-
-def host_tables(seqs) -> WriteTables:
-    """WriteTables of a batch from host state (the synchronous path: seq_len is current)."""
-    ctx = [s.ctx for s in seqs]
-    with_ctx = all(c is not None for c in ctx)
-    return WriteTables(
-        slot=np.array([s.slot for s in seqs], dtype=np.int64),
-        start=np.array([s.seq_len for s in seqs], dtype=np.int64),
-        block_table=np.stack([s.block_table() for s in seqs]),
-        ctx_table=np.stack([c.block_table() for c in ctx]).astype(np.int64) if with_ctx else None,
-        ctx_start=np.array([c.end for c in ctx], dtype=np.int64) if with_ctx else None,
-    )
-
-
-def commit(rt, seqs, out: dict, n, dkv_rows=None) -> None:
-    """The CPU path: reserve exactly n rows, write, finish — for a batch of sequences with numpy outputs.
-    dkv_rows [Ld,2,B,R,H,hd] are the drafter ctx rows of the same tokens (None: no drafter)."""
-    n = np.asarray(n, dtype=np.int64).reshape(-1)
-    B = len(seqs)
-    T = out["argmax"].shape[1]
-    if n.shape[0] != B or np.any(n < 0) or np.any(n > T):
-        raise ValueError(f"commit: n={n.tolist()} must have {B} entries in [0, {T}]")
-    ps = rt.sizes.page_size
-    reserve_batch(seqs, n, rt.kv_alloc, ps)
-    write(rt.device, rt.pools, out, n, host_tables(seqs), dkv_rows)
-    for s, k in zip(seqs, n):
-        finish(s, int(k), rt.kv_alloc, ps)

@@ -1,4 +1,4 @@
-"""bf16 on the GPU (issue 10): the verify step (target_k16) and plain decode (target_k1) see the same positions
+"""bf16 on the GPU: the verify step (target_k16) and plain decode (target_k1) see the same positions
 with the same tokens, so their logits must agree up to bf16 rounding — per position top-10 KL < 1e-3 over
 the 24 held-out prompts of the shipped pair — and the test reports how many DFlash outputs differ from plain
 (bf16 argmax near-ties may flip a token; that is what the KL bound is about).

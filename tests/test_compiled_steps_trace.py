@@ -99,7 +99,7 @@ def test_failed_compile_of_one_key_leaves_the_others_compiled(pair):
 
 
 def _dflash_ops(t):
-    """ops._cuda_ops for any device: the model calls the dflash:: ops as it does on CUDA (their CPU kernels are the
+    """seam_base.cuda_ops for any device: the model calls the dflash:: ops as it does on CUDA (their CPU kernels are the
     reference math), so the traced graph is the one Inductor receives on the GPU."""
     from dflash_trt.plugins import torch_ops  # noqa: F401
 
@@ -120,11 +120,11 @@ def test_step_graph_casts_indices_once_and_reads_pools_in_place(pair, monkeypatc
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    from dflash_trt.plugins import ops
+    from dflash_trt.plugins import seam_base
 
     prompt = [int(x) for x in np.random.default_rng(5).integers(0, 250, 9)]
     want = _runs(_runtime(pair), prompt)[:2]
-    monkeypatch.setattr(ops, "_cuda_ops", _dflash_ops)
+    monkeypatch.setattr(seam_base, "cuda_ops", _dflash_ops)
     graphs = []
     rt = _runtime(pair)
     compile_steps(rt.executor.steps, backend=aot_autograd(fw_compiler=lambda gm, _: graphs.append(gm) or

@@ -1,4 +1,4 @@
-"""Config values that cannot be meant are refused where they are read, one line naming the field (issue 13)."""
+"""Config values that cannot be meant are refused where they are read, one line naming the field."""
 import pytest
 
 from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig

@@ -1,4 +1,4 @@
-"""DrafterConfig reads the fields of the released DFlash checkpoints (issue 12) and refuses, one line naming
+"""DrafterConfig reads the fields of the released DFlash checkpoints and refuses, one line naming
 the field, everything it does not implement."""
 import os
 

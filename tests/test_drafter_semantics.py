@@ -1,4 +1,4 @@
-"""The drafter block against an implementation no one here wrote (issue 12): speculators' DFlash decoder layers
+"""The drafter block against an implementation no one here wrote: speculators' DFlash decoder layers
 (speculators.models.dflash.model_definitions: Qwen3DFlashAttention puts the ctx features into K/V, k_norm on both,
 RoPE at [ctx | block] positions) with transformers' Qwen3 RMSNorm / rotary embedding as the glue that speculators'
 DFlashDraftModel._backbone_forward uses, eager attention, fp32, on our weights and context.

@@ -1,4 +1,4 @@
-"""Exports are atomic and self-describing (issue 13): an interrupted export never leaves a directory any
+"""Exports are atomic and self-describing: an interrupted export never leaves a directory any
 consumer accepts, a graph the export did not write is refused by name, and the export cache is process-safe
 (one export for concurrent cold starts, damaged entries rebuilt, dead leftovers removed)."""
 import os
@@ -91,7 +91,8 @@ def test_foreign_graph_refused_by_every_consumer(pairs, old_export, tmp_path):
     shutil.copytree(old_export, out)
     other = str(tmp_path / "other")
     onnx_export.export_graphs(*pairs[1], other, KS, SIZES, check=False, progress=None)
-    shutil.copy(os.path.join(other, "target_k1.onnx"), os.path.join(out, "target_k1.onnx"))  # the mix of issue 13
+    # a graph of another export mixed in
+    shutil.copy(os.path.join(other, "target_k1.onnx"), os.path.join(out, "target_k1.onnx"))
     with pytest.raises(ManifestError, match=r"graph target_k1: .*target_k1.onnx is not the file this manifest's "
                                             r"export wrote .*re-run `dflash-trt export"):
         OrtBackend(out).session("target_k1")

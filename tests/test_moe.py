@@ -1,4 +1,4 @@
-"""Sparse-MoE targets (issue 16, CPU checks): transformers oracle for Qwen3-Next with mixed dense/sparse layers
+"""Sparse-MoE targets (CPU checks): transformers oracle for Qwen3-Next with mixed dense/sparse layers
 and the Qwen3.5-MoE text model, both weight layouts, lossless spec on torch and ORT, bad expert tensors."""
 import os
 import shutil

@@ -1,7 +1,8 @@
 """The package's shape: every module imports under exactly one name (dflash_trt.*), no code edits the import
-path, and pyproject lists every subpackage and kernel source (a non-editable install ships them all)."""
+path, and setup.py's discovery finds every subpackage and kernel source (a non-editable install ships them all)."""
 import fnmatch
 import importlib
+import importlib.util
 import os
 import pkgutil
 import re
@@ -56,27 +57,37 @@ def test_no_import_path_edits():
     assert not bad, bad
 
 
-def _setuptools_table() -> dict:
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        return tomllib.load(f)["tool"]["setuptools"]
+def _setup():
+    """setup.py's discovery, loaded without running setup()."""
+    spec = importlib.util.spec_from_file_location("dflash_setup", os.path.join(ROOT, "setup.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def test_pyproject_lists_every_subpackage():
-    tool = _setuptools_table()
-    listed, dirs = set(tool["packages"]), tool["package-dir"]
+def _folders_with_init(root: str, setup) -> set:
     found = set()
-    for pkg, d in dirs.items():
-        for dirpath, _, files in os.walk(os.path.join(ROOT, d)):
+    for pkg, d in setup.PACKAGE_DIR.items():
+        for dirpath, _, files in os.walk(os.path.join(root, d)):
             if "__init__.py" in files and "__pycache__" not in dirpath:
-                rel = os.path.relpath(dirpath, os.path.join(ROOT, d))
+                rel = os.path.relpath(dirpath, os.path.join(root, d))
                 found.add(pkg if rel == "." else pkg + "." + rel.replace(os.sep, "."))
-    assert found == listed, f"missing from pyproject packages: {sorted(found - listed)}; stale: {sorted(listed - found)}"
+    return found
 
 
-def test_pyproject_ships_every_kernel_source():
+def test_setup_ships_every_subpackage():
+    setup = _setup()
+    listed = set(setup.packages())
+    assert {"dflash_trt.plugins.gdn", "dflash_trt.runtime.backends", "dflash_trt.tools.train"} <= listed
+    found = _folders_with_init(ROOT, setup)
+    assert found == listed, f"packages not shipped: {sorted(found - listed)}; stale: {sorted(listed - found)}"
+    assert set(setup.PACKAGE_DIR.values()) == {"dflash_trt", *TOP[1:]}
+
+
+def test_setup_ships_every_kernel_source():
     """Every .cu / .cuh under plugins/ matches its package's package-data globs: NVRTC compiles them at run time, and
     a wheel without, say, gemv/mma.cuh fails on the first GEMV launch (it did: only *.cu was listed)."""
-    data = _setuptools_table()["package-data"]
+    data = _setup().package_data()
     missing, seen = [], 0
     for dirpath, _, files in os.walk(os.path.join(ROOT, "plugins")):
         rel = os.path.relpath(dirpath, os.path.join(ROOT, "plugins"))
@@ -87,4 +98,22 @@ def test_pyproject_ships_every_kernel_source():
                 if not any(fnmatch.fnmatch(f, g) for g in data.get(pkg, ())):
                     missing.append(os.path.join(rel, f))
     assert seen > 5, seen  # the walk found the op folders' sources
-    assert not missing, f"kernel sources a wheel would leave out (pyproject package-data): {missing}"
+    assert not missing, f"kernel sources a wheel would leave out (setup.py package_data): {missing}"
+
+
+def test_new_op_folder_ships_without_packaging_edits(tmp_path):
+    """A folder added under plugins/ is a package of the wheel, with its kernel sources, and pyproject.toml names
+    no package: discovery alone decides."""
+    setup = _setup()
+    for d in setup.PACKAGE_DIR.values():
+        os.makedirs(tmp_path / d)
+        (tmp_path / d / "__init__.py").write_text("")
+    op = tmp_path / "plugins" / "newop"
+    os.makedirs(op)
+    (op / "__init__.py").write_text("")
+    (op / "kernel.cu").write_text("")
+    assert "dflash_trt.plugins.newop" in setup.packages(str(tmp_path))
+    assert any(fnmatch.fnmatch("kernel.cu", g) for g in setup.package_data(str(tmp_path))["dflash_trt.plugins.newop"])
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        tool = tomllib.load(f).get("tool", {}).get("setuptools", {})
+    assert "packages" not in tool and "package-data" not in tool, tool

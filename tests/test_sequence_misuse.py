@@ -1,4 +1,4 @@
-"""Sequence handles cannot hurt others (issue 13, item 3): released / foreign / duplicate / re-prefilled handles
+"""Sequence handles cannot hurt others: released / foreign / duplicate / re-prefilled handles
 and non-integer token ids are refused before anything is written, and a refused or exhausted step leaves every
 pool and sequence as it was. The randomized test runs the same good calls on a reference runtime in lockstep."""
 import random

@@ -1,5 +1,5 @@
 """A mixed sliding/full drafter shaped like the released ones (nested block size, scaling fields) in the runtime,
-prompts longer than the window (issue 12): spec == plain on the torch backend and on ORT, and with the default
+prompts longer than the window: spec == plain on the torch backend and on ORT, and with the default
 ctx_window (= max_seq_len, full retention) every proposal equals the dense reference forward on the whole
 context — what the reference computes; an explicit smaller ctx_window stays lossless (a memory bound)."""
 import numpy as np

@@ -1,4 +1,4 @@
-"""The TensorRT backend on CPU (issue 15): engines for the shipped trained pair build with TensorRT-RTX, the binding
+"""The TensorRT backend on CPU: engines for the shipped trained pair build with TensorRT-RTX, the binding
 plan of every engine and batch bucket matches the ABI (names, shapes, dtypes) and the pool layout — one test per
 graph kind — and any manifest/engine mismatch is refused before a context exists or anything launches.
 

@@ -1,4 +1,4 @@
-"""`pytest -m trt_gpu`: the TensorRT backend executing the trained pair's engines (issue 15). Runs only where a
+"""`pytest -m trt_gpu`: the TensorRT backend executing the trained pair's engines. Runs only where a
 TensorRT flavour accepts the GPU (TensorRT-RTX: CC 8.0/8.6/8.9/12.x incl. GB10; full TensorRT: Hopper); skips
 elsewhere with the reason (tests/conftest.py), e.g. on the project's H200 with TensorRT-RTX.
 

@@ -9,7 +9,7 @@ of 16, at 256 and 8192 cached rows.
   bandwidth measured in the same run (bench_kernels.copy_bandwidth).
   cold = one graph of N calls, each on another layer of a pool of N layers (N * layer bytes >= COLD_BYTES,
   well past the 50 MB L2), so K/V come from HBM as in a model step; hot = N calls on the same layer.
-Targets (issue 11): decode at 256 rows <= 10 us a call; decode at 8192 rows <= 1.3x its bytes floor (cold).
+Targets: decode at 256 rows <= 10 us a call; decode at 8192 rows <= 1.3x its bytes floor (cold).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ import numpy as np
 from dflash_trt.args import ArgumentParser
 from dflash_trt.runtime.batching import PREFILL_STEP
 
-TARGETS = {  # issue 10's bench e2e targets
+TARGETS = {  # the end-to-end targets
     "idle_pct_max": 5.0, "plain_tok_s_0p9b": 400.0, "hf_ratio_0p9b": 30.0, "dflash_over_plain_trained": 2.5,
     "batch16_over_batch1": 8.0,
 }
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     check_args(a)
-    if a.model == "random-moe-35b-a3b":  # issue 16's MoE bench: tools/bench_moe.py
+    if a.model == "random-moe-35b-a3b":  # the MoE bench: tools/bench_moe.py
         from dflash_trt.tools.bench_moe import run as run_moe
 
         return run_moe(a)

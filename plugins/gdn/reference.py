@@ -153,7 +153,7 @@ def gdn_fold(state, k_hat, v, g, beta, n):
     """State after the first n rows of a verify, from its fold data (DESIGN §3, fold-accepted): the rows replayed
     one at a time by the recurrence's own update (_recurrent_row), so folding n rows at once gives the state of n
     one-row steps exactly, bit for bit -- speculative and plain decoding carry the same GDN state (the fp32 state of
-    a multi-row closed form differs in its last bits, which bf16 logits then amplify; issue 10's KL check).
+    a multi-row closed form differs in its last bits, which bf16 logits then amplify in the verify/decode KL).
     state [B,Hv,dk,dv]; k_hat [B,T,Hk,dk]; v [B,T,Hv,dv]; g, beta [B,T,Hv]; n int [B] (rows past n[b] are
     not read: n = 0 leaves S0)."""
     dt = _cdtype(state, k_hat, v, g, beta)

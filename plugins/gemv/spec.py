@@ -25,7 +25,7 @@ from dflash_trt.plugins.opspec import OpSpec, Port, kernel_need, need
 # rows of x per call (two 8-row n-tiles of mma.m16n8k16); more rows go to cuBLAS. Running this kernel once per 16-row
 # group of a wider call (grid.y, weights re-read per group) lost to cuBLAS at 256 rows on the H200 (bf16, cold
 # weights, us ours / cuBLAS: 768x256 5.26 / 3.32, 1536x256 7.32 / 3.59; won only for 256x256 2.66 / 3.05) and made
-# the trained pair's batch-16 spec step slower (0.463 vs 0.406 ms busy; stop 39).
+# the trained pair's batch-16 spec step slower (0.463 vs 0.406 ms busy).
 MAX_ROWS = 16
 CHUNK = 8           # 16-bit elements per 16-byte load: K must be a multiple
 MAX_K = 1 << 20     # int32 column indexing with margin

@@ -1,4 +1,4 @@
-"""Inductor for the GPU step (issue 11 item 1): the prefill/decode/spec steps of torch_fused_step compiled with
+"""Inductor for the GPU step: the prefill/decode/spec steps of torch_fused_step compiled with
 `torch.compile(fullgraph=True, dynamic=False)`, our kernels (dflash:: custom ops with fake impls) opaque inside.
 
 Why Inductor here rather than hand-fused NVRTC kernels: the step is ~70 small kernels per layer (casts, RMSNorms,

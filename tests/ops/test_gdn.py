@@ -111,9 +111,10 @@ def test_fold_float32():
 
 @pytest.mark.parametrize("T", [3, 16])
 def test_fold_of_n_rows_is_n_one_row_folds_bit_for_bit(T):
-    """The commit's contract (issue 10's bf16 KL check): a speculative step that accepts n rows leaves exactly the
-    fp32 state n plain decode steps would -- fold(n rows) == n folds of one row, bit for bit -- while the
-    multi-row closed form S_n = e^(γ_n) S0 + Σ e^(γ_n-γ_i) k̂_i v'_i^T (what the fold computed before) does not."""
+    """The commit's contract (what keeps the bf16 KL between verify and decode small): a speculative step that
+    accepts n rows leaves exactly the fp32 state n plain decode steps would -- fold(n rows) == n folds of one row,
+    bit for bit -- while the multi-row closed form S_n = e^(γ_n) S0 + Σ e^(γ_n-γ_i) k̂_i v'_i^T (what the fold
+    computed before) does not."""
     B = 4
     q, k, v, g, beta, S0 = make_gdn(B, T, 2, 2, 16, 8, torch.float32, seed=40 + T)
     out = gdn_chunk_wy16(q, k, v, g, beta, S0)

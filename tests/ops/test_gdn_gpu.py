@@ -265,7 +265,7 @@ def test_verify_commit_equals_plain_decode_steps_bit_for_bit(monkeypatch, cg, B,
     exactly (torch.equal) the fp32 state of n[b] plain decode steps, each a T=1 verify from the previous state and
     a one-row commit; the fold data of each row are the same bits either way. Checked at both fold column groups
     (the fold's dk reduction order does not depend on them). This is why speculative and plain bf16 decoding keep
-    one GDN state (issue 10's KL check)."""
+    one GDN state (and their bf16 KL small)."""
     monkeypatch.setenv("DFLASH_GDN_CG", cg)
     q, k, v, _, _, pool = _inputs(B, K, Hk, Hv, dk, 128, torch.bfloat16, seed=B * 7 + K + dk, slots=B + 1)
     gen = torch.Generator().manual_seed(K)

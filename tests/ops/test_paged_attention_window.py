@@ -1,4 +1,4 @@
-"""PagedAttention's `window` attribute (sliding attention, issue 12): the reference against a dense mask written
+"""PagedAttention's `window` attribute (sliding attention): the reference against a dense mask written
 from positions (query at p sees key at k iff p - k < W); window 0 bit-identical to no window; the ONNX body in
 ORT == the reference; on a GPU the kernel == the float64 reference for window x causal cases."""
 import numpy as np
