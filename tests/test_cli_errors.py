@@ -181,7 +181,7 @@ def test_export_out_is_a_regular_file(capsys, pair, tmp_path):
     f = tmp_path / "notes.txt"
     f.write_text("mine")
     one_line(capsys, "export", ["export", "--model", pair[0], "--k", "1", "--out", str(f)],
-             f"--out {f} exists and is not a directory")
+             f"{f}: exists and is not a directory")
     assert f.read_text() == "mine"
 
 

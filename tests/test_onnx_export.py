@@ -197,7 +197,7 @@ def test_export_cli_target_only_external_data(tiny_pair, tmp_path, capsys, monke
     out = str(tmp_path / "exp")
     sizes = ["--max-seq-len", "64", "--kv-blocks", "8", "--prefill-chunk", "16"]
     assert main(["export", "--model", tiny_pair[0], "--k", "1", "--out", out, *sizes]) == 0
-    log = capsys.readouterr().out
+    log = capsys.readouterr().err  # progress goes to stderr
     assert "[1/2] target_k1" in log and "[2/2] target_prefill" in log and "exported 2 graphs" in log and " MB" in log
     m = Manifest.load(out)
     assert m.drafter_config is None and m.graphs == ["target_k1", "target_prefill"]
