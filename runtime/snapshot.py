@@ -257,6 +257,8 @@ def _load_checked(rt, path: str) -> tuple[dict, dict]:
             blob = f.read()
     except FileNotFoundError:
         raise SnapshotError(f"{path}: incomplete snapshot ({STATE} missing)") from None
+    except OSError as e:  # a directory, no permission, an I/O error: one line, not a traceback
+        raise SnapshotError(f"{sp}: cannot be read ({e.strerror})") from None
     if hashlib.sha256(blob).hexdigest() != meta["state_sha256"]:
         raise SnapshotError(f"{sp}: corrupt (sha256 differs from the one recorded in {META})")
     try:

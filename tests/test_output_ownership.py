@@ -105,6 +105,13 @@ def test_snapshot_bad_paths_and_extra_are_one_line(live, tmp_path):
     with pytest.raises(SnapshotError, match=r"meta.json: cannot read"):
         rt.restore_sequence(snap)
     assert _free(rt) == before
+    snap2 = str(tmp_path / "s2")
+    rt.save_sequence(seq, snap2)
+    os.remove(os.path.join(snap2, "state.safetensors"))
+    os.mkdir(os.path.join(snap2, "state.safetensors"))
+    with pytest.raises(SnapshotError, match=r"state.safetensors: cannot be read \(Is a directory\)"):
+        rt.restore_sequence(snap2)
+    assert _free(rt) == before
 
 
 @pytest.fixture(scope="module")
