@@ -6,7 +6,7 @@ import os
 from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PACKAGE_DIR = {"dflash_trt": "dflash_trt", "dflash_trt.export": "export", "dflash_trt.plugins": "plugins",
+PACKAGE_DIR = {"dflash_trt": "dflash_trt", "dflash_trt.export": "export", "dflash_trt.modeling": "modeling", "dflash_trt.plugins": "plugins",
                "dflash_trt.engines": "engines", "dflash_trt.runtime": "runtime", "dflash_trt.tools": "tools"}
 KERNEL_SOURCES = ["*.cu", "*.cuh"]
 

@@ -18,8 +18,8 @@ from dflash_trt.hashing import sha256_files
 if TYPE_CHECKING:  # torch only where weights load: the ORT path hashes checkpoints and reads tokenizers without it
     import torch
 
-    from dflash_trt.export.drafter import Drafter
-    from dflash_trt.export.target import TargetModel
+    from dflash_trt.modeling.drafter import Drafter
+    from dflash_trt.modeling.target import TargetModel
 
 
 class CheckpointError(ValueError):
@@ -233,7 +233,7 @@ def load_target(d: str, dtype=None) -> TargetModel:
     """dtype: a torch dtype (default float32)."""
     import torch
 
-    from dflash_trt.export.target import TargetModel
+    from dflash_trt.modeling.target import TargetModel
 
     dtype = dtype or torch.float32
     cfg = TargetConfig.from_dict(read_json(os.path.join(d, "config.json")), os.path.join(d, "config.json"))
@@ -262,7 +262,7 @@ def load_drafter(d: str, target: TargetModel, dtype=None) -> Drafter:
     """dtype: a torch dtype (default float32)."""
     import torch
 
-    from dflash_trt.export.drafter import Drafter
+    from dflash_trt.modeling.drafter import Drafter
 
     dtype = dtype or torch.float32
     path = os.path.join(d, "config.json")

@@ -1,6 +1,6 @@
 """The custom ops as the models call them: the one seam between the model math and its backends.
 
-The torch modules (export/target.py, export/drafter.py) call only these functions, each defined in its op's
+The torch modules (modeling/target.py, modeling/drafter.py) call only these functions, each defined in its op's
 folder (plugins/<op>/seam.py, listed by the op's bundle) and gathered here from the registry. Under
 `torch.onnx.export` each becomes one `dflash::<Op>` node whose name, attributes, output dtypes and shapes
 come from the op's spec (plugins/<op>/spec.py; its semantics are the FunctionProto of the same name,

@@ -1,8 +1,8 @@
-"""export.target.argmax_chunked (the two-stage argmax CUDA steps use over a large vocabulary) == torch.argmax,
+"""modeling.target.argmax_chunked (the two-stage argmax CUDA steps use over a large vocabulary) == torch.argmax,
 first index among equal maxima included: ties inside one chunk, across chunks, in the padded last chunk."""
 import torch
 
-from dflash_trt.export.target import ARGMAX_SPLIT, argmax_chunked
+from dflash_trt.modeling.target import ARGMAX_SPLIT, argmax_chunked
 
 
 def test_two_stage_argmax_is_argmax_with_first_index_ties():

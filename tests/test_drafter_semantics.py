@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from dflash_trt.config import DrafterConfig, TargetConfig
-from dflash_trt.export.drafter import Drafter
-from dflash_trt.export.target import TargetModel
+from dflash_trt.modeling.drafter import Drafter
+from dflash_trt.modeling.target import TargetModel
 from dflash_trt.plugins.paged_attention.reference import kv_write
 from dflash_trt.tools.tiny import _randomize, tiny_drafter_config, tiny_target_config
 

@@ -1,13 +1,13 @@
-"""export/fuse.py: projections sharing an input as one GEMM. Fused and unfused modules give the same logits,
+"""modeling/fuse.py: projections sharing an input as one GEMM. Fused and unfused modules give the same logits,
 ctx taps and drafts (fp64: the same dot products), the fused weights are views of one buffer (no copy), and the
 checkpoint's parameter names and values are untouched."""
 import pytest
 import torch
 
 from dflash_trt.config import DrafterConfig, TargetConfig
-from dflash_trt.export.drafter import Drafter
-from dflash_trt.export.target import TargetModel
-from dflash_trt.export.mlp import SparseMoE
+from dflash_trt.modeling.drafter import Drafter
+from dflash_trt.modeling.target import TargetModel
+from dflash_trt.modeling.mlp import SparseMoE
 from dflash_trt.tools.tiny import TINY_MOE, _randomize, tiny_drafter_config, tiny_target_config
 
 

@@ -12,7 +12,7 @@ from spec_helpers import ScriptedDrafter
 
 from dflash_trt.abi import PoolSizes
 from dflash_trt.export.checkpoint import CheckpointError, load_drafter, load_target
-from dflash_trt.export.mlp import SparseMoE
+from dflash_trt.modeling.mlp import SparseMoE
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.runtime import Runtime

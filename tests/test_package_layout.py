@@ -12,7 +12,7 @@ import tomllib
 import dflash_trt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOP = ("dflash_trt", "export", "plugins", "engines", "runtime", "tools")
+TOP = ("dflash_trt", "export", "modeling", "plugins", "engines", "runtime", "tools")
 
 
 def _all_modules():

@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dflash_trt.config import DrafterConfig, TargetConfig  # noqa: E402
-from dflash_trt.export.drafter import Drafter  # noqa: E402
-from dflash_trt.export.target import TargetModel, gdn_chunk_dense  # noqa: E402
+from dflash_trt.modeling.drafter import Drafter  # noqa: E402
+from dflash_trt.modeling.target import TargetModel, gdn_chunk_dense  # noqa: E402
 from dflash_trt.tools.tiny import tiny_drafter_config, tiny_target_config  # noqa: E402
 from dflash_trt.tools.train.configs import init_weights  # noqa: E402
 

@@ -59,8 +59,8 @@ def build_random_pair(dtype, device):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from dflash_trt.config import DrafterConfig, TargetConfig
-    from dflash_trt.export.drafter import Drafter
-    from dflash_trt.export.target import TargetModel
+    from dflash_trt.modeling.drafter import Drafter
+    from dflash_trt.modeling.target import TargetModel
 
     tcfg, dcfg = random_0p9b_configs()
     torch.manual_seed(0)

@@ -67,8 +67,8 @@ def build_random_moe(dtype, device, layers: int = LAYERS):
     import torch
 
     from dflash_trt.config import DrafterConfig, TargetConfig
-    from dflash_trt.export.drafter import Drafter
-    from dflash_trt.export.target import TargetModel
+    from dflash_trt.modeling.drafter import Drafter
+    from dflash_trt.modeling.target import TargetModel
 
     tcfg = moe_target_config(layers)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -11,8 +11,8 @@ import torch
 
 from dflash_trt.config import DrafterConfig, TargetConfig
 from dflash_trt.export.checkpoint import save_checkpoint
-from dflash_trt.export.drafter import Drafter
-from dflash_trt.export.target import TargetModel
+from dflash_trt.modeling.drafter import Drafter
+from dflash_trt.modeling.target import TargetModel
 
 
 # a tiny sparse-MoE MLP (tiny_target_config(**TINY_MOE)): 4 experts, top-2, every layer but layer 1 sparse

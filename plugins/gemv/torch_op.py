@@ -1,6 +1,6 @@
 """torch custom op dflash::gemv: CUDA -> kernel.cu via launch.py on torch's current stream, CPU -> reference.py,
 plus a fake impl (torch.compile). Registered through dflash_trt.plugins.torch_ops; models reach it through
-dflash_trt.export.fuse.linear, which sends only the calls the kernel takes (spec.usable) here.
+dflash_trt.modeling.fuse.linear, which sends only the calls the kernel takes (spec.usable) here.
 
   gemv(x [*,K], w [N,K], fp32_out=False) -> y [*,N] in x's dtype, or fp32 (logits: sums not rounded to 16 bits)
   gemv_swiglu(x [*,K], w [2I,K]) -> y [*,I] = silu(x @ gate.T) * (x @ up.T), w = [gate; up] (the SwiGLU MLP's fused

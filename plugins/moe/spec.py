@@ -15,7 +15,7 @@ The CUDA kernels (kernel.cu), all launched on one stream, static grids (CUDA-gra
                  fp32 FMA for fp32); h = silu(g)*u in x's dtype. Empty slots exit at once.
   moe_down_*     grid (H/32, M): the same over down rows -> y_pair [N*k, H] fp32.
   moe_combine    y[n] = sum_j topk_w[n,j] y_pair[n*k+j] in a fixed order (deterministic, no atomics).
-The router's top-k (export/mlp.py SparseMoE.route, the torch op dflash::moe_route; not part of this node) has one
+The router's top-k (modeling/mlp.py SparseMoE.route, the torch op dflash::moe_route; not part of this node) has one
 kernel here too: moe_route, one CTA per token row: softmax in fp32, k rounds of a block-wide argmax, renormalise
 (math: reference.route).
 """

@@ -1,4 +1,4 @@
-"""Torch backend: runs the reference modules (export/target.py, export/drafter.py) for each graph.
+"""Torch backend: runs the reference modules (modeling/target.py, modeling/drafter.py) for each graph.
 
 On CPU, inputs/outputs are numpy (pairs with runtime.devices.host.HostDevice; pools are viewed with
 torch.from_numpy, never copied or written). On CUDA, pools are torch tensors owned by

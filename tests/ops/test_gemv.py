@@ -1,4 +1,4 @@
-"""gemv (plugins/gemv): the decode- and verify-step projection kernel (1-16 rows of x). CPU: which calls the dispatcher (export.fuse.linear)
+"""gemv (plugins/gemv): the decode- and verify-step projection kernel (1-16 rows of x). CPU: which calls the dispatcher (modeling.fuse.linear)
 sends to it, the kernel limits, and that every other call stays F.linear. GPU: the kernel against an fp64 matmul
 of the same rounded inputs over ragged N and K (tails of the 2048-column pass), both 16-bit dtypes, fp32 logits
 (fp32_out), row views of a fused buffer, an input at an odd offset (served by F.linear), a row's result equal bit
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.export import fuse
+from dflash_trt.modeling import fuse
 from dflash_trt.plugins.gemv import spec
 from dflash_trt.plugins.opspec import KernelError
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.export.fuse import fuse_linears
-from dflash_trt.export.mlp import MLP
+from dflash_trt.modeling.fuse import fuse_linears
+from dflash_trt.modeling.mlp import MLP
 from dflash_trt.plugins.gemv import launch, spec
 from dflash_trt.plugins.opspec import KernelError, ShapeError
 

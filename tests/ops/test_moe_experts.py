@@ -177,9 +177,9 @@ def test_gpu_cuda_graph_replay_follows_new_routing():
 
 @pytest.mark.gpu
 def test_gpu_sparse_moe_block_matches_dense_path():
-    """export/mlp.py SparseMoE on CUDA (kernel) == the same block on CPU (dense reference), fp32, real shapes."""
+    """modeling/mlp.py SparseMoE on CUDA (kernel) == the same block on CPU (dense reference), fp32, real shapes."""
     from dflash_trt.config import TargetConfig
-    from dflash_trt.export.mlp import SparseMoE
+    from dflash_trt.modeling.mlp import SparseMoE
     from dflash_trt.tools.bench_moe import moe_target_config
 
     cfg = TargetConfig.from_dict(dict(moe_target_config(layers=4), num_experts=64))

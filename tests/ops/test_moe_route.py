@@ -1,5 +1,5 @@
 """MoE router top-k (dflash::moe_route, plugins/moe): softmax in fp32 -> top-k -> renormalise -> cast, the routing
-of export/mlp.py SparseMoE. CPU (no GPU): the op's CPU kernel and SparseMoE.route's CPU path are reference.route, the
+of modeling/mlp.py SparseMoE. CPU (no GPU): the op's CPU kernel and SparseMoE.route's CPU path are reference.route, the
 fake impl under opcheck and an aot_eager trace, the kernel limits raised before any driver call, moe_route in the
 PTX. GPU: the one-CTA-per-row kernel against reference.route on torch's CUDA ops (ids exact on tie-free logits;
 weights fp32 rtol 1e-6, bf16 within 1 ulp: both round one fp32 value, a few fp32 ulps apart, once), ties to the
@@ -27,7 +27,7 @@ def distinct_logits(N, E, dtype, device="cpu", seed=0):
 
 def sparse_moe(E, k, norm):
     from dflash_trt.config import TargetConfig
-    from dflash_trt.export.mlp import SparseMoE
+    from dflash_trt.modeling.mlp import SparseMoE
     from dflash_trt.tools.tiny import TINY_MOE, tiny_target_config
 
     cfg = TargetConfig.from_dict(tiny_target_config(**dict(TINY_MOE, num_experts=E, num_experts_per_tok=k,
@@ -151,7 +151,7 @@ def test_gpu_ties_go_to_the_lowest_id():
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm", [True, False])
 def test_gpu_sparse_moe_route_is_the_kernel(norm, monkeypatch):
-    """export/mlp.py SparseMoE.route on CUDA without autograd runs the kernel (reference.route is never called) and
+    """modeling/mlp.py SparseMoE.route on CUDA without autograd runs the kernel (reference.route is never called) and
     equals reference.route of the same router logits; with autograd on it keeps the differentiable standard ops."""
     block = sparse_moe(256, 8, norm).cuda()
     x = torch.randn(16, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(4)).cuda()

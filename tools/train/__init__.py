@@ -1,7 +1,7 @@
 """Train the small hybrid target + DFlash drafter pair shipped under models/ (the embedded default).
 
-What is trained is the project's own modules, dflash_trt.export.target.TargetModel and
-dflash_trt.export.drafter.Drafter, through their training paths (TargetModel.forward_train,
+What is trained is the project's own modules, dflash_trt.modeling.target.TargetModel and
+dflash_trt.modeling.drafter.Drafter, through their training paths (TargetModel.forward_train,
 Drafter.train_forward; tests/test_train.py checks both against the graph path the runtime runs), and
 saved under the parameter names dflash_trt.export.checkpoint reads. The drafter's labels are greedy
 continuations produced by the project's Runtime (torch backend).

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from dflash_trt.config import DrafterConfig, TargetConfig
-from dflash_trt.export.drafter import Drafter
-from dflash_trt.export.target import TargetModel
+from dflash_trt.modeling.drafter import Drafter
+from dflash_trt.modeling.target import TargetModel
 from dflash_trt.tools.train.common import Log, pick_device, round_bf16_
 from dflash_trt.tools.train.configs import BLOCK, drafter_config, init_weights, target_config
 from dflash_trt.tools.train.data import load_work

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import TargetConfig
-from dflash_trt.export.fuse import Linear, fuse_linears, linears
-from dflash_trt.export.mlp import MLP, SparseMoE
+from dflash_trt.modeling.fuse import Linear, fuse_linears, linears
+from dflash_trt.modeling.mlp import MLP, SparseMoE
 from dflash_trt.plugins import ops
 from dflash_trt.plugins.gdn.reference import gdn_gates, l2norm
 
@@ -293,7 +293,7 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def fuse_projections(self) -> "TargetModel":
-        """Projections sharing an input become one GEMM each (export/fuse.py); call once the model is on its
+        """Projections sharing an input become one GEMM each (modeling/fuse.py); call once the model is on its
         device. The GPU torch backend does; export and the CPU reference keep the separate layers."""
         for layer in self.layers:
             if layer.is_attention:

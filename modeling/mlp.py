@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from dflash_trt.config import TargetConfig
-from dflash_trt.export.fuse import Linear, linear, linears, swiglu
+from dflash_trt.modeling.fuse import Linear, linear, linears, swiglu
 from dflash_trt.plugins import ops, torch_ops  # noqa: F401  (torch_ops registers torch.ops.dflash.moe_route)
 from dflash_trt.plugins.moe import reference as moe_ref
 
 
 class MLP(nn.Module):
-    PROJECTIONS = ("gate_proj", "up_proj")  # one GEMM once fused (export/fuse.py)
+    PROJECTIONS = ("gate_proj", "up_proj")  # one GEMM once fused (modeling/fuse.py)
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import DrafterConfig
-from dflash_trt.export.fuse import Linear, fuse_linears, linears
+from dflash_trt.modeling.fuse import Linear, fuse_linears, linears
 from dflash_trt.plugins import ops
-from dflash_trt.export.target import MLP, RMSNorm, apply_rope, argmax_last, rope_cos_sin
+from dflash_trt.modeling.target import MLP, RMSNorm, apply_rope, argmax_last, rope_cos_sin
 
 
 def final_logits(cfg: DrafterConfig, logits):
@@ -39,7 +39,7 @@ def embed_block(cfg: DrafterConfig, embed, ids, dtype):
 
 
 class DrafterAttention(nn.Module):
-    KV = ("k_proj", "v_proj")  # one GEMM once fused (export/fuse.py)
+    KV = ("k_proj", "v_proj")  # one GEMM once fused (modeling/fuse.py)
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -90,7 +90,7 @@ class Drafter(nn.Module):
         return self
 
     def fuse_projections(self) -> "Drafter":
-        """k/v and gate/up as one GEMM each (export/fuse.py); the GPU torch backend calls it."""
+        """k/v and gate/up as one GEMM each (modeling/fuse.py); the GPU torch backend calls it."""
         for layer in self.layers:
             fuse_linears(layer.self_attn, DrafterAttention.KV)
             fuse_linears(layer.mlp, MLP.PROJECTIONS)
