@@ -106,7 +106,7 @@ class PoolSizes:
         if self.ctx_window is None or self.ctx_window == 0:  # resolved first, so every reader sees one number
             object.__setattr__(self, "ctx_window", self.max_seq_len)
         # every entry point (export, runtime, cache key, CLI) builds a PoolSizes: refuse 0 / negative / non-integer
-        # sizes here, before anything traces or allocates (they used to fail 10-30 s into an export, or much later)
+        # sizes here, before anything traces or allocates (else they fail deep into an export, or much later)
         for f in self.__dataclass_fields__:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:

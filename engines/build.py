@@ -120,7 +120,7 @@ OPT_LEVELS = range(0, 6)  # TensorRT's builder_optimization_level (IBuilderConfi
 
 
 def check_build_args(max_batch=None, opt_batch=None, opt_level=None) -> None:
-    """Values that cannot be meant, refused in one line (0 used to fall back to the default silently)."""
+    """Values that cannot be meant, refused in one line (never a silent fall-back to the default)."""
     for flag, v in (("--max-batch", max_batch), ("--opt-batch", opt_batch)):
         if v is not None and v < 1:
             raise BuildError(f"{flag} must be >= 1, got {v}")

@@ -71,8 +71,8 @@ ARGMAX_SPLIT = 4096  # a CUDA argmax over more columns than this runs in two sta
 
 def argmax_last(logits):
     """logits.argmax(-1), the first index among equal maxima. On CUDA, a large vocabulary is reduced in two stages
-    (per 4096-column chunk, then over chunks): Inductor gives a one-row argmax one thread block, which took 50 us
-    for a 248k vocabulary on the H200. Same index either way: the first chunk holding the max, its first index."""
+    (per 4096-column chunk, then over chunks): Inductor gives a one-row argmax one thread block (figures:
+    docs/PERF.md). Same index either way: the first chunk holding the max, its first index."""
     if not logits.is_cuda or logits.shape[-1] <= 2 * ARGMAX_SPLIT:
         return logits.argmax(-1)
     return argmax_chunked(logits)

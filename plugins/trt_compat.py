@@ -4,7 +4,7 @@
 (``import tensorrt_rtx``), else None. ``DFLASH_TRT_FLAVOUR=tensorrt|tensorrt_rtx`` forces one.
 Everything else imports TensorRT through here. Without any flavour this module still imports: the
 plugin classes then derive from ``object`` and use the stand-in enums below, so a GPU machine with no
-TensorRT (the project's H200) can drive each plugin's ``enqueue`` exactly as TensorRT would.
+TensorRT can drive each plugin's ``enqueue`` exactly as TensorRT would.
 
 TensorRT-RTX's ONNX parser dlopens the unversioned ``libtensorrt_rtx.so`` when it meets a plugin
 node and aborts the process if that fails; ``ensure_parser_lib()`` puts the symlink beside the

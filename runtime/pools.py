@@ -79,8 +79,8 @@ class BlockAllocator:
         Validated before any change: freeing a block more times than it is referenced
         (double free) raises ValueError and changes nothing.
         """
-        # plain Python: a step frees one or two pages per sequence, and numpy's per-call cost (np.unique and
-        # friends) was half the host time of a batch-16 spec step (27 of 56 ms in a profile; `bench host`)
+        # plain Python: a step frees one or two pages per sequence, where numpy's per-call cost (np.unique and
+        # friends) dominates the host step (figures: docs/PERF.md)
         b = [int(x) for x in blocks]
         total = self.num_total
         if any(not 0 <= x < total for x in b):

@@ -27,7 +27,7 @@ def token_ids(prompt, vocab_size: int, what: str = "prompt") -> list[int]:
     except TypeError:
         raise TokenIdError(f"{what} must be a list of token ids, got {type(prompt).__name__}") from None
     # the common case, Python ints in range, checked in C (bool is its own type, so never passes here): a joiner's
-    # admission checks its prompt again, and the per-id loop below took 45 us for 300 tokens (this: 15 us)
+    # admission checks its prompt again, and the per-id loop below is about three times slower (docs/PERF.md)
     if set(map(type, items)) == {int} and 0 <= min(items) and max(items) < vocab_size:
         return items
     out = []

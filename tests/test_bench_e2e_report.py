@@ -1,5 +1,5 @@
-"""`bench e2e`'s report half on CPU (its measurements need a GPU): the issue targets computed from a run's
-figures — hit / miss at the thresholds the issues name — and the table printing every row kind, so a long GPU
+"""`bench e2e`'s report half on CPU (its measurements need a GPU): the targets computed from a run's
+figures — hit / miss at their thresholds — and the table printing every row kind, so a long GPU
 run cannot die in its last line. Figures here are hand-written run results, not outputs of the code."""
 from dflash_trt.tools.bench_e2e_run import print_table, targets
 

@@ -225,7 +225,7 @@ print("HITS", n, "OUT", sorted(outs), flush=True)
 
 
 def test_processes_racing_on_a_warm_and_a_cold_cache(pairs, tmp_path):
-    """Four processes for RACE_SECONDS (default 20; the issue's minute with DFLASH_TRT_RACE_SECONDS=60): each
+    """Four processes for RACE_SECONDS (default 20; a minute with DFLASH_TRT_RACE_SECONDS=60): each
     exports the cold entry once (one of them does, the others wait) and then hits the warm one in a loop."""
     cache = str(tmp_path / "cache")
     onnx_export.ensure_export(pairs[0][0], None, KS, SIZES, cache_dir=cache, progress=None)  # warm

@@ -356,18 +356,17 @@ def main(argv=None) -> int:
     p.add_argument("--gamma", type=int, default=None)
     p.add_argument("--temperatures", default="0.6,1.0", help="also decode sampling at these temperatures ('': skip)")
     p.add_argument("--hf-tokens", type=int, default=64, help="new tokens of the HF generate() baseline (0: skip)")
-    # default: every held-out prompt (24 for the trained pair), the set the bf16 check reports on; the first 8 alone
-    # are harder for the shipped drafter (H200, bf16, batch 1: tau 3.16 over those 8, 4.05 over all 24)
+    # default: every held-out prompt (24 for the trained pair), the set the bf16 check reports on; a prefix of them
+    # is not representative for the shipped drafter (docs/PERF.md)
     p.add_argument("--batch1-prompts", type=int, default=None,
                    help="batch 1 runs this many prompts one after another (default: all of them)")
     # default 4 (a server's batch): the batch stays full, the joiners' prefills inside the timed decode; at 1 the
-    # batch drains as its requests finish (H200, trained pair bf16, batch 16: 25.4 tokens a spec launch drained,
-    # 42.6 served at 4)
+    # batch drains as its requests finish, and a draining batch emits far fewer tokens a launch (docs/PERF.md)
     p.add_argument("--requests-per-slot", type=int, default=4,
                    help="a batch B > 1 serves B x this many requests, B at a time: one joins as another leaves "
                         "(1: the B requests start together and the batch drains as they finish)")
-    # the host shares the machine: one run of a batch-16 serve varied 0.7% -> 11.8% idle between two measured runs
-    # (H200 host, trained pair bf16): the row is the median run of several, its spread printed beside it
+    # the host shares the machine, so one run's idle time varies (docs/PERF.md): the row is the median run of
+    # several, its spread printed beside it
     p.add_argument("--repeats", type=int, default=3,
                    help="measured runs of every decode row after its warm-up; the table shows the median by tok/s")
     p.add_argument("--step-ks", default=",".join(map(str, range(1, 17))),

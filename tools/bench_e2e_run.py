@@ -1,5 +1,5 @@
 """The orchestration of `dflash-trt bench e2e` (the measurements live in tools/bench_e2e.py): load or build the
-pair, measure, print one table and the issue's targets as hit / miss, write JSON."""
+pair, measure, print one table and the targets as hit / miss, write JSON."""
 from __future__ import annotations
 
 import json
@@ -207,7 +207,7 @@ def run(a) -> int:
 
 
 def targets(res, random: bool) -> dict:
-    """Issue 10's bench e2e targets as {name: (value, threshold, hit)} where they apply to this model."""
+    """The bench e2e targets as {name: (value, threshold, hit)} where they apply to this model."""
     rows = {r["batch"]: r for r in res["rows"]}
     out = {}
     idle = [r[k]["idle_pct"] for r in res["rows"] for k in ("plain", "dflash") if k in r]
@@ -232,7 +232,7 @@ def targets(res, random: bool) -> dict:
 
 
 def fused_targets(res, rows, random: bool) -> dict:
-    """Issue 11's targets (the fused step at the floor) on the same run's figures."""
+    """The fused step's targets (at the floor) on the same run's figures."""
     out, c = {}, res.get("step_latency_compiled_ms") or res["step_latency_ms"]
     if random and c:
         r = c[1] / res["floor_ms"]

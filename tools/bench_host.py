@@ -6,7 +6,7 @@ pace (bench e2e's idle% then rises). The ratio printed is host(batch B) / host(b
 Then a serving run at the widest batch: B x 4 requests (prompts of 100-500 tokens, 64-192 new), B at a time, one
 joining as another leaves, and the window the device must cover: from a step's collect returning (the device goes on
 with the step queued behind it) to the next launch. A window longer than the device's step (bench e2e's step_ms)
-idles the device. A joiner's admission used to sit inside it; Scheduler.step now launches before admitting."""
+idles the device; Scheduler.step launches before admitting, so a joiner's admission is not inside it."""
 from __future__ import annotations
 
 import time

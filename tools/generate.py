@@ -37,7 +37,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="model / KV dtype on cuda (default float32; CPU runs float32)")
     p.add_argument("--compile", action="store_true",
                    help="cuda + torch: prefill/decode/spec steps through Inductor "
-                        "(~2x faster steps, 15-30 s compile per step shape)")
+                        "(faster steps, after a compile per step shape)")
 
 
 def verify_widths(gamma: int | None, block_size: int | None, spec: bool) -> tuple:

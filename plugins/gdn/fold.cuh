@@ -1,9 +1,7 @@
 // gdn_fold: the fold-accepted commit of GdnChunkWY16's fold data (DESIGN §3), included by gdn/kernel.cu after
 // common.cuh. Instantiates gdn_fold_dk{DK}_cg{CG} for each (DK, CG) of spec.FOLD_CG.
-// The price of replaying rows (H200, Qwen3-Next GDN shapes, n = K = 16, in CUDA graphs, `bench kernels`): 5.9 /
-// 24.9 / 178.7 us at batch 1 / 8 / 64 against 4.0 / 11.0 / 102.7 for the closed form over V' rows it replaced
-// (sum_i e^(gamma_n - gamma_i) k_i v'_i^T: one pass, but other fp32 roundings than n one-row steps); at K = 1
-// 3.4 / 13.0 / 93.4 against 3.6 / 10.3 / 80.4. The rows' serial dependence (u_i needs S_(i-1)) is the cost.
+// Rows are replayed one at a time rather than folded in closed form over V' rows (one pass, but other fp32
+// roundings than n one-row steps); the rows' serial dependence (u_i needs S_(i-1)) is the cost (docs/PERF.md).
 #define CH 16  // rows per shared-memory batch
 
 // Fold the first n[b] rows of fold data into pool[l, slot[b]] in place, every layer l in one launch, one row at a

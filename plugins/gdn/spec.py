@@ -26,15 +26,12 @@ KERNEL_DK = (64, 128)
 WY16_CG = {64: (1, 2), 128: (1, 2, 4)}  # column-group factors: a CTA owns 32*cg state columns
 FOLD_CG = {64: (1, 2), 128: (1, 2)}
 CHUNK_ROWS = (4, 8, 16)                  # chunk-row variants of gdn_wy16 (the smallest >= min(T, 16))
-# auto cg: the largest allowed one that still gives >= this many CTAs (H200: cg1 best at B=1, cg4 at B>=8)
+# auto cg: the largest allowed one that still gives >= this many CTAs (cg1 best at B=1, cg4 at B>=8; docs/PERF.md)
 AUTO_CG_MIN_CTAS = 256
 WY16_RPT = (32, 16, 8)  # state rows per thread: a CTA has 32 * (dk / rpt) * cg threads
 # rows-per-thread forms instantiated per (dk, cg): the narrow forms only at cg 1 (what a narrow grid runs)
 WY16_FORMS = {(dk, cg): WY16_RPT if cg == 1 else (32,) for dk, cgs in WY16_CG.items() for cg in cgs}
-# auto rpt by grid size and dk. H200, one gdn_wy16 call in a CUDA graph (us, p32 / p16 / p8): Qwen3.5 0.9B shape
-# (dk 128) at B=1 (128 CTAs) T=16 15.1 / 11.7 / 12.4, T=1 5.9 / 6.0 / 6.7; B=2 (256 CTAs) T=16 17.8 / 15.3 / 23.3;
-# trained pair (dk 64; 8 CTAs) T=16 18.0 / 11.3 / 9.8, T=1 5.3 / 4.8 / 5.0; batch 4 (32 CTAs) T=16 19.1 / 11.9 / 10.1;
-# batch 16 (128 CTAs) T=16 19.3 / 11.2 / 9.5, T=1 5.0 / 4.4 / 4.5; batch 4 prefill T=64 (32 CTAs) 77.7 / 42.9 / 34.6.
+# auto rpt by grid size and dk (one gdn_wy16 call per form and grid timed: docs/PERF.md).
 # Below a full grid the best form has 8 warps on each column tile (dk / rpt = 8): p16 at dk 128, p8 at dk 64.
 # The rule looks at the grid and dk only, never at T: a verify row and the decode of the same position then sum the
 # state's rows in one order (trained pair, bf16: their outputs are bit-identical given the same state;

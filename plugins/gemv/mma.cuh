@@ -74,9 +74,9 @@ __device__ __forceinline__ u16 swiglu_out(float gs, float us) {
 
 // Persistent: the grid is the CTAs the device holds at once (launch.py), each CTA walks tiles blockIdx.x,
 // + gridDim.x, ... and issues the next tile's first loads BEFORE the current tile's epilogue (partials to shared
-// memory, barrier, sum over warps, stores), so the weight stream does not pause for it (H200, 12352 x 2048 at 16
-// rows of x: 15.5 us against 16.9 with one CTA per tile; at 1 row no change). Static smem: the warps' partial tiles. Rows of w past N re-read row
-// N-1 and rows of x past M read zeros; neither is stored. y_f32: y is fp32 (logits), else x's dtype.
+// memory, barrier, sum over warps, stores), so the weight stream does not pause for it (figures: docs/PERF.md).
+// Static smem: the warps' partial tiles. Rows of w past N re-read row N-1 and rows of x past M read zeros;
+// neither is stored. y_f32: y is fp32 (logits), else x's dtype.
 // SWIGLU (the SwiGLU MLP's fused gate/up projection, w = [gate; up]): a tile is 8 gate rows and their 8 up rows
 // (mma_rows), the same products summed in the same order as the plain kernel's for those rows, and the epilogue
 // stores y [M, N/2] = silu(gate) * up (swiglu_out): no elementwise kernel between the MLP's two projections.
@@ -109,8 +109,8 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* _
     // A pass's loads are issued before its trip (consumed across the back edge, ptxas cannot sink them next to
     // their mma: it did when they sat in the loop body, 40 registers and one load in flight). Two stages of U/2
     // slots: a stage's loads for the next pass go out as soon as its mma is done, while the other stage's loads
-    // still fly, so the lane's U * (2 + NT) loads in flight never drain to zero at a pass boundary (a pass is
-    // ~2 us of a CTA's share of HBM at one CTA per SM: the drained wait was a third of an N = 2048 call).
+    // still fly, so the lane's U * (2 + NT) loads in flight never drain to zero at a pass boundary (a drained
+    // wait is a large share of a narrow call; docs/PERF.md).
     constexpr int H = U > 1 ? U / 2 : U;  // slots per stage
     for (int ch0 = warp * U;;) {
       const int next = ch0 + W * U;

@@ -7,25 +7,19 @@ gemv_swiglu(x [*, K], w [2I, K]) -> y [*, I] = silu(x @ gate.T) * (x @ up.T) for
 gate/up projection, each output rounded as eager torch rounds the unfused MLP): the same kernel body, its tile the
 gate rows and their up rows, silu * up made in the epilogue (mma.cuh SWIGLU); same limits on (rows, K), I >= 1.
 Why our own kernel: at 1-16 rows a projection is a pure weight stream, and cuBLAS's kernels for these shapes
-read the weights at 40-80% of the copy bandwidth on the H200 (a [1 x 4096] x [4096 x 2048] bf16 out_proj: ~10 us
-for 16.8 MB). gemv/mma.cuh keeps 8-16 weight loads of 16 bytes in flight per lane and multiplies on tensor
-cores; it reads 3.3-3.4 TB/s on the widest decode shapes (~80% of the copy rate; the CUDA-core 1-row kernel it
-replaced read 3.7, cuBLAS 3.2).
+read the weights well below the copy bandwidth; gemv/mma.cuh keeps 8-16 weight loads of 16 bytes in flight per
+lane and multiplies on tensor cores (figures: docs/PERF.md).
 Why ONE kernel for every row count: a verify step (K rows) and the decode step of the same token (1 row) then
 add the same products in the same order, so their projections agree bit for bit, and the bf16 KL between verify
-and decode logits is left to the ops that really differ (the GDN chunk form vs its recurrence). On the H200 the
-top-10 KL max over the trained pair's 24 bf16 prompts went from 1.26e-3 (cuBLAS verify, 1-row decode kernel) to
-3.1e-4, for ~8% of decode GEMV time on the widest shapes (the price of tensor-core fragments: a lane reads 64
-bytes of 8 rows per load instruction, not 512 bytes of one).
+and decode logits is left to the ops that really differ (the GDN chunk form vs its recurrence). The price: a lane
+of a tensor-core fragment reads 64 bytes of 8 rows per load instruction, not 512 bytes of one.
 """
 from __future__ import annotations
 
 from dflash_trt.plugins.opspec import OpSpec, Port, kernel_need, need
 
-# rows of x per call (two 8-row n-tiles of mma.m16n8k16); more rows go to cuBLAS. Running this kernel once per 16-row
-# group of a wider call (grid.y, weights re-read per group) lost to cuBLAS at 256 rows on the H200 (bf16, cold
-# weights, us ours / cuBLAS: 768x256 5.26 / 3.32, 1536x256 7.32 / 3.59; won only for 256x256 2.66 / 3.05) and made
-# the trained pair's batch-16 spec step slower (0.463 vs 0.406 ms busy).
+# rows of x per call (two 8-row n-tiles of mma.m16n8k16); more rows go to cuBLAS, which beats re-reading the
+# weights once per 16-row group (figures: docs/PERF.md).
 MAX_ROWS = 16
 CHUNK = 8           # 16-bit elements per 16-byte load: K must be a multiple
 MAX_K = 1 << 20     # int32 column indexing with margin
@@ -47,19 +41,16 @@ def check(rows: int, N: int, K: int, dtype: str) -> None:
 
 
 def warps(N: int, K: int) -> int:
-    """Warps per CTA of the mma kernel. A CTA takes 16 rows of w, so N <= 2048 makes at most 128 CTAs: fewer than
-    the H200's 132 SMs, one CTA (8 warps) per SM streaming. There 16 warps (U = 4) keep twice the loads in flight
-    per SM once K >= 2048 gives them work; H200, cold weights, us per call at 1 / 16 rows, 8 warps (U = 8) -> 16:
-    2048 x 2048 3.95 / 4.78 -> 3.80 / 4.43, 2048 x 4096 6.85 / 8.36 -> 6.21 / 7.46, 2048 x 6144 8.64 / 10.77 ->
-    8.08 / 10.10. Wider N stays at 8 (12352 x 2048 at 16 rows: 14.56 at 8 warps, 18.56 at 16)."""
+    """Warps per CTA of the mma kernel. A CTA takes 16 rows of w, so N <= 2048 makes fewer CTAs than a large GPU
+    has SMs; there 16 warps (U = 4) keep twice the loads in flight per SM once K >= 2048 gives them work. Wider N
+    stays at 8 (figures: docs/PERF.md)."""
     return NARROW_WARPS if N <= 2048 and K >= 2048 else WARPS
 
 
 def chunks_per_pass(N: int, K: int) -> int:
     """U: 32-column chunks a warp loads per pass (U * (2 + tiles of x) loads of 16 bytes in flight per lane):
     4 at 16 warps (warps()); at 8, one pass over K when K <= 1024 (all warps busy at small K), at most 8 (the
-    16-row kernel then takes 170 registers), and 4 for N >= 4096 at K = 2048, which measured faster at 1 and 16 rows
-    on the H200 (in_proj 12352 x 2048: 14.8 / 15.6 us at U = 4, 16.3 / 18.2 at U = 8)."""
+    16-row kernel then takes 170 registers), and 4 for N >= 4096 at K = 2048 (faster at 1 and 16 rows; docs/PERF.md)."""
     if warps(N, K) == NARROW_WARPS:
         return 4
     for u in (1, 2, 4):

@@ -1,7 +1,7 @@
 // MoeExperts for a decode step (N <= spec.DECODE_TOKENS tokens, 16-bit): every (token, k) pair p is a GEMV over
 // its expert's rows, streamed as the dense decode projections are (gemv/rows.cuh), instead of the grouped GEMM's
 // plan + tensor-core tiles. At N*k <= 32 pairs the experts rarely repeat, and the grouped kernels' fixed costs
-// (plan launch, 32-row CTAs with few k-steps each, smem reduction) made them run at half the HBM rate.
+// (plan launch, 32-row CTAs with few k-steps each, smem reduction) keep them well below the HBM rate (docs/PERF.md).
 // moe_dec_gate_up -> h [P, I] in x's dtype; moe_dec_down -> y [N, H] (the k-combine of moe_combine fused in, same
 // order). Pairs with an expert id outside [0, E) add nothing.
 #pragma once

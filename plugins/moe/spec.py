@@ -33,8 +33,7 @@ K_ALIGN = 32       # H and I must be multiples of this (32-column chunks of the 
 PLAN_THREADS = 1024
 DECODE_ROWS_PER_WARP = 2  # gemv/rows.cuh: weight rows a warp of the decode path streams together
 DECODE_TOKENS = 4   # at most this many tokens (16-bit): the per-pair GEMV path of decode.cuh
-ROUTE_THREADS = 256  # moe_route's CTA (fewer, a multiple of 32, when E is smaller); one warp measured slower on the
-                     # H200 at E=256, k=8 (8.75 vs 7.2 us a call)
+ROUTE_THREADS = 256  # moe_route's CTA (fewer, a multiple of 32, when E is smaller): beats one warp (docs/PERF.md)
 
 
 def check_dims(N, k, E, H, I) -> None:  # noqa: E741

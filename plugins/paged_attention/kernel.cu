@@ -196,8 +196,8 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
 }
 
 // One entry per (head dim, tile dtype, rows per CTA): the launcher picks the tile dtype (spec.tile_dtype) and R
-// (spec.rows_per_cta). One kernel that branched over the three dtypes at run time was 3x the code (530 KB of
-// SASS for hd64) and, with per-row branches in the score and P.V loops, 1.5-1.8x slower per call on the H200.
+// (spec.rows_per_cta). Not one kernel that branches over the three dtypes at run time: that is several times the
+// code and, with per-row branches in the score and P.V loops, slower per call (docs/PERF.md).
 // The full R (4 rows x 8 dims of acc per thread) fits a verify block; the small R a decode step's GQA group,
 // which at the full R computed 4x (hd128) to 32x (hd64, G=2) the rows it keeps.
 #define PAGED_ATTN(HD, TDN, TD, R, SUF)                                                     \
@@ -233,7 +233,7 @@ PAGED_ATTN_MMA_HD(256)
 // together), then the row's groups are summed in shared memory. spec.combine_groups picks ng and rpc =
 // COMBINE_THREADS / (ng * hd/4): one row per CTA for a few rows; for many (a batch's verify block, a few splits each)
 // the fewest groups whose first CB loads cover the splits, so they take a few CTAs rather than one 256-thread CTA per
-// row with most groups idle (H200, trained pair bf16, batch-16 spec step: 1024 rows of 8 splits, 5.55 -> 2.9 us).
+// row with most groups idle (figures: docs/PERF.md, `combine_groups`).
 // nsplit <= MAX_SPLITS and rpc * nsplit <= MAX_SPLITS (spec.py).
 #define CB COMBINE_LOADS
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) paged_attention_combine(

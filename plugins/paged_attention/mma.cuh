@@ -1,6 +1,6 @@
 // The split pass of paged attention on tensor cores (mma.sync.m16n8k16, bf16 or f16 q and K/V tiles, fp32
-// accumulation), for verify and drafter blocks: the CUDA-core pass (kernel.cu) spent ~45 us a call at 8k cached rows
-// on fp32 FMAs and shared-memory reads of a 16-row verify block, 44x its bytes floor (H200).
+// accumulation), for verify and drafter blocks: the CUDA-core pass (kernel.cu) spends a 16-row verify block's time
+// on fp32 FMAs and shared-memory reads, far above its bytes floor (figures: docs/PERF.md).
 // Same CTA share, key tiles, pipeline, online softmax (exp2 domain) and outputs as the CUDA-core pass; R = 16 * NW
 // query rows per CTA, warp w owning rows 16w .. 16w + 15 (FlashAttention-2's layout):
 //   S = Q K^T: A = Q rows from shared memory (ldmatrix), B = K tile rows (ldmatrix), then scaled by scale * log2(e)

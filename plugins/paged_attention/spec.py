@@ -22,8 +22,8 @@ from dflash_trt.plugins.opspec import (FLOATS, INTS, Attr, OpSpec, Port, check_f
 
 KERNEL_HD = (64, 128, 256)  # head dims the attention kernel is instantiated for
 NT, KT = 128, 32            # kernel tiling: threads per CTA, keys per K/V tile (kernel.cu)
-# Split-KV plan: enough (key split x row group x kv head x batch) CTAs for about two waves of an H200's
-# 132 SMs, from shapes only (never from kv_len), so the grid and the workspace are fixed for a captured graph.
+# Split-KV plan: enough (key split x row group x kv head x batch) CTAs for about two waves of a 132-SM GPU, from
+# shapes only (never from kv_len), so the grid and the workspace are fixed for a captured graph.
 SPLIT_CTAS = 256
 MAX_SPLITS = SPLIT_CTAS     # split_plan never plans more (the combine pass keeps (max, sum) of each in smem)
 COMBINE_THREADS = 256
@@ -111,9 +111,7 @@ def combine_groups(nsplit: int, hd: int, rows: int) -> tuple:
     row, rpc rows per CTA = COMBINE_THREADS / (ng * hd/4); rpc * nsplit <= MAX_SPLITS (the CTA's rows keep their
     (max, sum) pairs in shared memory). Up to COMBINE_PACK_ROWS rows: one row per CTA, all its threads on it. Above:
     the fewest groups (a power of two) whose first COMBINE_LOADS loads cover the splits, so a batch's verify block
-    takes a few CTAs. H200, trained pair bf16 (hd 64), µs a call one row per CTA -> packed: 1024 rows of 8 splits
-    (batch-16 verify) 5.55 -> 2.9; 64 rows of 32 splits (batch-1 verify) 2.7 -> 3.0; 4 rows of 32 (batch-1 decode)
-    2.4 -> 2.9; 64 rows of 8 (batch-16 decode) 2.7 both."""
+    takes a few CTAs (packing pays only for many rows; figures: docs/PERF.md)."""
     tpg = hd // 4
     ng = COMBINE_THREADS // tpg
     if rows > COMBINE_PACK_ROWS:

@@ -44,8 +44,8 @@ struct CtaShare {
     k0 = max(split * S, cta_lo);
     k1 = split == nsplit - 1 ? cta_lim : min(split * S + S, cta_lim);  // the last split takes any rest
   }
-  // logical row p -> its page index and row within the page: shifts for a power-of-two block size (ncu, 8k decode:
-  // the prologue, page ids and copy addresses, a division per key among them, were 31% of the instructions executed)
+  // logical row p -> its page index and row within the page: shifts for a power-of-two block size (a division per
+  // key made the prologue a large share of the instructions executed; docs/PERF.md)
   __device__ __forceinline__ int page_of(const AttnArgs& a, int p) const {
     return bsh >= 0 ? p >> bsh : p / a.block_size;
   }

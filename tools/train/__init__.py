@@ -32,25 +32,15 @@ sources are the corpus. Stages (`python -m dflash_trt.tools.train STAGE`):
             files (the `def` line + first body line, like the held-out prompts): the regime generate,
             demo and the tests run in (short context, first ~64 tokens). The GPU stage's generic data
             (random windows, 320-token continuations that end up in repetitive loops) gives a high
-            offline tau (~9.5) there but only ~2.4 at the start of a function. CPU-friendly; reports the
+            offline tau there but a low one at the start of a function. CPU-friendly; reports the
             exact offline replay of greedy speculative decoding.                          (tune.py)
   all       prepare + train + finalize + the SHIPPED_TUNES (tune.py) in one go (one machine).
 
-How models/ was made (models/train_log.json holds every figure; these runs used the predecessor of this
-package, tools/train_tiny.py, with the same stages, arguments, defaults and seeds):
-  prepare (CPU, Python 3.11.7 stdlib)
-  train on one H200: target 1456 steps (190 s budget; the held-out-best snapshot of step 900 kept);
-      that run's drafter stage hit an anchor rounding bug (fixed), so the drafter was trained in a
-      second run `train --init-target <run 1>/target --drafter-seconds 90 --held-prompt-lens 8,32`
-      (4535 steps); finalize --src <run 2> --target-src <run 1>
-  tune x len(SHIPPED_TUNES), in place (--models models), with the arguments listed there: two on CPU
-      (held-out function starts, replayed tau at 64 new tokens: 2.58 -> 3.14, then 3.23 -> 3.63), then
-      one on an H200 from a snippets file written on the CPU (the corpus is the 3.11.7 stdlib; the H200
-      has another Python): replayed tau at 128 new tokens, pooled, fp32 3.68 -> 4.23, bf16 3.66 -> 4.21.
-  The shipped pair: held-out target loss 1.919 (ppl 6.82); drafter offline tau 9.51 on the GPU
-  stage's data.
+How models/ was made: prepare, finalize and the first two tunes on the CPU, train and the last tune on one
+GPU, with the stages, arguments, defaults and seeds of the commands below; the drafter was trained in a second
+`train` run from the first run's target (models/train_log.json holds every figure, docs/PERF.md the runs).
 
-The same, as commands (the budgets' step counts pinned: both fits happen at step 40, inside the
+As commands (the budgets' step counts pinned: both fits happen at step 40, inside the
 warmup, so a pinned run has the same LR schedule; GPU bf16 training is not bit-reproducible):
   T="python -m dflash_trt.tools.train"
   $T prepare --work .train_data --prompts-out tests/prompts_heldout.txt

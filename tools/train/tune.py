@@ -28,7 +28,7 @@ from dflash_trt.tools.train.save import save_dir
 SHIPPED_TUNES = [
     dict(n_train=6144, n_lengths=8, steps=1800, lr=1e-3, decay_gamma=7.0, seed=0),
     dict(n_train=12288, n_lengths=24, steps=2400, lr=7e-4, decay_gamma=5.0, seed=1),
-    # on one H200: every length, 144 labels (the bench's 128 new tokens), data from the fp32 and the bf16 target
+    # on a GPU: every length, 144 labels (the bench's 128 new tokens), data from the fp32 and the bf16 target
     dict(n_train=28000, n_lengths=0, n_new=144, replay=128, dtypes=("float32", "bfloat16"), seconds=180, batch=64,
          anchors=16, lr=8e-4, decay_gamma=7.0, seed=2),
 ]
