@@ -106,9 +106,35 @@ def _trt_executor():
 
 
 def run(a) -> int:
+    if not _can_run(a):
+        return 2
+    import torch
+
+    from dflash_trt.tools.bench import hardware
+
+    random = a.model == RANDOM_0P9B
+    dname = a.dtype or ("bfloat16" if random else "float32")
+    batches = [int(b) for b in a.batch.split(",")]
+    temps = [float(t) for t in getattr(a, "temperatures", "").split(",") if t.strip()]
+    rt, dev, target, drafter, hf, sizes = _runtime(a, random, dname, getattr(torch, dname))
+    prompts = _prompts(a, target.cfg.vocab_size)
+    res = {"hardware": hardware("cuda"), "model": a.model, "drafter": a.drafter or (RANDOM_0P9B if random else None),
+           "dtype": dname, "max_new_tokens": a.max_new_tokens, "batches": batches}
+    res["copy_bandwidth_GBps"] = bw = copy_bandwidth_gbs(dev)
+    _prefill_and_step_latency(rt, dev, a, sizes, target.cfg.vocab_size, res)
+    res["floor_ms"], res["floor_tok_s"] = floor_tok_s(SimpleNamespace(backend=SimpleNamespace(target=target),
+                                                                      pools=rt.pools), 128, bw)
+    rows = _decode_rows(rt, prompts, batches, temps, a, drafter is not None)
+    print(file=sys.stderr)
+    _finish(a, res, rt, prompts, rows, hf, len(target.layers), random)
+    return 0
+
+
+def _can_run(a) -> bool:
+    """Refusals before any GPU work: one line (exit 2) where engines or CUDA cannot run."""
     from dflash_trt.runtime.devices.cuda import CudaUnavailable, require_cuda
 
-    if getattr(a, "backend", "torch") == "trt":  # one line (exit 2) where engines cannot run, before any GPU work
+    if getattr(a, "backend", "torch") == "trt":
         from dflash_trt.engines.load import check_can_execute
         from dflash_trt.runtime.load import UsageError
 
@@ -119,37 +145,36 @@ def run(a) -> int:
         require_cuda()
     except CudaUnavailable as e:
         print(f"dflash-trt bench e2e: error: {e}", file=sys.stderr)
-        return 2
-    import torch
+        return False
+    return True
 
+
+def _runtime(a, random: bool, dname: str, dtype):
+    """(rt, dev, target, drafter, hf, sizes): the pair loaded or built on the GPU, a Runtime over its backend."""
     from dflash_trt.abi import PoolSizes
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
     from dflash_trt.runtime.devices.cuda import CudaDevice
     from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.runtime import Runtime
-    from dflash_trt.tools.bench import hardware
 
-    random = a.model == RANDOM_0P9B
-    dname = a.dtype or ("bfloat16" if random else "float32")
-    dtype = getattr(torch, dname)
     dev = CudaDevice()
     target, drafter, hf = (build_random_pair(dtype, dev.device) if random
                            else load_pair(a.model, a.drafter, dtype, dev.device))
-    batches = [int(b) for b in a.batch.split(",")]
-    temps = [float(t) for t in getattr(a, "temperatures", "").split(",") if t.strip()]
     sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=32, dkv_blocks=16 * 64 + 64,
                       ctx_window=1024, prefill_chunk=64)
     be = _backend(a, target, drafter, sizes, dev, dname)
     rt = Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes, device=dev, gate=Gate(min_rate=0.0),
                  executor=None if isinstance(be, TorchBackend) else _trt_executor())
     rt.executor.on_capture = _progress
-    prompts = _prompts(a, target.cfg.vocab_size)
-    res = {"hardware": hardware("cuda"), "model": a.model, "drafter": a.drafter or (RANDOM_0P9B if random else None),
-           "dtype": dname, "max_new_tokens": a.max_new_tokens, "batches": batches}
-    res["copy_bandwidth_GBps"] = bw = copy_bandwidth_gbs(dev)
+    return rt, dev, target, drafter, hf, sizes
 
-    # prefill: one 512-token prompt, chunked through the prefill graph
-    long = [int(t) for t in np.random.default_rng(1).integers(0, target.cfg.vocab_size - 1, 512)]
+
+def _prefill_and_step_latency(rt, dev, a, sizes, vocab: int, res: dict) -> None:
+    """Prefill tok/s of one 512-token prompt, chunked through the prefill graph (the first of two runs captures);
+    torch backend: the per-K target step latency on its 512-row context. Into res."""
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+
+    long = [int(t) for t in np.random.default_rng(1).integers(0, vocab - 1, 512)]
     for rep in range(2):  # the first captures
         seq = rt.add_sequence(long)
         dev.synchronize()
@@ -160,36 +185,46 @@ def run(a) -> int:
         dev.synchronize()
         res["prefill_tok_s"] = 512 / (dev.elapsed_ms(e0, e1) * 1e-3)
         if rep == 1 and isinstance(rt.backend, TorchBackend):  # per-K target step latency, 512-row context
-            lat = {}
-            from dflash_trt.runtime import commit
-
-            commit.reserve(seq, 16, rt.kv_alloc, sizes.page_size)
-            for K in parse_step_ks(a.step_ks):
-                lat[K] = step_latency_ms(rt, seq, K)
-            res["step_latency_ms"], res["step16_over_step1"] = lat, lat[16] / lat[1]
-            if rt.backend.compile_steps:  # the compiled step at the two widths the targets name
-                res["step_latency_compiled_ms"] = {K: step_latency_ms(rt, seq, K, compiled=True) for K in (1, 16)}
-                c = res["step_latency_compiled_ms"]
-                res["step16_over_step1"] = c[16] / c[1]
+            _step_latency(rt, seq, a, sizes, res)
         rt.release(seq)
     res.setdefault("step_latency_ms", {})  # trt: the torch target's step latency is not the engines'
     res.setdefault("step16_over_step1", float("nan"))
-    res["floor_ms"], res["floor_tok_s"] = floor_tok_s(SimpleNamespace(backend=SimpleNamespace(target=target),
-                                                                      pools=rt.pools), 128, bw)
 
+
+def _step_latency(rt, seq, a, sizes, res: dict) -> None:
+    from dflash_trt.runtime import commit
+
+    lat = {}
+    commit.reserve(seq, 16, rt.kv_alloc, sizes.page_size)
+    for K in parse_step_ks(a.step_ks):
+        lat[K] = step_latency_ms(rt, seq, K)
+    res["step_latency_ms"], res["step16_over_step1"] = lat, lat[16] / lat[1]
+    if rt.backend.compile_steps:  # the compiled step at the two widths the targets name
+        res["step_latency_compiled_ms"] = {K: step_latency_ms(rt, seq, K, compiled=True) for K in (1, 16)}
+        c = res["step_latency_compiled_ms"]
+        res["step16_over_step1"] = c[16] / c[1]
+
+
+def _decode_rows(rt, prompts, batches, temps, a, spec: bool) -> list:
+    """One row per batch: plain and (with a drafter) DFlash, greedy and at each sampling temperature."""
     rows = []
     for b in batches:
         row = {"batch": b, "plain": _decode(rt, prompts, b, a, spec=False)}
-        if drafter is not None:
+        if spec:
             row["dflash"] = _decode(rt, prompts, b, a, spec=True)
             row["identical"] = sum(x == y for x, y in zip(row["plain"]["tokens"], row["dflash"]["tokens"]))
             row["n_seqs"] = len(row["plain"]["tokens"])
         for T in temps:  # sampling: plain vs DFlash (rejection sampling keeps the target's distribution)
             row[f"plain_T{T:g}"] = _decode(rt, prompts, b, a, spec=False, temperature=T)
-            if drafter is not None:
+            if spec:
                 row[f"dflash_T{T:g}"] = _decode(rt, prompts, b, a, spec=True, temperature=T)
         rows.append(row)
-    print(file=sys.stderr)
+    return rows
+
+
+def _finish(a, res: dict, rt, prompts, rows, hf, layers: int, random: bool) -> None:
+    """The optional kernel profile and HF baseline, the rows without their tokens, the targets; print, write."""
+    batches = res["batches"]
     if a.profile:
         res["profile"] = kernel_profile(rt, prompts)
         if max(batches) > 1:  # and the widest batch's steps: where batching's time goes
@@ -198,12 +233,11 @@ def run(a) -> int:
     res["rows"] = [{k: ({kk: vv for kk, vv in v.items() if kk != "tokens"} if isinstance(v, dict) else v)
                     for k, v in r.items()} for r in rows]
     res["eager_keys"] = sorted(map(str, rt.executor.eager_keys))
-    res["layers"], res["compiled"] = len(target.layers), bool(getattr(rt.backend, "compile_steps", False))
+    res["layers"], res["compiled"] = layers, bool(getattr(rt.backend, "compile_steps", False))
     res["targets"] = targets(res, random)
     print_table(res)
     if a.json:
         write_json(a.json, res)
-    return 0
 
 
 def targets(res, random: bool) -> dict:
