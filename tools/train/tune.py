@@ -160,7 +160,36 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
         tr_sn, he_sn = sn["train"][:n_train], sn["heldout"][:n_held]
     else:
         tr_sn, he_sn = choose_snippets(work, tok, n_train, n_held, n_lengths, seed)
-    with open(os.path.join(tdir, "model.safetensors"), "rb") as f:
+    train_data, held = _cached_data(models, work, target, tok, tr_sn, he_sn, n_new, dtypes, dev, log)
+
+    before = _report(drafter, held, mask_id, replay, n_new, log, "before")
+    step, tune_s = _fit(drafter, train_data, mask_id, n_new, steps, batch, anchors, lr, seed, decay_gamma, seconds,
+                        dev, log)
+    round_bf16_(drafter)
+    after = _report(drafter, held, mask_id, replay, n_new, log, "after")
+    acc, _, _ = eval_drafter(drafter, held[dtypes[0]], mask_id, dev)
+    log(f"per-position accuracy ({dtypes[0]} held-out) " + " ".join(f"{a:.2f}" for a in acc))
+    save_dir(drafter, dcfg_d, os.path.join(out, "drafter"))
+    rep = dict(device=str(dev), init_drafter=ddir, n_train=train_data[0].shape[0],
+               prompt_lengths=None if snippets else n_lengths, seed=seed, loss_decay_gamma=decay_gamma,
+               n_held=len(he_sn), new_tokens=n_new, data_dtypes=list(dtypes),
+               replay_new_tokens=replay, snippets_file=snippets, steps=step,
+               batch_seqs=batch, anchors_per_seq=anchors, peak_lr=lr, seconds=round(tune_s, 1),
+               heldout_replayed_tau_before=before, heldout_replayed_tau_after=after,
+               heldout_position_accuracy=acc, events=log.data["events"])
+    lp, lg = os.path.join(out, "train_log.json"), {}
+    if os.path.isfile(lp):
+        with open(lp) as f:
+            lg = json.load(f)
+    lg["drafter_tunes"] = lg.get("drafter_tunes", []) + [rep]  # one entry per tune run, in order
+    with open(lp, "w") as f:
+        json.dump(lg, f, indent=1)
+    return rep
+
+
+def _cached_data(models, work, target, tok, tr_sn, he_sn, n_new, dtypes, dev, log):
+    """_data's (train_data, held), from work/tune_data_<key>.safetensors when an earlier run left it there."""
+    with open(os.path.join(models, "target", "model.safetensors"), "rb") as f:
         key = hashlib.sha1(json.dumps([tr_sn, he_sn, n_new, list(dtypes)]).encode() + f.read()).hexdigest()[:12]
     cache = os.path.join(work, f"tune_data_{key}.safetensors")  # the continuations depend only on target + snippets
     if os.path.isfile(cache):
@@ -170,15 +199,19 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
         train_data, held = _data(models, target, tok, tr_sn, he_sn, n_new, dtypes, dev, log)
         if train_data[2].numel() * 2 < 2**32 and os.path.isdir(work):  # a GPU-sized set is cheaper to remake
             _save_data(cache, train_data, held)
+    return train_data, held
 
-    def report(when):
-        taus = {k: simulate_tau(drafter, d, mask_id, replay, n_new) for k, d in held.items()}
-        log(f"drafter {when} tune: held-out function starts, replayed tau ({replay} new) " +
-            ", ".join(f"{k} mean {t[0]:.2f} pooled {t[1]:.2f}" for k, t in taus.items()))
-        return taus if len(taus) > 1 else next(iter(taus.values()))  # one dtype: the old record's [mean, pooled]
 
-    before = report("before")
+def _report(drafter, held, mask_id, replay, n_new, log, when):
+    """The replayed held-out tau per data dtype, logged; one dtype: its [mean, pooled] alone."""
+    taus = {k: simulate_tau(drafter, d, mask_id, replay, n_new) for k, d in held.items()}
+    log(f"drafter {when} tune: held-out function starts, replayed tau ({replay} new) " +
+        ", ".join(f"{k} mean {t[0]:.2f} pooled {t[1]:.2f}" for k, t in taus.items()))
+    return taus if len(taus) > 1 else next(iter(taus.values()))
 
+
+def _fit(drafter, train_data, mask_id, n_new, steps, batch, anchors, lr, seed, decay_gamma, seconds, dev, log):
+    """The fine-tune's training loop (AdamW, cosine LR; `seconds` fits the step count): (steps run, seconds)."""
     seqs, plens, ctx = train_data
     N = seqs.shape[0]
     w = loss_weights(decay_gamma, dev)
@@ -204,23 +237,4 @@ def tune(models: str, work: str, out: str | None = None, n_train: int = 6144, n_
         optimizer_step(opt, drafter, loss)
         step += 1
         log_step(log, clock, "tune", step, loss, 50)
-    tune_s = time.time() - t0
-    round_bf16_(drafter)
-    after = report("after")
-    acc, _, _ = eval_drafter(drafter, held[dtypes[0]], mask_id, dev)
-    log(f"per-position accuracy ({dtypes[0]} held-out) " + " ".join(f"{a:.2f}" for a in acc))
-    save_dir(drafter, dcfg_d, os.path.join(out, "drafter"))
-    rep = dict(device=str(dev), init_drafter=ddir, n_train=N, prompt_lengths=None if snippets else n_lengths,
-               seed=seed, loss_decay_gamma=decay_gamma, n_held=len(he_sn), new_tokens=n_new, data_dtypes=list(dtypes),
-               replay_new_tokens=replay, snippets_file=snippets, steps=step,
-               batch_seqs=batch, anchors_per_seq=anchors, peak_lr=lr, seconds=round(tune_s, 1),
-               heldout_replayed_tau_before=before, heldout_replayed_tau_after=after,
-               heldout_position_accuracy=acc, events=log.data["events"])
-    lp, lg = os.path.join(out, "train_log.json"), {}
-    if os.path.isfile(lp):
-        with open(lp) as f:
-            lg = json.load(f)
-    lg["drafter_tunes"] = lg.get("drafter_tunes", []) + [rep]  # one entry per tune run, in order
-    with open(lp, "w") as f:
-        json.dump(lg, f, indent=1)
-    return rep
+    return step, time.time() - t0
