@@ -24,18 +24,15 @@ class PoolExhausted(RuntimeError):
         )
 
 
-class BlockAllocator:
-    """Refcounted page allocator. Free list is a deque; refcounts a numpy int32 array.
+class _FreeList:
+    """Ids 0..n-1 and the free list of those not in use (each id at most once); the pools add per-id state."""
 
-    A block is free iff its refcount is 0 (and then it is in the free list exactly once).
-    """
-
-    def __init__(self, num_blocks: int, name: str = "kv pages"):
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+    def __init__(self, n: int, name: str, what: str):
+        if n < 0:
+            raise ValueError(f"{what} must be >= 0, got {n}")
         self.name = name
-        self._free: deque[int] = deque(range(int(num_blocks)))
-        self._ref = np.zeros(int(num_blocks), dtype=np.int32)
+        self._free: deque[int] = deque(range(int(n)))
+        self._total = int(n)
 
     @property
     def num_free(self) -> int:
@@ -43,7 +40,18 @@ class BlockAllocator:
 
     @property
     def num_total(self) -> int:
-        return int(self._ref.shape[0])
+        return self._total
+
+
+class BlockAllocator(_FreeList):
+    """Refcounted page allocator. Free list is a deque; refcounts a numpy int32 array.
+
+    A block is free iff its refcount is 0 (and then it is in the free list exactly once).
+    """
+
+    def __init__(self, num_blocks: int, name: str = "kv pages"):
+        super().__init__(num_blocks, name, "num_blocks")
+        self._ref = np.zeros(int(num_blocks), dtype=np.int32)
 
     def refcount(self, block: int) -> int:
         return int(self._ref[block])
@@ -99,23 +107,12 @@ class BlockAllocator:
                 self._free.append(x)
 
 
-class SlotPool:
+class SlotPool(_FreeList):
     """Fixed slots (GDN state / conv state per sequence). alloc() -> int, free(slot)."""
 
     def __init__(self, num_slots: int, name: str = "slots"):
-        if num_slots < 0:
-            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
-        self.name = name
-        self._free: deque[int] = deque(range(int(num_slots)))
+        super().__init__(num_slots, name, "num_slots")
         self._used = np.zeros(int(num_slots), dtype=bool)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_total(self) -> int:
-        return int(self._used.shape[0])
 
     def alloc(self) -> int:
         if not self._free:

@@ -43,9 +43,7 @@ SPEC = OpSpec(
     outputs=(Port("y", "x", "[B,T,C]"),),
     attrs=(),
     groups={"x": FLOATS, "s": FLOATS, "w": FLOATS},
-    output_shapes=_output_shapes,
-    check_shapes=_check_shapes,
-    check_kernel=_check_kernel,
+    output_shapes=_output_shapes, check_shapes=_check_shapes, check_kernel=_check_kernel,
     doc="depthwise causal conv over T new columns after the W-1 previous ones, + SiLU",
     cuda_defines={"MAXW": KERNEL_MAX_W},
 )

@@ -106,9 +106,7 @@ SPEC = OpSpec(
              Port("beta_f32", "f32", "[B,T,Hv]")),
     attrs=(Attr("scale", "float", 0.0, "0: dk ** -0.5"),),
     groups={"x": FLOATS, "g": FLOATS, "f32": STATE_DTYPES},
-    output_shapes=_output_shapes,
-    check_shapes=_check_shapes,
-    check_kernel=_check_kernel,
+    output_shapes=_output_shapes, check_shapes=_check_shapes, check_kernel=_check_kernel,
     doc="gated delta rule over T tokens in chunks of 16 from a read-only state",
     cuda_defines={"L2EPS": f"{L2NORM_EPS!r}f"},
 )

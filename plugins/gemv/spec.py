@@ -95,9 +95,7 @@ SPEC = OpSpec(
     outputs=(Port("y", "x", "[*,N]"),),
     attrs=(),
     groups={"x": DTYPES},
-    output_shapes=_output_shapes,
-    check_shapes=_check_shapes,
-    check_kernel=_check_kernel,
+    output_shapes=_output_shapes, check_shapes=_check_shapes, check_kernel=_check_kernel,
     doc="x @ w.T for 1-16 rows of x (decode and verify projections)",
     cuda_defines={"GEMV_WARPS": WARPS, "GEMV_NARROW_WARPS": NARROW_WARPS},
 )
