@@ -3,8 +3,8 @@
 Graphs (DESIGN §4, names/io from dflash_trt.abi): target_k{K} per K, target_prefill, drafter_ctx,
 drafter_block. Each is traced with torch.onnx.export(dynamo=True); the three custom ops become
 `dflash::<Op>` nodes (the op seam, plugins/ops.py) and their FunctionProto bodies are appended afterwards
-(plugins/onnx_functions.py, each op's onnx_body.py). Every graph is checked with onnx.checker (full_check) and against the
-ABI; weights go to external data when a graph passes 2 GB.
+(plugins/onnx_functions.py, each op's onnx_body.py). Every graph is checked with onnx.checker (full_check) and
+against the ABI; weights go to external data when a graph passes 2 GB.
 
 Python: export_graphs(model_dir, drafter_dir, out_dir, ks, sizes) -> Manifest;
         ensure_export(...) reuses a cached export keyed by checkpoint hashes + settings + exporter source.

@@ -47,7 +47,7 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-// warp_sum / warp_max of N values at once, their shuffle rounds interleaved: 5 dependent rounds for all N, not per value
+// warp_sum / warp_max of N values at once, their shuffle rounds interleaved: 5 dependent rounds for all N
 template <int N>
 __device__ __forceinline__ void warp_sum_n(float (&v)[N]) {
 #pragma unroll

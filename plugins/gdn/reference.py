@@ -58,7 +58,8 @@ def _prep(q, k, v, g, beta, state, scale):
 
 def _recurrent_row(S, k_hat, v, g, beta):
     """One token of the gated delta rule per v-head (the update gdn_recurrent and gdn_fold share):
-    S' = e^g S; u = beta (v - S'^T k̂); S = S' + k̂ u^T. S [B,Hv,dk,dv]; k_hat [B,Hv,dk]; v [B,Hv,dv]; g, beta [B,Hv]."""
+    S' = e^g S; u = beta (v - S'^T k̂); S = S' + k̂ u^T.
+    S [B,Hv,dk,dv]; k_hat [B,Hv,dk]; v [B,Hv,dv]; g, beta [B,Hv]."""
     S = S * torch.exp(g)[..., None, None]
     u = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", S, k_hat))
     return S + k_hat[..., :, None] * u[..., None, :]

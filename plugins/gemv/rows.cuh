@@ -1,6 +1,7 @@
-// Weight-row streaming of MoE's decode path (moe/decode.cuh): one warp computes dot products of GEMV_RPW rows of a 16-bit matrix w [*, K] with M <= MT rows of x staged
-// in shared memory, keeping U 16-byte loads per row in flight per lane before any FMA (the weights are the
-// only large stream of a decode step, so what matters is the number of loads in flight).
+// Weight-row streaming of MoE's decode path (moe/decode.cuh): one warp computes dot products of GEMV_RPW rows
+// of a 16-bit matrix w [*, K] with M <= MT rows of x staged in shared memory, keeping U 16-byte loads per row
+// in flight per lane before any FMA (the weights are the only large stream of a decode step, so what matters is
+// the number of loads in flight).
 #pragma once
 #include "common.cuh"
 #ifndef GEMV_WARPS
@@ -35,9 +36,9 @@ __device__ __forceinline__ void load_pass(uint4 (&wv)[R][U], const uint4* const 
   }
 }
 
-// acc[r][m] = w[row0 + r] . xs[m] for the R rows of wr (rows clamped to N-1: the caller stores only rows < N), fp32, reduced over the
-// warp (every lane holds the sums). w_first: the first pass's loads, issued by the caller BEFORE it staged xs
-// and synchronised (so they overlap the staging). nch = K / 8; xs [M][nch] 16-byte chunks.
+// acc[r][m] = w[row0 + r] . xs[m] for the R rows of wr (rows clamped to N-1: the caller stores only rows < N),
+// fp32, reduced over the warp (every lane holds the sums). w_first: the first pass's loads, issued by the caller
+// BEFORE it staged xs and synchronised (so they overlap the staging). nch = K / 8; xs [M][nch] 16-byte chunks.
 template <int MT, bool F16, int R, int U>
 __device__ __forceinline__ void rows_dot(uint4 (&wv)[R][U], const uint4* const (&wr)[R], const uint4* __restrict__ xs,
                                          int M, int nch, int lane, float (&acc)[R][MT]) {
