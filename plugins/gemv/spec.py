@@ -41,9 +41,9 @@ def check(rows: int, N: int, K: int, dtype: str) -> None:
 
 
 def warps(N: int, K: int) -> int:
-    """Warps per CTA of the mma kernel. A CTA takes 16 rows of w, so N <= 2048 makes fewer CTAs than a large GPU
-    has SMs; there 16 warps (U = 4) keep twice the loads in flight per SM once K >= 2048 gives them work. Wider N
-    stays at 8 (figures: docs/PERF.md)."""
+    """Warps per CTA of the mma kernel. A CTA takes 16 rows of w, so N <= 2048 makes at most 128 CTAs: fewer than
+    a 132-SM GPU has SMs, one CTA (8 warps) per SM streaming. There 16 warps (U = 4) keep twice the loads in flight
+    per SM once K >= 2048 gives them work. Wider N stays at 8 (figures: docs/PERF.md)."""
     return NARROW_WARPS if N <= 2048 and K >= 2048 else WARPS
 
 
