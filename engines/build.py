@@ -137,7 +137,7 @@ def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=
     progress = progress or (lambda *_: None)
     man = Manifest.load(manifest_dir)
     names = select_graphs(man, ks, graphs)
-    claim(man.root, "export", [], BuildError)  # an export dflash-trt did not write is refused before any build
+    claim(man.root, "export", [], BuildError)  # an export we did not write: refused before any build
     gpu = local_gpu_cc()
     ccs = resolve_ccs(parse_cc(target_cc) if target_cc else None, gpu)
     maxb = int(max_batch if max_batch is not None else (man.batch if isinstance(man.batch, int) else man.sizes.max_seqs))
@@ -191,7 +191,7 @@ def ensure_engines(manifest_dir: str, graphs=None, progress=log.progress) -> Man
         need = []
         for g in graphs or man.graphs:
             try:
-                check_engine(man, g, allow_unsupported_shapes=True)  # kernel-shape refusals stay with load_engine
+                check_engine(man, g, allow_unsupported_shapes=True)  # kernel-shape refusals: load_engine's
             except EngineError:
                 need.append(g)
         return need

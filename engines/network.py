@@ -133,7 +133,7 @@ def resolve_ccs(requested, gpu_cc) -> list:
             if gpu_cc == (9, 0):
                 raise BuildError("this GPU is CC 9.0 (Hopper), which TensorRT-RTX does not run on: pass --target-cc "
                                  "(e.g. 86,89,120) to build for other GPUs, or use full TensorRT for Hopper")
-            requested = ["current"] if gpu_cc else kernel_ok  # no GPU: every CC TensorRT-RTX and our kernels run
+            requested = ["current"] if gpu_cc else kernel_ok  # no GPU: every CC both run
         if requested == ["current"]:
             if gpu_cc is None:
                 raise BuildError("--target-cc current: no CUDA GPU here; name the CCs, e.g. --target-cc 86,89,120")

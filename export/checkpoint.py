@@ -15,7 +15,7 @@ from safetensors import safe_open
 from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, read_json
 from dflash_trt.hashing import sha256_files
 
-if TYPE_CHECKING:  # torch only where weights load: the ORT path hashes checkpoints and reads tokenizers without it
+if TYPE_CHECKING:  # torch only where weights load (the ORT path needs none)
     import torch
 
     from dflash_trt.modeling.drafter import Drafter

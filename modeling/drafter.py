@@ -81,7 +81,7 @@ class Drafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False)
-        self._target = ()  # (embed_tokens, lm_head) borrowed from the target; a tuple keeps them out of state_dict
+        self._target = ()  # the target's embed_tokens, lm_head: a tuple keeps them out of state_dict
 
     def bind_target(self, target) -> "Drafter":
         """Borrow the target's embedding and lm_head, and make the target emit this drafter's taps."""

@@ -129,7 +129,7 @@ class CtxWindow:
         """Record n written rows (absolute positions: an array, or a range as the commit path passes them), advance
         end, slide if over capacity."""
         n = int(n)
-        if isinstance(positions, range) and positions.step == 1:  # contiguous by construction: no numpy checks
+        if isinstance(positions, range) and positions.step == 1:  # contiguous: no numpy checks
             pos, first, count = None, positions.start, len(positions)
         else:
             pos = np.asarray(positions, dtype=np.int64).reshape(-1)

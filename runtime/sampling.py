@@ -163,7 +163,7 @@ def probs(logits, temperature, top_k, top_p, min_p):
     keep = (k <= 0) | (rank < k)
     ps = ps * keep
     tp = top_p.to(torch.float32).view(shape)
-    before = cumsum_last(ps) - ps  # mass of the higher-ranked kept tokens: keep the smallest set reaching top_p
+    before = cumsum_last(ps) - ps  # mass ranked above: the smallest set reaching top_p
     keep = keep & ((tp >= 1) | (before < tp * ps.sum(-1, keepdim=True)))
     ps = ps * keep
     keep = keep & (ps >= min_p.to(torch.float32).view(shape) * ps[..., :1])

@@ -339,7 +339,7 @@ def restore_sequence(rt, path: str) -> Sequence:
     meta, a = _load_checked(rt, path)
     s, c = meta["seq"], meta["ctx"]
     seq = rt.add_sequence(s["tokens"])  # slot + zeroed state + an empty CtxWindow of this runtime's sizes
-    rt.executor.settle()  # that zeroing (queued on the executor's prefill stream) lands before the writes below
+    rt.executor.settle()  # the zeroing lands before the writes below
     try:
         seq.pages = rt.kv_alloc.alloc(cdiv(s["seq_len"], rt.sizes.page_size))
         if c is not None:
@@ -351,7 +351,7 @@ def restore_sequence(rt, path: str) -> Sequence:
             _put_rows(rt, rt.pools["dkv_pool"], a["ctx_kv"], seq.ctx.pages, c["start"])
             # CtxWindow has no public way to adopt held rows; its fields are set as finish_append would
             seq.ctx.start, seq.ctx.end, seq.ctx.total = c["start"], c["end"], c["total"]
-            seq.ctx._last = int(a["ctx_pos"][-1]) if a["ctx_pos"].size else None  # contiguous: checked on load
+            seq.ctx._last = int(a["ctx_pos"][-1]) if a["ctx_pos"].size else None  # checked on load
     except BaseException:
         rt.release(seq)  # gives back the slot, the KV pages and the ctx pages taken above
         raise

@@ -258,7 +258,7 @@ def kernel_profile(rt, prompts, batch: int = 1, keys=(("decode", 1), ("spec", 16
     B = bucket_for(batch)
     for kind, K in keys:
         vals = ex._tables(pad_rows(seqs))
-        ex.run_key(kind, K, B, vals)  # captures on first use; its state advance is thrown away with the sequences
+        ex.run_key(kind, K, B, vals)  # captures on first use; state advance discarded
         _, run = ex.entry(kind, K, B)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             with rt.device.on_stream():

@@ -45,7 +45,7 @@ def _decode(rt, prompts, batch, a, spec, temperature: float = 0.0):
     them)."""
     gamma = a.gamma if spec else None
     if batch == 1:
-        work, conc = [[p] for p in prompts[:a.batch1_prompts]], None  # one after another; tok/s over all of them
+        work, conc = [[p] for p in prompts[:a.batch1_prompts]], None  # one after another
     else:
         work, conc = [[prompts[i % len(prompts)] for i in range(batch * a.requests_per_slot)]], batch
     decode_run(rt, work[0], a.max_new_tokens, gamma, spec, temperature=temperature, concurrency=conc)  # warm-up
@@ -321,7 +321,7 @@ def print_table(res) -> None:
     for r in res["rows"]:
         if r.get("dflash") and r["dflash"].get("step_ms") and r["plain"].get("step_ms"):
             print(speedup_terms(r))
-    for r in res["rows"]:  # serving runs (--requests-per-slot > 1): what the joiners' prefills took of the time
+    for r in res["rows"]:  # serving runs: the joiners' prefills' share of the time
         for k in [k for k in ("plain", "dflash") if r.get(k, {}).get("join_prefill_ms")]:
             v = r[k]
             print(f"batch {r['batch']} {k}: {v['requests']} requests; prefills of requests joining mid-run "

@@ -101,7 +101,7 @@ class CompareReport:
 
     @property
     def failures(self) -> list[str]:
-        out = [] if self.stats else ["nothing was compared (no graph output recorded)"]  # never PASS on nothing
+        out = [] if self.stats else ["nothing was compared (no graph output recorded)"]  # no PASS on nothing
         for s in self.stats.values():
             if s.failed_steps:
                 out.append(f"{s.graph}/{s.output} ({s.pair[1]} vs {s.pair[0]}): max abs {s.max_abs:.3g}, max rel "
@@ -148,7 +148,7 @@ class _Tee:
         step = r.steps
         r.steps += 1
         runners = [self.Runner(be, graph, self.manifest, n) for be, n in zip(self.backends, self.names)]
-        with np.errstate(divide="ignore", invalid="ignore"):  # polygraphy's rel. error divides by 0 for 0 refs
+        with np.errstate(divide="ignore", invalid="ignore"):  # rel. error of a 0 ref divides by 0
             results = Comparator.run(runners, data_loader=[inputs])
         ints = {o["name"]: 0 for o in self.manifest.io(graph)[1] if "int" in o["dtype"]}
         func = SimpleCompareFunc(atol={"": r.atol, **ints}, rtol={"": r.rtol, **ints}, check_shapes=True)

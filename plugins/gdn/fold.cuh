@@ -84,7 +84,7 @@ __device__ __forceinline__ void gdn_fold_body(
         pr.x += kv * s[m].x; pr.y += kv * s[m].y; pr.z += kv * s[m].z; pr.w += kv * s[m].w;
       }
 #pragma unroll
-      for (int off = 1; off < RS; off <<= 1) {  // butterfly: a + b == b + a, so every lane ends with the same sum
+      for (int off = 1; off < RS; off <<= 1) {  // butterfly: every lane ends with the same sum
         pr.x += __shfl_xor_sync(0xffffffffu, pr.x, off);
         pr.y += __shfl_xor_sync(0xffffffffu, pr.y, off);
         pr.z += __shfl_xor_sync(0xffffffffu, pr.z, off);

@@ -90,7 +90,7 @@ __device__ __forceinline__ void gdn_wy16_body(
   const int b = blockIdx.z, hv = blockIdx.y, d0 = blockIdx.x * DVT;
   const int grp = Hv / Hk, hk = hv / grp;
   const int* slot_p = slot ? slot + b : nullptr;
-  const i64 sb0 = slot_p ? (i64)*slot_p : (i64)b;  // issued first; the state's address waits for it, not the rows
+  const i64 sb0 = slot_p ? (i64)*slot_p : (i64)b;  // first: the state's address waits on it
   const bool need_state = state_out != nullptr;
   float s[RPT];  // S[kg*RPT+m][d0+c], loaded in the first chunk once its rows' loads are in flight
 

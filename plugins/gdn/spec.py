@@ -36,7 +36,7 @@ WY16_FORMS = {(dk, cg): WY16_RPT if cg == 1 else (32,) for dk, cgs in WY16_CG.it
 # The rule looks at the grid and dk only, never at T: a verify row and the decode of the same position then sum the
 # state's rows in one order (trained pair, bf16: their outputs are bit-identical given the same state;
 # tests/test_bf16_verify_consistency.py).
-WIDE_GRID_CTAS = 512    # from here the grid fills the GPU: 32 rows a thread (fewest warps, least shared traffic)
+WIDE_GRID_CTAS = 512    # from here the grid fills the GPU: 32 rows a thread (fewest warps)
 NARROW_GRID_CTAS = 32   # under this, 8 rows a thread
 MID_GRID_WARPS = 8      # between the two: warps per column tile (dk / rpt), at most what p8 gives
 

@@ -86,7 +86,7 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* _
   __shared__ float part[W][NT * 8][17];  // [warp][row of x][row of w] (+1: fewer conflicts)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   constexpr int TR = SWIGLU ? 8 : 16;  // output rows of a tile (SWIGLU: 8 gate rows, each with its up row)
-  const int nv = K >> 3, tiles = SWIGLU ? (N / 2 + TR - 1) / TR : (N + TR - 1) / TR;  // nv: 16-byte vectors per row
+  const int nv = K >> 3, tiles = SWIGLU ? (N / 2 + TR - 1) / TR : (N + TR - 1) / TR;  // nv: 16-byte vectors a row
   const uint4 *wg, *wh, *xr[NT];
   bool xok[NT];
 #pragma unroll

@@ -23,7 +23,7 @@ from dflash_trt.plugins.opspec import OpSpec, Port, kernel_need, need
 MAX_ROWS = 16
 CHUNK = 8           # 16-bit elements per 16-byte load: K must be a multiple
 MAX_K = 1 << 20     # int32 column indexing with margin
-WARPS = 8           # warps per CTA: they split K and meet in shared memory (rows.cuh / moe: always; mma: warps())
+WARPS = 8           # warps per CTA, splitting K (rows.cuh / moe: always; mma: warps())
 NARROW_WARPS = 16   # mma warps per CTA for narrow, deep projections (warps())
 TILE_N = 16         # rows of w per CTA (the mma's m16)
 DTYPES = ("bfloat16", "float16")

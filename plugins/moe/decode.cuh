@@ -52,7 +52,7 @@ __device__ __forceinline__ void dec_down(const u16* __restrict__ down, const u16
     row_ptrs(wr, down + (i64)e * H * I, row0, H, I);
     load_pass(wv, wr, 0, nch, lane);
   }
-  const uint4* hsrc = (const uint4*)(hp + (i64)n * topk * I);  // the token's k rows of h (a dropped pair's: unused)
+  const uint4* hsrc = (const uint4*)(hp + (i64)n * topk * I);  // the token's k rows of h
   for (int c = tid; c < topk * nch; c += GEMV_WARPS * 32) dsm[c] = hsrc[c];
   __syncthreads();
   for (; j < topk; j += GEMV_WARPS) {

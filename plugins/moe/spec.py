@@ -27,13 +27,13 @@ from dflash_trt.plugins.opspec import FLOATS, INTS, OpSpec, Port, check_float_dt
 # kernel limits (kernel.cu reads the -D macros; launch.py these)
 WARPS = 8          # warps per GEMM CTA: split the reduction dim K between them, then reduce in shared memory
 ROWS = 32          # weight rows per GEMM CTA (two 16-row mma tiles)
-PASS_TOKENS = 32   # pairs per pass of a CTA (four 8-column mma tiles); more pairs re-read the CTA's rows from L2
-MAX_EXPERTS = 4096  # moe_plan keeps two int counters per expert, moe_route E + k <= 2E floats in shared memory
+PASS_TOKENS = 32   # pairs per pass of a CTA (four 8-column mma tiles); more re-read its rows
+MAX_EXPERTS = 4096  # moe_plan: two ints per expert, moe_route: E + k floats, in smem
 K_ALIGN = 32       # H and I must be multiples of this (32-column chunks of the mma k loop)
 PLAN_THREADS = 1024
 DECODE_ROWS_PER_WARP = 2  # gemv/rows.cuh: weight rows a warp of the decode path streams together
 DECODE_TOKENS = 4   # at most this many tokens (16-bit): the per-pair GEMV path of decode.cuh
-ROUTE_THREADS = 256  # moe_route's CTA (fewer, a multiple of 32, when E is smaller): beats one warp (docs/PERF.md)
+ROUTE_THREADS = 256  # moe_route's CTA (fewer, a multiple of 32, for a small E); docs/PERF.md
 
 
 def check_dims(N, k, E, H, I) -> None:  # noqa: E741

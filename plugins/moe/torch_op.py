@@ -44,7 +44,7 @@ def _moe_experts_cuda(x, topk_idx, topk_w, gate_up, down):
     out = torch.empty_like(x)
     common = dict(N=N, k=k, E=E, H=H, I=I, dtype=U.dname(x), idx_dtype=U.dname(topk_idx), w_dtype=U.dname(topk_w),
                   stream=U.stream(x))
-    if launch.takes_decode_path(N, k, I, U.dname(x)) and x.data_ptr() % 16 == 0:  # a decode step: per-pair streaming
+    if launch.takes_decode_path(N, k, I, U.dname(x)) and x.data_ptr() % 16 == 0:  # decode: per-pair streaming
         h = torch.empty(N * k, I, device=dev, dtype=x.dtype)
         launch.moe_experts_decode(x.data_ptr(), topk_idx.data_ptr(), topk_w.data_ptr(), gate_up.data_ptr(),
                                   down.data_ptr(), out.data_ptr(), h.data_ptr(), **common)

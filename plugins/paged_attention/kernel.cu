@@ -56,7 +56,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
   constexpr int TPR = HD / 8;         // threads per row in P.V, 8 dims each
   constexpr int RP = NT / TPR;        // rows per P.V pass
   constexpr int RPT = R / RP;         // P.V rows per thread
-  constexpr int RS = KvTile<HD, TD>::RS;  // padded tile row stride (bytes): 16-byte reads of 8 lanes hit 32 banks
+  constexpr int RS = KvTile<HD, TD>::RS;  // padded row stride (bytes): no bank conflicts
   extern __shared__ __align__(16) unsigned char smem[];
   float* Qs = (float*)smem;           // [R][HD], pre-scaled by scale * log2(e)
   float* Ps = Qs + R * HD;            // [R][KT] probabilities of the current tile

@@ -48,7 +48,7 @@ template <int HD, bool F16>
 __device__ __forceinline__ void attn_split_mma(const AttnArgs& a) {
   constexpr int TD = F16 ? DT_F16 : DT_BF16;
   constexpr int R = 16 * NW;
-  constexpr int RS = KvTile<HD, TD>::RS;  // padded row (bytes) of Q and K/V tiles: an ldmatrix's 8 rows hit 32 banks
+  constexpr int RS = KvTile<HD, TD>::RS;  // padded Q, K/V tile row (bytes): no bank conflicts
   constexpr int NKT = KT / 8;      // key n-tiles of S
   constexpr int NDT = HD / 8;      // dim n-tiles of O
   extern __shared__ __align__(16) unsigned char smem[];
@@ -61,7 +61,7 @@ __device__ __forceinline__ void attn_split_mma(const AttnArgs& a) {
   const int ntiles = (c.k1 - c.k0 + KT - 1) / KT;
   int nblk[KvTile<HD, TD>::KPT];
   kv_pipe_start<HD, TD, true>(a, c, tiles, ntiles, nblk);
-  constexpr int QC = R * HD / 8 / NT, QB = QC < 8 ? QC : 8;  // 16-byte Q chunks per thread; loads in flight at once
+  constexpr int QC = R * HD / 8 / NT, QB = QC < 8 ? QC : 8;  // Q chunks a thread; in flight at once
   static_assert(QC % QB == 0, "Q chunks per thread");
 #pragma unroll
   for (int i0 = 0; i0 < QC; i0 += QB) {  // Q rows, 16-byte chunks, QB loads in flight; rows past nr are zeros
@@ -148,7 +148,7 @@ __device__ __forceinline__ void attn_split_mma(const AttnArgs& a) {
 #pragma unroll
       for (int d = 0; d < NDT; ++d) o[d][0] *= corr[0], o[d][1] *= corr[0], o[d][2] *= corr[1], o[d][3] *= corr[1];
 #pragma unroll
-      for (int kk = 0; kk < KT / 16; ++kk) {  // keys 16kk .. 16kk + 15: S tiles 2kk, 2kk + 1 as P's A fragment
+      for (int kk = 0; kk < KT / 16; ++kk) {  // keys 16kk..16kk+15: S tiles 2kk, 2kk+1 = P's A
         unsigned ph[4], pl[4], vb[4];
         split2<F16>(s[2 * kk][0], s[2 * kk][1], ph[0], pl[0]);
         split2<F16>(s[2 * kk][2], s[2 * kk][3], ph[1], pl[1]);

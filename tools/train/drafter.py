@@ -152,7 +152,7 @@ def simulate_tau(drafter, data, mask_id, n_new: int, data_new: int, gamma: int =
             live = anc + 1 < end  # Runtime.generate: loop while fewer than n_new tokens
             if not live.any():
                 break
-            a = torch.minimum(anc, p + data_new - BLOCK)[:, None]  # labels must exist (clamp only if data is short)
+            a = torch.minimum(anc, p + data_new - BLOCK)[:, None]  # labels must exist
             block, labels = blocks(s, a, mask_id)
             d = block_logits(drafter, c, a, block)[:, 0, 1:gamma + 1].argmax(-1)
             ok = (d == labels[:, 0, 1:gamma + 1]).long().cumprod(-1).sum(-1)

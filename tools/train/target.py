@@ -78,7 +78,7 @@ def train_target(model, train, held, dev, log, seconds, steps=None, batch=128, L
 def check_fast_vs_reference(target, held, L: int = 128):
     """The training path (forward_train, on the training device) against the graph path (forward_full,
     i.e. TargetModel.step from empty pools, fp32 on CPU) on two held-out windows: (max |diff|, argmax agreement)."""
-    gap = min(200, held.numel() // 2)  # windows at 0 and 200 (what the shipped run logged), shorter streams: halves
+    gap = min(200, held.numel() // 2)  # windows at 0 and 200 (as logged), short streams: halves
     L = min(L, gap)
     x = torch.stack([held[i * gap:i * gap + L] for i in range(2)]).long()
     ref = copy.deepcopy(target).cpu().float().forward_full(x)["logits"]

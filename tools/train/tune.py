@@ -191,7 +191,7 @@ def _cached_data(models, work, target, tok, tr_sn, he_sn, n_new, dtypes, dev, lo
     """_data's (train_data, held), from work/tune_data_<key>.safetensors when an earlier run left it there."""
     with open(os.path.join(models, "target", "model.safetensors"), "rb") as f:
         key = hashlib.sha1(json.dumps([tr_sn, he_sn, n_new, list(dtypes)]).encode() + f.read()).hexdigest()[:12]
-    cache = os.path.join(work, f"tune_data_{key}.safetensors")  # the continuations depend only on target + snippets
+    cache = os.path.join(work, f"tune_data_{key}.safetensors")  # keyed by target + snippets
     if os.path.isfile(cache):
         train_data, held = _load_data(cache, dtypes, dev)
         log(f"snippet data: cached {cache}")
