@@ -15,13 +15,17 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the scheduler imports this module: its Request is named for annotations only
+    from dflash_trt.runtime.scheduler import Request
 
 
 @dataclass(frozen=True)
 class Join:
     """An admitted request's prefill in flight (its entry in Scheduler.inflight): collecting it emits the first
     token. A device executor's next step may run on the request before then (the device holds that token)."""
-    req: object  # scheduler.Request
+    req: Request
 
 
 class InFlightQueue:

@@ -58,6 +58,9 @@ def runs_ahead(executor) -> bool:
 
 @dataclass(eq=False)  # identity: a request is one object, compared and hashed as such
 class Request:
+    """One request's life in the scheduler: WAITING (queued) -> RUNNING (admitted: seq holds its slot and pages) ->
+    FINISHED or FAILED (left; seq is None once no launch of it is in flight). tokens grow as its launches are
+    collected; rows_in_flight and launches_in_flight count what of it the executor has not given back yet."""
     req_id: int
     prompt: list[int]
     max_new_tokens: int
