@@ -15,10 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the scheduler imports this module: its Request is named for annotations only
-    from dflash_trt.runtime.scheduler import Request
+from dflash_trt.runtime.request import Request
 
 
 @dataclass(frozen=True)

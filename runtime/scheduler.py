@@ -34,7 +34,6 @@ steps in flight. Host bookkeeping only — numpy; no torch here.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from dflash_trt.runtime import commit
 from dflash_trt.runtime.admission import PREFETCH, Admission
@@ -42,11 +41,11 @@ from dflash_trt.runtime.batching import BUCKETS, DECODE, SPEC, StepPlan, pad_row
 from dflash_trt.runtime.inflight import InFlightQueue, Join
 from dflash_trt.runtime.page_budget import PageBudget
 from dflash_trt.runtime.pools import PoolExhausted
+from dflash_trt.runtime.request import FAILED, FINISHED, RUNNING, WAITING, Request
 from dflash_trt.runtime.sampling import GREEDY, SamplingParams
 
 __all__ = ["WAITING", "RUNNING", "FINISHED", "FAILED", "REFUSALS", "PREFETCH", "Request", "Join", "Scheduler"]
 
-WAITING, RUNNING, FINISHED, FAILED = "waiting", "running", "finished", "failed"
 REFUSALS = (PoolExhausted, ValueError)  # what a request can meet in normal serving: recorded, not raised
 
 
@@ -54,36 +53,6 @@ def runs_ahead(executor) -> bool:
     """The executor keeps steps in flight while the host plans the next (its `runs_ahead` flag; executors that still
     call it `ahead` are read through here: the one place to simplify once every executor has the new name)."""
     return executor.runs_ahead if hasattr(executor, "runs_ahead") else executor.ahead
-
-
-@dataclass(eq=False)  # identity: a request is one object, compared and hashed as such
-class Request:
-    """One request's life in the scheduler: WAITING (queued) -> RUNNING (admitted: seq holds its slot and pages) ->
-    FINISHED or FAILED (left; seq is None once no launch of it is in flight). tokens grow as its launches are
-    collected; rows_in_flight and launches_in_flight count what of it the executor has not given back yet."""
-    req_id: int
-    prompt: list[int]
-    max_new_tokens: int
-    tokens: list[int] = field(default_factory=list)  # generated so far (first one from the prefill)
-    seq: object = None  # runtime.sequence.Sequence while admitted
-    status: str = WAITING
-    finish_reason: str | None = None  # "eos" | "length" | "released" | "error"
-    error: Exception | None = None
-    rows_in_flight: int = 0  # rows reserved for this request's steps still in flight (their worst case)
-    launches_in_flight: int = 0  # its launches (prefill, steps) not yet collected
-    steps: int = 0  # target launches after the prefill
-    accepted: list = field(default_factory=list)  # accepted drafts per spec step
-    rt: object = field(default=None, repr=False)  # the Runtime that queued it (release_request checks it)
-    sampling: SamplingParams = GREEDY  # seed resolved when queued (req.sampling.seed reproduces it)
-
-    @property
-    def done(self) -> bool:
-        return self.status in (FINISHED, FAILED)
-
-    @property
-    def wants_step(self) -> bool:
-        """Running and not certain to be complete once its launches in flight land (each yields >= 1 token)."""
-        return self.status == RUNNING and len(self.tokens) + self.launches_in_flight < self.max_new_tokens
 
 
 class Scheduler:
