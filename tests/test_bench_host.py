@@ -51,8 +51,9 @@ def test_a_request_keeps_its_next_steps_pages(monkeypatch):
         if req.wants_step:
             ps = rt.sizes.page_size
             seq, ctx = req.seq, req.seq.ctx
-            held.append((cdiv(seq.seq_len + req.ahead, ps), len(seq.pages), cdiv(seq.seq_len + req.ahead + plan.K, ps),
-                         cdiv(ctx.end + req.ahead, ps), ctx.num_pages, cdiv(ctx.end + req.ahead + plan.K, ps)))
+            rows = req.rows_in_flight
+            held.append((cdiv(seq.seq_len + rows, ps), len(seq.pages), cdiv(seq.seq_len + rows + plan.K, ps),
+                         cdiv(ctx.end + rows, ps), ctx.num_pages, cdiv(ctx.end + rows + plan.K, ps)))
 
     def spy(rt, batch, spec, gamma, new_tokens, prompt_len=40):
         if not (spec and batch == 4 and new_tokens > 16):
