@@ -7,8 +7,6 @@ asks the graphs for their logits; the greedy path stays numpy.
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
@@ -19,12 +17,13 @@ from dflash_trt.runtime.sampling import SamplingError, row_params, samples
 
 class HostStepExecutor:
     max_inflight = 0  # steps left running after launch() returns
-    ahead = False  # ctx windows slide themselves on finish (no step in flight to protect)
+    runs_ahead = False  # ctx windows slide themselves on finish (no step in flight to protect)
+    ahead = runs_ahead  # the name scheduler.py reads until it says runs_ahead
 
     def __init__(self, rt):
         self.rt = rt
         # a device with its own stream (CudaDevice) gets every launch and commit on it
-        self._stream = getattr(rt.device, "on_stream", None) or contextlib.nullcontext
+        self._stream = rt.device.on_stream
 
     # ---- inputs of one batch (padding rows: empty sequence at slot 0) ------------------------
     def _rows(self, rows):
@@ -49,16 +48,14 @@ class HostStepExecutor:
         be = self.rt.backend
         if not logits:
             return be.run(graph, inputs)
-        prev = getattr(be, "want_logits", None)
-        if prev is not None:
-            be.want_logits = True
+        prev = be.want_logits
+        be.want_logits = True
         try:
             out = be.run(graph, inputs)
         finally:
-            if prev is not None:
-                be.want_logits = prev
+            be.want_logits = prev
         if "logits" not in out:
-            raise SamplingError(f"graph {graph} of the {getattr(be, 'name', '?')} backend emits no logits, so it "
+            raise SamplingError(f"graph {graph} of the {be.name} backend emits no logits, so it "
                                 f"cannot sample; re-export without --no-logits, or use temperature 0")
         return out
 
@@ -163,6 +160,10 @@ class HostStepExecutor:
     def collect(self, pending):
         return pending  # already done: launches are synchronous
 
+    def landed(self, pending) -> bool:
+        """Always: every launch is synchronous."""
+        return True
+
     def settle(self) -> None:
         """Nothing runs beside anything here (every launch is synchronous)."""
 
@@ -171,12 +172,8 @@ class HostStepExecutor:
 
     def zero_slot(self, slot: int) -> None:
         """A fresh sequence's GDN and conv state: zeros (before its prefill)."""
-        zero = getattr(self.rt.device, "zero_slot", None)
         for name in ("gdn_pool", "conv_pool"):
-            if zero is not None:
-                zero(self.rt.pools[name], slot)
-            else:
-                self.rt.pools[name][:, slot] = 0
+            self.rt.device.zero_slot(self.rt.pools[name], slot)
 
     def adopt(self, seq) -> None:
         """A sequence whose state was put into the pools from outside (restore): nothing to do here."""

@@ -108,9 +108,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         man = ensure_engines(ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes(), dtype=dtype))
         dev = CudaDevice(int(device.split(":")[1]) if ":" in device else 0)
         be = make_backend("trt", manifest=man, device=dev)
-        from dflash_trt.runtime.backends.trt import graph_executor
-
-        return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=gate, executor=graph_executor), codec
+        return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=gate), codec
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
 
     torch = require_torch(f"--backend {backend}", UsageError)

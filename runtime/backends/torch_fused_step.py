@@ -1,6 +1,7 @@
 """The device side of one runtime step, in torch, with no host round trip inside (DESIGN §5 "GPU step"):
 what a step's CUDA graph captures. Each function reads a step's static input buffer (the host's rows,
-pages and ctx window base), runs the graphs (torch reference modules; on CUDA our kernels as custom ops),
+pages and ctx window base), runs the graphs through one StepGraphs object (runtime/interfaces.py: the torch
+backend's ModuleGraphs over its modules, on CUDA our kernels as custom ops; the TensorRT backend's EngineGraphs),
 accepts greedily ON THE DEVICE, commits through the device's commit kernels (runtime/commit.write, n a device
 tensor) and advances the per-slot device state (seq_len, bonus) so the next step needs nothing from the host
 but its rows. No .item(), no data-dependent shapes, no host syncs: everything is capturable. On CPU the same
@@ -19,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
-from dflash_trt.export.graphs import run_graph
 from dflash_trt.runtime.backends.opaque_ops import as_int32
 from dflash_trt.runtime.commit import WriteTables, write
 from dflash_trt.runtime.sampling import (TOKEN, draft_tokens, row_tensors, sample, speculative_accept, token_probs,
@@ -45,14 +45,16 @@ class SlotState:
 
 
 class FusedSteps:
-    def __init__(self, target, drafter, rt, graph_int32: bool = True):
-        """graph_int32: the graphs take their index inputs (slot, seq_len, block tables, drafter window) as the
-        step's int32 casts (the torch modules: their kernels read int32); False: as the ABI's int64 (TensorRT
-        engines bind the ABI). The commit kernels read the int32 casts either way."""
-        self.target, self.drafter, self.rt, self.graph_int32 = target, drafter, rt, graph_int32
+    def __init__(self, graphs, rt, graph_int32: bool = True):
+        """graphs: a StepGraphs (run(graph, device tensors, want_logits) -> device tensors) on rt.device;
+        rt.dcfg: the drafter's config (None: no drafter, no ctx rows). graph_int32: the graphs take their index
+        inputs (slot, seq_len, block tables, drafter window) as the step's int32 casts (the torch modules: their
+        kernels read int32); False: as the ABI's int64 (TensorRT engines bind the ABI). The commit kernels read the
+        int32 casts either way."""
+        self.graphs, self.dcfg, self.rt, self.graph_int32 = graphs, rt.dcfg, rt, graph_int32
         self.dev, self.pools = rt.device, rt.pools
         self.window = rt.sizes.ctx_window
-        self.state = SlotState(rt.sizes.max_seqs, next(target.parameters()).device)
+        self.state = SlotState(rt.sizes.max_seqs, rt.device.device)
 
     # ---- pieces ---------------------------------------------------------------------------
     def _index(self, b, seq_len, window=None) -> tuple[dict, dict]:
@@ -81,7 +83,7 @@ class FusedSteps:
              "conv_pool": self.pools["conv_pool"]}
         if valid is not None:
             x["valid_len"] = valid
-        return run_graph(graph, self.target, self.drafter, x, want_logits=logits)
+        return self.graphs.run(graph, x, logits)
 
     def _commit(self, out, n, b, ix, seq_len, pos):
         """The device part of the one commit path, drafter ctx rows at logical rows position - ctx_base.
@@ -94,15 +96,14 @@ class FusedSteps:
         t = WriteTables(ix["slot"], ix["seq_len"], ix["block_table"])
         n = as_int32(torch.where(out["argmax"][:, 0] >= 0, n, 0))  # once for the four commit kernels
         dkv = None
-        if self.drafter is not None:
+        if self.dcfg is not None:
             t.ctx_table, t.ctx_start = ix["ctx_table"], ix["ctx_start"]
-            dkv = run_graph(DRAFTER_CTX, self.target, self.drafter,
-                            {"ctx_hidden": out["ctx_hidden"], "positions": pos})["dkv_rows"]
+            dkv = self.graphs.run(DRAFTER_CTX, {"ctx_hidden": out["ctx_hidden"], "positions": pos}, False)["dkv_rows"]
         write(self.dev, self.pools, out, n, t, dkv)
 
     def _window(self, b, seq_len):
         """The drafter ctx rows a sequence attends: the newest min(seq_len, window), ending at its last row."""
-        if self.drafter is None:
+        if self.dcfg is None:
             return torch.zeros_like(seq_len), torch.zeros_like(seq_len)
         kv_len = seq_len - b["ctx_base"]
         return kv_len - torch.clamp(seq_len, max=self.window), kv_len
@@ -159,7 +160,7 @@ class FusedSteps:
     def spec(self, b, gamma: int) -> None:
         """drafter_block -> target_k{γ+1} -> accept on the device (greedy, or rejection sampling) -> commit
         n = accepted + 1."""
-        d = self.drafter.cfg
+        d = self.dcfg
         rp = _sampling(b)
         seq_len, bonus = self.state.seq_len[b["srow"]], self.state.bonus[b["srow"]]
         B = seq_len.shape[0]
@@ -169,9 +170,9 @@ class FusedSteps:
         block = torch.full((B, K), d.mask_token_id, dtype=torch.int64, device=seq_len.device)
         block[:, 0] = bonus
         bpos = seq_len[:, None] + torch.arange(K, device=seq_len.device)[None]
-        dout = run_graph(drafter_block_graph(K, d.block_size), self.target, self.drafter, {
+        dout = self.graphs.run(drafter_block_graph(K, d.block_size), {
             "block_ids": block, "positions": bpos, "block_table": gi["ctx_table"], "kv_start": gi["kv_start"],
-            "kv_len": gi["kv_len"], "dkv_pool": self.pools["dkv_pool"]}, want_logits=rp is not None)
+            "kv_len": gi["kv_len"], "dkv_pool": self.pools["dkv_pool"]}, rp is not None)
         if rp is None:
             drafts = dout["drafts"]
         else:  # slot j of the block predicts the token at position seq_len + j
