@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
-from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, StepResult, pad_rows, prefill_rows
+from dflash_trt.abi import DRAFTER_CTX, PREFILL, target_graph
+from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, StepResult, pad_rows, prefill_rows, step_tables
 from dflash_trt.runtime.commit import WriteTables, write
 from dflash_trt.runtime.sampling import SamplingError, row_params, samples
+from dflash_trt.runtime.step_recipe import NP, ctx_window, greedy_accept, positions, propose, target_inputs, verify
 
 
 class HostStepExecutor:
@@ -27,19 +28,12 @@ class HostStepExecutor:
 
     # ---- inputs of one batch (padding rows: empty sequence at slot 0) ------------------------
     def _rows(self, rows):
-        rt = self.rt
-        B, MB = len(rows), rt.sizes.max_blocks
-        x = {
-            "slot": np.array([s.slot if s else 0 for s in rows], dtype=np.int64),
-            "seq_len": np.array([s.seq_len if s else 0 for s in rows], dtype=np.int64),
-            "block_table": np.stack([s.block_table() if s else np.zeros(MB, np.int64) for s in rows]),
-        }
+        """The step's index arrays: batching.step_tables, seq_len, and (with a drafter) its ctx window."""
+        rt, s = self.rt, self.rt.sizes
+        x = step_tables(rows, s.max_blocks, rt.ctx_blocks if rt.dcfg is not None else None, s.max_seqs)
+        x["seq_len"] = np.array([q.seq_len if q else 0 for q in rows], dtype=np.int64)
         if rt.dcfg is not None:
-            empty = np.zeros(rt.ctx_blocks, dtype=np.int64)
-            vis = [s.ctx.visible() if s else (empty, 0, 0) for s in rows]
-            x["ctx_table"] = np.stack([v[0] for v in vis]).astype(np.int64)
-            x["kv_start"] = np.array([v[1] for v in vis], dtype=np.int64)
-            x["kv_len"] = np.array([v[2] for v in vis], dtype=np.int64)
+            x["kv_start"], x["kv_len"] = ctx_window(NP, x["seq_len"], x["ctx_base"], s.ctx_window)
         return x
 
     def _run(self, graph, inputs, logits: bool):
@@ -59,14 +53,10 @@ class HostStepExecutor:
                                 f"cannot sample; re-export without --no-logits, or use temperature 0")
         return out
 
-    def _target(self, graph, x, ids, extra=None, logits=False):
-        rt = self.rt
-        B, T = ids.shape
-        inputs = {"input_ids": ids, "positions": x["seq_len"][:, None] + np.arange(T, dtype=np.int64)[None],
-                  "slot": x["slot"], "seq_len": x["seq_len"], "block_table": x["block_table"],
-                  "kv_pool": rt.pools["kv_pool"], "gdn_pool": rt.pools["gdn_pool"], "conv_pool": rt.pools["conv_pool"]}
-        inputs.update(extra or {})
-        return self._run(graph, inputs, logits)
+    def _target(self, graph, x, ids, valid=None, logits=False):
+        """A target graph on ids [B, T] at positions seq_len.. (valid: a prefill chunk's rows)."""
+        pos = positions(NP, x["seq_len"], ids.shape[1])
+        return self._run(graph, target_inputs(ids, pos, x, self.rt.pools, valid), logits)
 
     def _ctx_rows(self, x, out):
         """drafter_ctx on the target step's ctx_hidden rows (padded to the graph's static R)."""
@@ -75,7 +65,7 @@ class HostStepExecutor:
             return None
         R = rt.sizes.max_append
         ctx_in = rt.device.pad_rows(out["ctx_hidden"], R)
-        pos = x["seq_len"][:, None] + np.arange(R, dtype=np.int64)[None]
+        pos = positions(NP, x["seq_len"], R)
         return rt.backend.run(DRAFTER_CTX, {"ctx_hidden": ctx_in, "positions": pos})["dkv_rows"]
 
     def _commit(self, x, out, n):
@@ -99,7 +89,7 @@ class HostStepExecutor:
         pr = prefill_rows(seqs, chunks, self.rt.sizes.prefill_chunk)
         valid = pr["valid"]
         sampled = samples(rows)
-        out = self._target(PREFILL, x, pr["ids"], {"valid_len": valid}, logits=sampled)
+        out = self._target(PREFILL, x, pr["ids"], valid, logits=sampled)
         self._commit(x, out, valid)
         last = (np.arange(len(rows)), np.maximum(valid - 1, 0))
         if sampled:  # the first new token, at position seq_len + len(chunk)
@@ -121,33 +111,23 @@ class HostStepExecutor:
         rt = self.rt
         x = self._rows(plan.rows)
         live = plan.live
-        bonus = np.array([[s.bonus if s else 0] for s in plan.rows], dtype=np.int64)
+        bonus = np.array([s.bonus if s else 0 for s in plan.rows], dtype=np.int64)
         smp = self._sampler(plan.rows) if samples(plan.rows) else None  # None: greedy, numpy only
         if plan.kind == DECODE:
-            out = self._target(target_graph(1), x, bonus, logits=smp is not None)
+            out = self._target(target_graph(1), x, bonus[:, None], logits=smp is not None)
             n = live.copy()
             tokens = out["argmax"] if smp is None else smp.first(out["logits"][:, 0], x["seq_len"] + 1)[:, None]
         elif plan.kind == SPEC:
-            d, g = rt.dcfg, plan.gamma
-            Bs = g + 1  # γ drafts come from a block of γ+1 slots, as the reference runs them
-            block = np.full((plan.bucket, Bs), d.mask_token_id, dtype=np.int64)
-            block[:, :1] = bonus
-            dout = self._run(drafter_block_graph(Bs, d.block_size), {
-                "block_ids": block, "positions": x["seq_len"][:, None] + np.arange(Bs, dtype=np.int64)[None],
-                "block_table": x["ctx_table"], "kv_start": x["kv_start"], "kv_len": x["kv_len"],
-                "dkv_pool": rt.pools["dkv_pool"],
-            }, smp is not None)
+            g = plan.gamma
+            dout, pos = propose(NP, self._run, x, bonus, x["seq_len"], plan.K, rt.dcfg, rt.pools["dkv_pool"],
+                                smp is not None)
             if smp is None:
                 drafts = dout["drafts"][:, :g]
             else:  # drafts drawn from the drafter's per-slot q (slot j predicts position seq_len + j)
-                drafts = smp.drafts(dout["logits"][:, 1:Bs], x["seq_len"])
-            out = self._target(target_graph(plan.K), x, np.concatenate([bonus, drafts], axis=1),
-                               logits=smp is not None)
+                drafts = smp.drafts(dout["logits"][:, 1:plan.K], x["seq_len"])
+            out = verify(NP, self._run, x, bonus, drafts, pos, rt.pools, smp is not None)
             if smp is None:
-                # greedy accept: longest prefix with draft_i == target argmax_i; bonus = argmax at the first miss
-                match = drafts == out["argmax"][:, :g]
-                acc = np.where(match.all(1), g, match.argmin(1))
-                n = (acc + 1) * live
+                n = greedy_accept(NP, drafts, out["argmax"], live)
                 tokens = out["argmax"]
             else:
                 tokens, n = smp.accept(out["logits"], drafts, x["seq_len"])

@@ -38,7 +38,7 @@ class TorchBackend:
     def __init__(self, target, drafter=None, want_logits: bool = False, device: str | None = None,
                  compile_steps: bool = False):
         """compile_steps: on CUDA, the prefill/decode/spec steps through Inductor (runtime/backends/torch_compile.py):
-        about 2x faster steps for a 15-30 s compile per step key on first use. Ignored on CPU."""
+        faster steps for a compile per step key on first use (figures: docs/PERF.md). Ignored on CPU."""
         self.target, self.drafter, self.want_logits = target, drafter, want_logits
         p = next(target.parameters())
         self.device = torch.device(device) if device else p.device
