@@ -1,5 +1,6 @@
-"""The host step executor: each graph through `backend.run` (numpy in and out), greedy accept on the host,
-then the device part of the commit (commit.write) with n as a host array. The CPU path for every backend
+"""The host step executor: the step recipe (runtime/step_recipe.py, on numpy: NP) with each graph through
+`backend.run` (numpy in and out), greedy accept on the host, then the device part of the commit (commit.write) with n
+as a host array. The CPU path for every backend
 (ONNX Runtime, the torch reference on CPU, scripted drafters in tests). Synchronous: nothing stays in
 flight, so host state is always current and the scheduler reserves exactly one step ahead.
 numpy + a Device; a step with a sampling sequence imports the torch sampling math (runtime/sampling.py), and

@@ -78,3 +78,11 @@ def test_choose_executor_by_declared_capabilities(monkeypatch, graph_steps, fuse
     ex = choose_executor(rt)
     assert type(ex) is want
     assert made == ([1] if want is GraphStepExecutor else [])
+
+
+def test_make_backend_is_one_registry():
+    from dflash_trt.runtime.backends import BACKEND_FACTORIES, BACKENDS, make_backend
+
+    assert BACKENDS == ("torch", "ort", "trt") and set(BACKEND_FACTORIES) == set(BACKENDS)
+    with pytest.raises(ValueError, match=r"unknown backend 'onnx' \(available: torch, ort, trt\)"):
+        make_backend("onnx")
