@@ -15,18 +15,15 @@ import numpy as np
 BUCKETS = (1, 2, 4, 8, 16)
 SPEC, DECODE, PREFILL_STEP = "spec", "decode", "prefill"
 # Prefill chunks of requests that join together share a launch, up to this many rows (buckets 1, 2, 4): one
-# launch per join was most of a serving batch's prefill time (H200, trained pair bf16, batch 16: 48 joins, ~0.46 ms
-# of GPU each, 22-24 ms of a 100-180 ms decode). The cap keeps the prefill's compiled graphs to three keys (each
-# an Inductor compile on first use) and the rows a launch pads small.
+# launch per join was most of a serving batch's prefill time (figures: docs/PERF.md). The cap keeps the prefill's
+# compiled graphs to three keys (each an Inductor compile on first use) and the rows a launch pads small.
 PREFILL_BATCH = 4
 
 
 def prefill_width(longest: int, chunk: int) -> int:
     """The row width of a prefill launch whose longest chunk has `longest` rows: half the chunk when they fit, else
-    the chunk. A joiner's prompt is often shorter than a chunk (the trained pair's held-out prompts: 9-57 tokens, 18
-    of 24 within 32), and the GDN kernel runs a launch's 16-row chunks one after another (H200, trained pair bf16, one
-    layer: 34.6 us at batch 4 and 64 rows, 9.5 us at batch 16 and 16 rows). Two widths keep the compiled prefill graphs
-    at two per bucket."""
+    the chunk. A joiner's prompt is often shorter than a chunk, and the GDN kernel runs a launch's 16-row chunks one
+    after another (figures: docs/PERF.md). Two widths keep the compiled prefill graphs at two per bucket."""
     return chunk // 2 if chunk % 2 == 0 and longest <= chunk // 2 else chunk
 
 

@@ -1,5 +1,6 @@
-"""The host step executor: each graph through `backend.run` (numpy in and out), greedy accept on the host,
-then the device part of the commit (commit.write) with n as a host array. The CPU path for every backend
+"""The host step executor: the step recipe (runtime/step_recipe.py, on numpy: NP) with each graph through
+`backend.run` (numpy in and out), greedy accept on the host, then the device part of the commit (commit.write) with n
+as a host array. The CPU path for every backend
 (ONNX Runtime, the torch reference on CPU, scripted drafters in tests). Synchronous: nothing stays in
 flight, so host state is always current and the scheduler reserves exactly one step ahead.
 numpy + a Device; a step with a sampling sequence imports the torch sampling math (runtime/sampling.py), and
@@ -7,40 +8,33 @@ asks the graphs for their logits; the greedy path stays numpy.
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
-from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
-from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, StepResult, pad_rows, prefill_rows
+from dflash_trt.abi import DRAFTER_CTX, PREFILL, target_graph
+from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, StepResult, pad_rows, prefill_rows, step_tables
 from dflash_trt.runtime.commit import WriteTables, write
 from dflash_trt.runtime.sampling import SamplingError, row_params, samples
+from dflash_trt.runtime.step_recipe import NP, ctx_window, greedy_accept, positions, propose, target_inputs, verify
 
 
 class HostStepExecutor:
     max_inflight = 0  # steps left running after launch() returns
-    ahead = False  # ctx windows slide themselves on finish (no step in flight to protect)
+    runs_ahead = False  # ctx windows slide themselves on finish (no step in flight to protect)
+    ahead = runs_ahead  # the name scheduler.py reads until it says runs_ahead
 
     def __init__(self, rt):
         self.rt = rt
         # a device with its own stream (CudaDevice) gets every launch and commit on it
-        self._stream = getattr(rt.device, "on_stream", None) or contextlib.nullcontext
+        self._stream = rt.device.on_stream
 
     # ---- inputs of one batch (padding rows: empty sequence at slot 0) ------------------------
     def _rows(self, rows):
-        rt = self.rt
-        B, MB = len(rows), rt.sizes.max_blocks
-        x = {
-            "slot": np.array([s.slot if s else 0 for s in rows], dtype=np.int64),
-            "seq_len": np.array([s.seq_len if s else 0 for s in rows], dtype=np.int64),
-            "block_table": np.stack([s.block_table() if s else np.zeros(MB, np.int64) for s in rows]),
-        }
+        """The step's index arrays: batching.step_tables, seq_len, and (with a drafter) its ctx window."""
+        rt, s = self.rt, self.rt.sizes
+        x = step_tables(rows, s.max_blocks, rt.ctx_blocks if rt.dcfg is not None else None, s.max_seqs)
+        x["seq_len"] = np.array([q.seq_len if q else 0 for q in rows], dtype=np.int64)
         if rt.dcfg is not None:
-            empty = np.zeros(rt.ctx_blocks, dtype=np.int64)
-            vis = [s.ctx.visible() if s else (empty, 0, 0) for s in rows]
-            x["ctx_table"] = np.stack([v[0] for v in vis]).astype(np.int64)
-            x["kv_start"] = np.array([v[1] for v in vis], dtype=np.int64)
-            x["kv_len"] = np.array([v[2] for v in vis], dtype=np.int64)
+            x["kv_start"], x["kv_len"] = ctx_window(NP, x["seq_len"], x["ctx_base"], s.ctx_window)
         return x
 
     def _run(self, graph, inputs, logits: bool):
@@ -49,27 +43,21 @@ class HostStepExecutor:
         be = self.rt.backend
         if not logits:
             return be.run(graph, inputs)
-        prev = getattr(be, "want_logits", None)
-        if prev is not None:
-            be.want_logits = True
+        prev = be.want_logits
+        be.want_logits = True
         try:
             out = be.run(graph, inputs)
         finally:
-            if prev is not None:
-                be.want_logits = prev
+            be.want_logits = prev
         if "logits" not in out:
-            raise SamplingError(f"graph {graph} of the {getattr(be, 'name', '?')} backend emits no logits, so it "
+            raise SamplingError(f"graph {graph} of the {be.name} backend emits no logits, so it "
                                 f"cannot sample; re-export without --no-logits, or use temperature 0")
         return out
 
-    def _target(self, graph, x, ids, extra=None, logits=False):
-        rt = self.rt
-        B, T = ids.shape
-        inputs = {"input_ids": ids, "positions": x["seq_len"][:, None] + np.arange(T, dtype=np.int64)[None],
-                  "slot": x["slot"], "seq_len": x["seq_len"], "block_table": x["block_table"],
-                  "kv_pool": rt.pools["kv_pool"], "gdn_pool": rt.pools["gdn_pool"], "conv_pool": rt.pools["conv_pool"]}
-        inputs.update(extra or {})
-        return self._run(graph, inputs, logits)
+    def _target(self, graph, x, ids, valid=None, logits=False):
+        """A target graph on ids [B, T] at positions seq_len.. (valid: a prefill chunk's rows)."""
+        pos = positions(NP, x["seq_len"], ids.shape[1])
+        return self._run(graph, target_inputs(ids, pos, x, self.rt.pools, valid), logits)
 
     def _ctx_rows(self, x, out):
         """drafter_ctx on the target step's ctx_hidden rows (padded to the graph's static R)."""
@@ -78,7 +66,7 @@ class HostStepExecutor:
             return None
         R = rt.sizes.max_append
         ctx_in = rt.device.pad_rows(out["ctx_hidden"], R)
-        pos = x["seq_len"][:, None] + np.arange(R, dtype=np.int64)[None]
+        pos = positions(NP, x["seq_len"], R)
         return rt.backend.run(DRAFTER_CTX, {"ctx_hidden": ctx_in, "positions": pos})["dkv_rows"]
 
     def _commit(self, x, out, n):
@@ -102,7 +90,7 @@ class HostStepExecutor:
         pr = prefill_rows(seqs, chunks, self.rt.sizes.prefill_chunk)
         valid = pr["valid"]
         sampled = samples(rows)
-        out = self._target(PREFILL, x, pr["ids"], {"valid_len": valid}, logits=sampled)
+        out = self._target(PREFILL, x, pr["ids"], valid, logits=sampled)
         self._commit(x, out, valid)
         last = (np.arange(len(rows)), np.maximum(valid - 1, 0))
         if sampled:  # the first new token, at position seq_len + len(chunk)
@@ -124,33 +112,23 @@ class HostStepExecutor:
         rt = self.rt
         x = self._rows(plan.rows)
         live = plan.live
-        bonus = np.array([[s.bonus if s else 0] for s in plan.rows], dtype=np.int64)
+        bonus = np.array([s.bonus if s else 0 for s in plan.rows], dtype=np.int64)
         smp = self._sampler(plan.rows) if samples(plan.rows) else None  # None: greedy, numpy only
         if plan.kind == DECODE:
-            out = self._target(target_graph(1), x, bonus, logits=smp is not None)
+            out = self._target(target_graph(1), x, bonus[:, None], logits=smp is not None)
             n = live.copy()
             tokens = out["argmax"] if smp is None else smp.first(out["logits"][:, 0], x["seq_len"] + 1)[:, None]
         elif plan.kind == SPEC:
-            d, g = rt.dcfg, plan.gamma
-            Bs = g + 1  # γ drafts come from a block of γ+1 slots, as the reference runs them
-            block = np.full((plan.bucket, Bs), d.mask_token_id, dtype=np.int64)
-            block[:, :1] = bonus
-            dout = self._run(drafter_block_graph(Bs, d.block_size), {
-                "block_ids": block, "positions": x["seq_len"][:, None] + np.arange(Bs, dtype=np.int64)[None],
-                "block_table": x["ctx_table"], "kv_start": x["kv_start"], "kv_len": x["kv_len"],
-                "dkv_pool": rt.pools["dkv_pool"],
-            }, smp is not None)
+            g = plan.gamma
+            dout, pos = propose(NP, self._run, x, bonus, x["seq_len"], plan.K, rt.dcfg, rt.pools["dkv_pool"],
+                                smp is not None)
             if smp is None:
                 drafts = dout["drafts"][:, :g]
             else:  # drafts drawn from the drafter's per-slot q (slot j predicts position seq_len + j)
-                drafts = smp.drafts(dout["logits"][:, 1:Bs], x["seq_len"])
-            out = self._target(target_graph(plan.K), x, np.concatenate([bonus, drafts], axis=1),
-                               logits=smp is not None)
+                drafts = smp.drafts(dout["logits"][:, 1:plan.K], x["seq_len"])
+            out = verify(NP, self._run, x, bonus, drafts, pos, rt.pools, smp is not None)
             if smp is None:
-                # greedy accept: longest prefix with draft_i == target argmax_i; bonus = argmax at the first miss
-                match = drafts == out["argmax"][:, :g]
-                acc = np.where(match.all(1), g, match.argmin(1))
-                n = (acc + 1) * live
+                n = greedy_accept(NP, drafts, out["argmax"], live)
                 tokens = out["argmax"]
             else:
                 tokens, n = smp.accept(out["logits"], drafts, x["seq_len"])
@@ -163,6 +141,10 @@ class HostStepExecutor:
     def collect(self, pending):
         return pending  # already done: launches are synchronous
 
+    def landed(self, pending) -> bool:
+        """Always: every launch is synchronous."""
+        return True
+
     def settle(self) -> None:
         """Nothing runs beside anything here (every launch is synchronous)."""
 
@@ -171,12 +153,8 @@ class HostStepExecutor:
 
     def zero_slot(self, slot: int) -> None:
         """A fresh sequence's GDN and conv state: zeros (before its prefill)."""
-        zero = getattr(self.rt.device, "zero_slot", None)
         for name in ("gdn_pool", "conv_pool"):
-            if zero is not None:
-                zero(self.rt.pools[name], slot)
-            else:
-                self.rt.pools[name][:, slot] = 0
+            self.rt.device.zero_slot(self.rt.pools[name], slot)
 
     def adopt(self, seq) -> None:
         """A sequence whose state was put into the pools from outside (restore): nothing to do here."""

@@ -67,8 +67,8 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     ort: the ONNX graphs for verify widths `ks` (CPU), exported once into the cache (keyed by both checkpoint
     hashes, sizes and exporter version) and reused after. trt: that export's TensorRT engines (built once into the
     cache entry) on a CudaDevice's pools, one CUDA graph per step; refused in one line where engines cannot run.
-    compile_steps (torch on CUDA): the steps through Inductor, ~2x faster steps for a 15-30 s compile
-    per step key on first use (runtime/backends/torch_compile.py). A missing GPU fails with one clear line."""
+    compile_steps (torch on CUDA): the steps through Inductor, faster steps for a compile per step key on first use
+    (runtime/backends/torch_compile.py; figures: docs/PERF.md). A missing GPU fails with one clear line."""
     from dflash_trt.runtime.backends import make_backend
 
     check_checkpoint_dir(model_dir, "target checkpoint")
@@ -108,9 +108,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         man = ensure_engines(ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes(), dtype=dtype))
         dev = CudaDevice(int(device.split(":")[1]) if ":" in device else 0)
         be = make_backend("trt", manifest=man, device=dev)
-        from dflash_trt.runtime.backends.trt import graph_executor
-
-        return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=gate, executor=graph_executor), codec
+        return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=gate), codec
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
 
     torch = require_torch(f"--backend {backend}", UsageError)

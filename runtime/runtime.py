@@ -7,9 +7,9 @@ Step kinds (all end in a commit of n rows):
   decode   target_k1 on the bonus token (n = 1) — also the gated-off path, ctx still appended
   spec     drafter_block -> target_k{γ+1} -> greedy accept (T > 0: rejection sampling) -> n = accepted + 1
 
-Executors: `HostStepExecutor` (graphs through backend.run, accept on the host; every backend, CPU) and
-`GraphStepExecutor` (torch backend on a CudaDevice: one CUDA graph per step kind, K and batch bucket,
-accept and commit on the device, one step kept in flight). Both are driven by the same scheduler.
+Executors (runtime/executors.py picks one): `HostStepExecutor` (graphs through backend.run, accept on the host;
+every backend, CPU) and `GraphStepExecutor` (fused steps on a CudaDevice: one CUDA graph per step kind, K and batch
+bucket, accept and commit on the device, one step kept in flight). Both are driven by the same scheduler.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dflash_trt.runtime.batching import BUCKETS, DECODE, PREFILL_BATCH, SPEC, St
 from dflash_trt.runtime.ctx import CtxWindow
 from dflash_trt.runtime.devices.host import HostDevice
 from dflash_trt.runtime.gating import Gate
-from dflash_trt.runtime.host_step import HostStepExecutor
+from dflash_trt.runtime.executors import choose_executor
 from dflash_trt.runtime.pools import BlockAllocator, PoolExhausted, SlotPool
 from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.runtime.scheduler import FAILED, Request, Scheduler
@@ -70,19 +70,10 @@ class GenStats:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def _default_executor(rt, backend, device):
-    """The device's CUDA-graph executor when the device offers graphs and the backend has fused steps."""
-    if getattr(device, "graph_steps", False) and getattr(backend, "fused_steps", None) is not None:
-        from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
-
-        return GraphStepExecutor(rt)
-    return HostStepExecutor(rt)
-
-
 class Runtime:
     def __init__(self, backend, target_cfg, drafter_cfg=None, sizes: PoolSizes = PoolSizes(),
                  device=None, gate: Gate | None = None, executor=None):
-        """executor: None (the device's default), "host", "graph", or a factory taking the runtime."""
+        """executor: a factory taking the runtime (e.g. HostStepExecutor), or None: executors.choose_executor."""
         self.backend = backend
         self.tcfg, self.dcfg, self.sizes = target_cfg, drafter_cfg, sizes
         self.device = device or HostDevice()
@@ -96,16 +87,7 @@ class Runtime:
         self.gate = gate or Gate()
         self._next_id = 0
         self.eos = set(target_cfg.eos_token_ids)
-        if executor == "host":
-            self.executor = HostStepExecutor(self)
-        elif executor == "graph":
-            from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
-
-            self.executor = GraphStepExecutor(self)
-        elif callable(executor):
-            self.executor = executor(self)
-        else:
-            self.executor = _default_executor(self, backend, self.device)
+        self.executor = (executor or choose_executor)(self)
         # a ctx window also holds the rows reserved for the steps in flight; room for one is always kept, so
         # every executor with at most one step in flight uses the exported graphs' width (abi.max_ctx_blocks)
         self.ctx_append = sizes.max_append + LOOKAHEAD_ROWS * max(1, self.executor.max_inflight)
@@ -186,7 +168,7 @@ class Runtime:
         if self.dcfg is None:
             return None
         return CtxWindow(self.sizes.ctx_window, self.sizes.page_size, self.dkv_alloc, self.ctx_append,
-                         auto_slide=not self.executor.ahead)
+                         auto_slide=not self.executor.runs_ahead)
 
     def release(self, seq: Sequence) -> None:
         """Give back seq's pages and slot. Releasing a released sequence again is a no-op; a foreign or
@@ -274,7 +256,7 @@ class Runtime:
         """Pages for rows [lo, lo + chunk) of seq's prompt; a sequence that cannot get them is put back as
         add_sequence left it and its error returned (it fails alone)."""
         try:
-            if self.executor.ahead and seq.ctx is not None:
+            if self.executor.runs_ahead and seq.ctx is not None:
                 seq.ctx.slide()
             commit.reserve(seq, len(seq.tokens[lo:lo + self.sizes.prefill_chunk]), self.kv_alloc, self.sizes.page_size)
         except (PoolExhausted, ValueError) as e:

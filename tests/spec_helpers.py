@@ -2,9 +2,10 @@
 import numpy as np
 
 from dflash_trt.abi import DRAFTER_BLOCK
+from dflash_trt.runtime.interfaces import BackendDefaults
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(BackendDefaults):
     """Wraps a backend; drafter_block proposes the target's own greedy continuation `greedy` (token at
     absolute position p is greedy[p]; or a list of such lists, one per batch row) for the first
     j(step, gamma_max, row) drafts and a guaranteed-wrong token after."""

@@ -50,6 +50,7 @@ def test_compiled_replay_bit_identical_and_fused(compiled_rt, reference):  # noq
     import torch
 
     from dflash_trt.runtime import commit
+    from dflash_trt.runtime.backends.torch_backend import ModuleGraphs
     from dflash_trt.runtime.backends.torch_fused_step import FusedSteps
     from dflash_trt.runtime.batching import pad_rows
 
@@ -77,7 +78,7 @@ def test_compiled_replay_bit_identical_and_fused(compiled_rt, reference):  # noq
         for k in rt.pools:
             assert torch.equal(rt.pools[k], after_eager[k]), (kind, k)
         if kind == "decode":
-            plain = FusedSteps(rt.backend.target, rt.backend.drafter, rt)
+            plain = FusedSteps(ModuleGraphs(rt.backend.target, rt.backend.drafter), rt)
             plain.state = ex.steps.state
             n_compiled = _kernels(rt, kind, K, vals)
             n_eager = _kernels(rt, kind, K, vals, eager_steps=plain.decode)

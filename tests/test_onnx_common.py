@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dflash_trt.abi import DRAFTER_BLOCK, PoolSizes
+from dflash_trt.runtime.interfaces import BackendDefaults
 
 # small pools so the gather-all-pages function bodies stay fast; ctx_window 32 makes the drafter window slide
 SIZES = PoolSizes(kv_blocks=32, page_size=16, max_seq_len=256, max_seqs=4, dkv_blocks=64, ctx_window=32,
@@ -45,7 +46,7 @@ def torch_backend(tiny_pair, want_logits=True):
     return TorchBackend(target, load_drafter(tiny_pair[1], target), want_logits=want_logits)
 
 
-class OracleDrafter:
+class OracleDrafter(BackendDefaults):
     """Wraps a backend; answers drafter_block with the known greedy continuation (all drafts accepted)."""
 
     def __init__(self, backend, tokens):

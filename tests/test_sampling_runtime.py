@@ -14,6 +14,7 @@ from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
 from dflash_trt.runtime.gating import Gate
+from dflash_trt.runtime.interfaces import BackendDefaults
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.runtime.sampling import SamplingError
 from dflash_trt.tools.tiny import KERNEL_SHAPES, make_tiny_pair
@@ -127,7 +128,7 @@ def test_cli_bad_params_one_line(tmp_path, capsys, flag, value, msg):
     assert rc == 2 and len(err) == 1 and err[0].startswith("dflash-trt generate: error: ") and msg in err[0]
 
 
-class NoLogits:
+class NoLogits(BackendDefaults):
     """A backend whose graphs emit no logits (an export with --no-logits)."""
 
     def __init__(self, inner):

@@ -24,6 +24,7 @@ from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.devices.host import HostDevice
 from dflash_trt.runtime.devices.torch_device import TorchDevice
 from dflash_trt.runtime.gating import Gate
+from dflash_trt.runtime.interfaces import BackendDefaults
 from dflash_trt.runtime.pools import PoolExhausted
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.runtime.snapshot import SnapshotError, SnapshotMismatch, read_meta
@@ -40,7 +41,7 @@ CASES = {"spec3": ("spec", 3, 5, "host"), "spec15": ("spec", 15, 4, "host"), "pl
          "torch_pools": ("spec", 3, 5, "torch-cpu")}
 
 
-class Recorder:
+class Recorder(BackendDefaults):
     """Backend wrapper that logs what the real drafter proposed at each drafter_block launch."""
 
     def __init__(self, inner):

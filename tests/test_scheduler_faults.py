@@ -18,6 +18,7 @@ from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
 from dflash_trt.runtime.gating import Gate
+from dflash_trt.runtime.host_step import HostStepExecutor
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.tools.tiny import make_tiny_pair
 
@@ -168,7 +169,7 @@ def run_fault(pair, phase, spec, executor, monkeypatch, device=None):
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "dflash"])
 @pytest.mark.parametrize("phase", PHASES)
 def test_a_fault_on_the_host_executor_fails_only_its_requests(pair, phase, spec, monkeypatch):
-    run_fault(pair, phase, spec, "host", monkeypatch)
+    run_fault(pair, phase, spec, HostStepExecutor, monkeypatch)
 
 
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "dflash"])
@@ -180,7 +181,7 @@ def test_a_fault_on_the_device_executor_logic_fails_only_its_requests(pair, phas
 
 def test_a_failing_zero_slot_gives_the_slot_back(pair, monkeypatch):
     """add_sequence fails after taking a slot (its state could not be zeroed): the slot goes back with the error."""
-    rt = make_runtime(pair, "host")
+    rt = make_runtime(pair, HostStepExecutor)
     monkeypatch.setattr(rt.executor, "zero_slot", Fault().wrap(rt.executor.zero_slot))
     req = rt.add_request(pair[2][A], 4, spec=False)
     with pytest.raises(Injected, match="zero_slot"):

@@ -10,6 +10,7 @@ from dflash_trt.abi import DRAFTER_BLOCK, PoolSizes, drafter_block_graph
 from dflash_trt.export.checkpoint import load_drafter, load_target
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.gating import Gate
+from dflash_trt.runtime.interfaces import BackendDefaults
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.tools.tiny import make_tiny_pair, tiny_target_config
 
@@ -33,7 +34,7 @@ def pair(dirs):
     return target, load_drafter(dirs[1], target)
 
 
-class Recorder:
+class Recorder(BackendDefaults):
     """Wraps a backend; keeps (block_ids, drafts) of every drafter block launch."""
 
     def __init__(self, inner):

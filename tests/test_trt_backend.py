@@ -263,7 +263,8 @@ def test_backend_binding_decodes_reference_tokens_through_the_graph_executor(bui
     import torch
 
     from dflash_trt.export.checkpoint import load_drafter, load_target
-    from dflash_trt.runtime.backends.trt import TrtBackend, graph_executor
+    from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
+    from dflash_trt.runtime.backends.trt import TrtBackend
     from dflash_trt.runtime.backends.trt_plan import step_launches
     from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
     from dflash_trt.runtime.gating import Gate
@@ -274,7 +275,7 @@ def test_backend_binding_decodes_reference_tokens_through_the_graph_executor(bui
     dev = TorchCpuDevice()
     engines = _fake_engines(built, t, dr)
     be = TrtBackend(built, device=dev, engines=engines)
-    rt = Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=Gate(min_rate=0.0), executor=graph_executor)
+    rt = Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=Gate(min_rate=0.0), executor=GraphStepExecutor)
     n = 24
     ids, ref = reference["prompt_ids"][0], reference["tokens"][0][:n]
     got, _ = rt.generate(ids, n, spec=False)

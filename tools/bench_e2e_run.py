@@ -99,12 +99,6 @@ def _backend(a, target, drafter, sizes, dev, dtype: str):
     return make_backend("trt", manifest=man, device=dev)
 
 
-def _trt_executor():
-    from dflash_trt.runtime.backends.trt import graph_executor
-
-    return graph_executor
-
-
 def run(a) -> int:
     if not _can_run(a):
         return 2
@@ -163,8 +157,7 @@ def _runtime(a, random: bool, dname: str, dtype):
     sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=32, dkv_blocks=16 * 64 + 64,
                       ctx_window=1024, prefill_chunk=64)
     be = _backend(a, target, drafter, sizes, dev, dname)
-    rt = Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes, device=dev, gate=Gate(min_rate=0.0),
-                 executor=None if isinstance(be, TorchBackend) else _trt_executor())
+    rt = Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes, device=dev, gate=Gate(min_rate=0.0))
     rt.executor.on_capture = _progress
     return rt, dev, target, drafter, hf, sizes
 

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=16 + PREFETCH,
                       dkv_blocks=16 * 64 + 64, ctx_window=1024, prefill_chunk=64)
     rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg if drafter else None, sizes,
-                 device=TorchCpuDevice(), gate=Gate(min_rate=0.0), executor=lambda rt: GraphStepExecutor(rt, inflight=1))
+                 device=TorchCpuDevice(), gate=Gate(min_rate=0.0), executor=GraphStepExecutor)
     rt.executor.steps = StandInSteps(rt.executor.steps.state, a.accepted)
     hw = hardware("cpu")
     print(f"bench host: scheduler step, device work stood in (spec accepts {a.accepted} of {a.gamma}); {hw}")

@@ -123,7 +123,9 @@ class StepBuffers:
 
 
 class GraphStepExecutor:
-    ahead = True  # ctx windows slide only between launches (a step in flight keeps its rows)
+    max_inflight = 1  # steps left running while the host plans the next (set per instance: inflight)
+    runs_ahead = True  # ctx windows slide only between launches (a step in flight keeps its rows)
+    ahead = runs_ahead  # the name scheduler.py reads until it says runs_ahead
 
     def __init__(self, rt, use_graphs: bool | None = None, inflight: int = 1):
         """inflight: steps left running while the host plans the next (1: overlap; 0: synchronous)."""
@@ -134,10 +136,10 @@ class GraphStepExecutor:
             self.steps = rt.backend.fused_steps(rt)
         self.dev.synchronize()
         # the prefill's stream (the step's own when the backend's launches are bound to it: TensorRT's enqueue)
-        self.side = self.dev.side_stream() if getattr(rt.backend, "concurrent_prefill", False) else self.dev
+        self.side = self.dev.side_stream() if rt.backend.concurrent_prefill else self.dev
         self._fence = self.side.new_event()  # recorded on the prefill stream when a step must wait for it
         self._unlanded: set = set()  # slots whose last prefill launch was not collected yet
-        self.use_graphs = getattr(self.dev, "graph_steps", False) if use_graphs is None else use_graphs
+        self.use_graphs = self.dev.graph_steps if use_graphs is None else use_graphs
         self.buffers: dict = {}  # key (kind, K, B) -> StepBuffers
         self.graphs: dict = {}  # key -> replay callable (captured) or None (eager)
         self.eager_keys: set = set()  # keys whose capture failed: they run eagerly (brick guard)
@@ -260,7 +262,7 @@ class GraphStepExecutor:
         holds them when the backend takes any (batching.prefill_width); returns a handle per sequence (collect gives
         its first token)."""
         C = self.rt.sizes.prefill_chunk
-        if getattr(self.rt.backend, "any_prefill_width", False):
+        if self.rt.backend.any_prefill_width:
             C = prefill_width(max(map(len, chunks)), C)
         rows = pad_rows(seqs)
         sampled = samples(rows)

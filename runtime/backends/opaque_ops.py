@@ -1,6 +1,6 @@
 """torch ops that Inductor must see as one opaque call: the sampling math's cumsum and the step's int32 index casts.
 
-cumsum_last. Why: on the H200 (torch 2.x, Triton) Inductor turns a cumsum over a vocabulary row into a split scan
+cumsum_last. Why: Inductor (torch 2.x, Triton) turns a cumsum over a vocabulary row into a split scan
 and then fails to generate the kernels it fuses around it ("NYI TritonSplitDimKernel reductions" at batch 1,
 "TypeError: list indices must be integers or slices" otherwise), for every sampled decode and spec step. The
 compiled step then fell back to eager for good (torch_compile.CompiledStep). As an opaque op the cumsum is ATen's own
@@ -8,7 +8,7 @@ kernel and the rest of the step still compiles. Same values as torch.cumsum (it 
 
 as_int32. Why: the kernels read index tensors (slot, block tables, lengths, n) as int32 and the step buffers hold
 int64. Inductor inlines a plain cast into every kernel that reads it, and an opaque kernel (each of our ops) needs
-its own realized copy: one cast kernel per op call, 24 in the 0.9B decode graph for the one slot tensor. As an opaque
+its own realized copy: one cast kernel per op call (figures: docs/PERF.md). As an opaque
 op the cast is one realized buffer that every call reads.
 """
 from __future__ import annotations

@@ -25,6 +25,11 @@ def default_providers() -> list[str]:
 
 class OrtBackend(ManifestBacked):
     name = "ort"
+    kv_dtype: str  # the manifest's
+    want_logits = False  # the manifest's: whether the export carries logits
+    concurrent_prefill = False  # sessions run synchronously: no stream to run beside
+    any_prefill_width = False  # the exported prefill graph takes the chunk's width
+    fused_steps = None  # host steps only (numpy in and out)
 
     def __init__(self, manifest, providers=None, threads: int | None = None, check_inputs: bool = True,
                  optimize: bool = True):

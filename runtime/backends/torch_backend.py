@@ -16,15 +16,29 @@ from dflash_trt.plugins.opspec import dtype_name
 HOST_OUTPUTS = ("argmax", "drafts")
 
 
+class ModuleGraphs:
+    """The StepGraphs of the fused step over the reference modules: run_graph, the module calls the exporter
+    traces (device tensors in and out)."""
+
+    def __init__(self, target, drafter=None):
+        self.target, self.drafter = target, drafter
+
+    def run(self, graph: str, inputs: dict, want_logits: bool) -> dict:
+        """Graph `graph` on device tensors `inputs` (ABI names); its outputs as device tensors."""
+        return run_graph(graph, self.target, self.drafter, inputs, want_logits=want_logits)
+
+
 class TorchBackend:
     name = "torch"
+    kv_dtype: str  # the target's parameter dtype
+    want_logits = False  # run() adds the graphs' logits (the host executor sets it while a step samples)
     concurrent_prefill = True  # every kernel goes to torch's current stream: prefills may run on a second one
     any_prefill_width = True  # its prefill step takes ids of any width (engines are built for one: the chunk's)
 
     def __init__(self, target, drafter=None, want_logits: bool = False, device: str | None = None,
                  compile_steps: bool = False):
         """compile_steps: on CUDA, the prefill/decode/spec steps through Inductor (runtime/backends/torch_compile.py):
-        about 2x faster steps for a 15-30 s compile per step key on first use. Ignored on CPU."""
+        faster steps for a compile per step key on first use (figures: docs/PERF.md). Ignored on CPU."""
         self.target, self.drafter, self.want_logits = target, drafter, want_logits
         p = next(target.parameters())
         self.device = torch.device(device) if device else p.device
@@ -55,7 +69,7 @@ class TorchBackend:
         """The device-side steps over this backend's modules (runtime/backends/graph_executor.py runs them)."""
         from dflash_trt.runtime.backends.torch_fused_step import FusedSteps
 
-        steps = FusedSteps(self.target, self.drafter, rt)
+        steps = FusedSteps(ModuleGraphs(self.target, self.drafter), rt)
         if self.compile_steps:
             from dflash_trt.runtime.backends.torch_compile import compile_steps
 

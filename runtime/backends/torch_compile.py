@@ -4,17 +4,14 @@
 Why Inductor here rather than hand-fused NVRTC kernels: the step is ~70 small kernels per layer (casts, RMSNorms,
 RoPE, gates, SwiGLU, pool-slot gathers); Inductor fuses those elementwise/reduction chains into Triton kernels
 without a second copy of the model math, and the compiled code is then captured in the step's own CUDA graph
-(graph_executor). Measured on the H200 (0.9B random Qwen3.5-text, bf16, batch 1, 256-row context):
-target step K=1 2.37 -> 1.37 ms, K=16 2.75 -> 1.52 ms, 827 -> 314 kernels. GEMMs stay cuBLAS.
+(graph_executor). GEMMs stay cuBLAS.
 
-Cost: one compile per step key (kind, K, batch bucket), 15-30 s each on first use, done during the warm-up
-before the capture. The prefill chunk is compiled too: a request joining a running batch puts its prefill
-between the others' steps. H200, trained pair bf16, 512-token prompt in chunks of 64: 49.8k tok/s eager (~1.3 ms
-a chunk, about four of the others' decode steps), 119.7k compiled.
+Cost: one compile per step key (kind, K, batch bucket) on first use, done during the warm-up before the capture.
+The prefill chunk is compiled too: a request joining a running batch puts its prefill between the others' steps.
 
-fp32 targets: cuBLAS's heuristics pick kernels of ~37 us for the [16 x 256] x [256 x 768] fp32 GEMMs of a verify
-step (30 of them made the trained pair's compiled spec step 1.91 ms); preferring cuBLASLt, the same step measured
-0.78 ms. torch's BLAS preference is process-wide: `prefer_cublaslt` sets it when the GPU runtime computes in fp32.
+fp32 targets: cuBLAS's heuristics pick slow kernels for the small fp32 GEMMs of a verify step, cuBLASLt fast ones.
+torch's BLAS preference is process-wide: `prefer_cublaslt` sets it when the GPU runtime computes in fp32.
+Figures for each choice here: docs/PERF.md (runtime step).
 """
 from __future__ import annotations
 
@@ -27,24 +24,16 @@ from dflash_trt.plugins.cuda_launch import pdl_switch
 
 COMPILED = ("prefill", "decode", "spec")  # every step the executor captures
 RECOMPILE_LIMIT = 64  # keys per step function: batch buckets x K x greedy/sampled
-# Inductor options for the step. max_pointwise_cat_inputs: a torch.stack / cat of more inputs than this (default 8)
-# becomes one copy kernel per input; the step stacks one tensor per GDN layer (fold data, conv columns), so a model
-# of 9+ GDN layers (the 0.9B config: 9) paid 4 copy kernels a layer, 27-36 a step, where one kernel per stack does.
-# combo_kernels: data-independent kernels share one launch (the decode step's 7 stack kernels of commit data: 2
-# left). H200, trained pair bf16, batch 1, two leases: decode 127 -> 115 kernels (0.215 -> 0.203 ms busy), spec
-# 157 -> 144 (0.375 -> 0.326 ms); compiled target step K=1 0.220 -> 0.195 ms, K=16 0.275 -> 0.258.
+# Inductor options for the step (figures: docs/PERF.md). max_pointwise_cat_inputs: a torch.stack / cat of more
+# inputs than this (default 8) becomes one copy kernel per input, and the step stacks one tensor per GDN layer.
+# combo_kernels: data-independent kernels share one launch (the commit data's stack kernels).
 # triton.enable_pdl: programmatic dependent launch between the step's kernels on sm_90+ (Inductor checks the GPU):
 # each Triton kernel lets the next one start once its loads are done, and our kernels, launched the same way, start
-# their work that needs no input (gemv: the first weight loads) under the previous kernel's tail; of ours only gemv
-# lets the next start early, once its CTAs' last reads are done (common.cuh has the rule). Off with DFLASH_TRT_PDL=0 (cuda_launch.pdl_switch). H200, bf16, batch 1:
-# trained pair compiled target step K=1 0.195 -> 0.151 ms, K=16 0.259 -> 0.203, plain / spec step 0.232 -> 0.196 /
-# 0.358 -> 0.315 ms (two leases), tokens identical to PDL off; 0.9B random config, one lease, K=1 / K=16: off
-# 0.787 / 0.990 ms, our kernels only 0.763 / 0.983, with Inductor's 0.721 / 0.946.
+# their work that needs no input under the previous kernel's tail (common.cuh has the rule). Off with
+# DFLASH_TRT_PDL=0 (cuda_launch.pdl_switch).
 # test_configs.force_filter_reduction_configs: each reduction kernel takes the config Inductor's deterministic mode
-# picks from its candidates by rule, not the one that benchmarked fastest while compiling. Autotuning in a busy
-# warm-up chose differently from one compile to the next: at the previous gdn_wy16 the trained pair's batch-1
-# DFlash/plain measured 2.35-2.58 over cold compiles, pinned 2.46; at this gdn_wy16, pinned, 2.57 and 2.55 on two
-# leases (H200, bf16). Set only where this torch has the key (torch.compile refuses unknown options).
+# picks by rule, not the one that benchmarked fastest in a (busy) warm-up, so timings do not drift between compiles.
+# Set only where this torch has the key (torch.compile refuses unknown options).
 INDUCTOR_OPTIONS = {"max_pointwise_cat_inputs": 128, "combo_kernels": True}
 if "test_configs.force_filter_reduction_configs" in torch._inductor.config._config:
     INDUCTOR_OPTIONS["test_configs.force_filter_reduction_configs"] = True

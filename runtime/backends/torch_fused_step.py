@@ -1,6 +1,7 @@
 """The device side of one runtime step, in torch, with no host round trip inside (DESIGN §5 "GPU step"):
 what a step's CUDA graph captures. Each function reads a step's static input buffer (the host's rows,
-pages and ctx window base), runs the graphs (torch reference modules; on CUDA our kernels as custom ops),
+pages and ctx window base), runs the graphs through one StepGraphs object (runtime/interfaces.py: the torch
+backend's ModuleGraphs over its modules, on CUDA our kernels as custom ops; the TensorRT backend's EngineGraphs),
 accepts greedily ON THE DEVICE, commits through the device's commit kernels (runtime/commit.write, n a device
 tensor) and advances the per-slot device state (seq_len, bonus) so the next step needs nothing from the host
 but its rows. No .item(), no data-dependent shapes, no host syncs: everything is capturable. On CPU the same
@@ -18,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
-from dflash_trt.export.graphs import run_graph
+from dflash_trt.abi import DRAFTER_CTX, PREFILL, target_graph
 from dflash_trt.runtime.backends.opaque_ops import as_int32
 from dflash_trt.runtime.commit import WriteTables, write
+from dflash_trt.runtime.step_recipe import ctx_window, greedy_accept, positions, propose, target_inputs, verify
 from dflash_trt.runtime.sampling import (TOKEN, draft_tokens, row_tensors, sample, speculative_accept, token_probs,
                                          uniform)
 
@@ -36,6 +37,33 @@ def _sampling(b):
     return row_tensors({k: b[k] for k in SAMPLING_FIELDS}, b["temperature"].device)
 
 
+class TorchOps:
+    """The array namespace of the step recipe (runtime/step_recipe.py) on the step's device: int64 tensors."""
+
+    @staticmethod
+    def full(shape, value, like):
+        return torch.full(shape, value, dtype=torch.int64, device=like.device)
+
+    @staticmethod
+    def arange(n: int, like):
+        return torch.arange(n, device=like.device)
+
+    @staticmethod
+    def concat(tensors, axis: int):
+        return torch.cat(tensors, axis)
+
+    @staticmethod
+    def cumprod_int64(mask, axis: int):
+        return torch.cumprod(mask.to(torch.int64), axis)
+
+    @staticmethod
+    def clamp_max(x, hi: int):
+        return torch.clamp(x, max=hi)
+
+
+TORCH = TorchOps()
+
+
 class SlotState:
     """seq_len and bonus per state slot, on the device; row max_seqs is the dummy row of padding rows."""
 
@@ -45,14 +73,16 @@ class SlotState:
 
 
 class FusedSteps:
-    def __init__(self, target, drafter, rt, graph_int32: bool = True):
-        """graph_int32: the graphs take their index inputs (slot, seq_len, block tables, drafter window) as the
-        step's int32 casts (the torch modules: their kernels read int32); False: as the ABI's int64 (TensorRT
-        engines bind the ABI). The commit kernels read the int32 casts either way."""
-        self.target, self.drafter, self.rt, self.graph_int32 = target, drafter, rt, graph_int32
+    def __init__(self, graphs, rt, graph_int32: bool = True):
+        """graphs: a StepGraphs (run(graph, device tensors, want_logits) -> device tensors) on rt.device;
+        rt.dcfg: the drafter's config (None: no drafter, no ctx rows). graph_int32: the graphs take their index
+        inputs (slot, seq_len, block tables, drafter window) as the step's int32 casts (the torch modules: their
+        kernels read int32); False: as the ABI's int64 (TensorRT engines bind the ABI). The commit kernels read the
+        int32 casts either way."""
+        self.graphs, self.dcfg, self.rt, self.graph_int32 = graphs, rt.dcfg, rt, graph_int32
         self.dev, self.pools = rt.device, rt.pools
         self.window = rt.sizes.ctx_window
-        self.state = SlotState(rt.sizes.max_seqs, next(target.parameters()).device)
+        self.state = SlotState(rt.sizes.max_seqs, rt.device.device)
 
     # ---- pieces ---------------------------------------------------------------------------
     def _index(self, b, seq_len, window=None) -> tuple[dict, dict]:
@@ -76,12 +106,7 @@ class FusedSteps:
         return ix, gi
 
     def _target(self, graph, ids, pos, gi, valid=None, logits=False):
-        x = {"input_ids": ids, "positions": pos, "slot": gi["slot"], "seq_len": gi["seq_len"],
-             "block_table": gi["block_table"], "kv_pool": self.pools["kv_pool"], "gdn_pool": self.pools["gdn_pool"],
-             "conv_pool": self.pools["conv_pool"]}
-        if valid is not None:
-            x["valid_len"] = valid
-        return run_graph(graph, self.target, self.drafter, x, want_logits=logits)
+        return self.graphs.run(graph, target_inputs(ids, pos, gi, self.pools, valid), logits)
 
     def _commit(self, out, n, b, ix, seq_len, pos):
         """The device part of the one commit path, drafter ctx rows at logical rows position - ctx_base.
@@ -89,23 +114,20 @@ class FusedSteps:
         read of the pools in any order of the compiled graph. Where n does not depend on the step (prefill: the valid
         rows; decode: the live flags), Inductor may place a read after the write that its rows allow (kv_write's rows
         are the K/V projections, conv_roll's the pre-conv columns) and then copy the whole pool in and back out
-        around the write: H200, trained pair bf16, the decode step's last attention after kv_write, two 17.8 MB
-        copies of the KV pool, 35 us of a 0.23 ms step."""
+        around the write (figures: docs/PERF.md)."""
         t = WriteTables(ix["slot"], ix["seq_len"], ix["block_table"])
         n = as_int32(torch.where(out["argmax"][:, 0] >= 0, n, 0))  # once for the four commit kernels
         dkv = None
-        if self.drafter is not None:
+        if self.dcfg is not None:
             t.ctx_table, t.ctx_start = ix["ctx_table"], ix["ctx_start"]
-            dkv = run_graph(DRAFTER_CTX, self.target, self.drafter,
-                            {"ctx_hidden": out["ctx_hidden"], "positions": pos})["dkv_rows"]
+            dkv = self.graphs.run(DRAFTER_CTX, {"ctx_hidden": out["ctx_hidden"], "positions": pos}, False)["dkv_rows"]
         write(self.dev, self.pools, out, n, t, dkv)
 
     def _window(self, b, seq_len):
         """The drafter ctx rows a sequence attends: the newest min(seq_len, window), ending at its last row."""
-        if self.drafter is None:
+        if self.dcfg is None:
             return torch.zeros_like(seq_len), torch.zeros_like(seq_len)
-        kv_len = seq_len - b["ctx_base"]
-        return kv_len - torch.clamp(seq_len, max=self.window), kv_len
+        return ctx_window(TORCH, seq_len, b["ctx_base"], self.window)
 
     def _advance(self, b, am, n, seq_len, bonus, kv):
         """Per-slot state after the step (padding rows: n = 0, so their dummy row keeps its zeros); am: the
@@ -126,7 +148,7 @@ class FusedSteps:
         """One chunk: ids [1,C] at positions start.., valid rows; result [1, 2] = (first token, valid)."""
         ids, start, valid = b["ids"], b["start"], b["valid"]
         rp = _sampling(b)
-        pos = start[:, None] + torch.arange(ids.shape[1], device=ids.device)[None]
+        pos = positions(TORCH, start, ids.shape[1])
         ix, gi = self._index(b, start)
         out = self._target(PREFILL, ids, pos, gi, valid, logits=rp is not None)
         self._commit(out, valid, b, ix, start, pos)
@@ -159,32 +181,23 @@ class FusedSteps:
     def spec(self, b, gamma: int) -> None:
         """drafter_block -> target_k{γ+1} -> accept on the device (greedy, or rejection sampling) -> commit
         n = accepted + 1."""
-        d = self.drafter.cfg
         rp = _sampling(b)
         seq_len, bonus = self.state.seq_len[b["srow"]], self.state.bonus[b["srow"]]
-        B = seq_len.shape[0]
         kv_start, kv_len = self._window(b, seq_len)
         ix, gi = self._index(b, seq_len, (kv_start, kv_len))
-        K = gamma + 1  # γ drafts come from a block of γ+1 slots, as the reference runs them
-        block = torch.full((B, K), d.mask_token_id, dtype=torch.int64, device=seq_len.device)
-        block[:, 0] = bonus
-        bpos = seq_len[:, None] + torch.arange(K, device=seq_len.device)[None]
-        dout = run_graph(drafter_block_graph(K, d.block_size), self.target, self.drafter, {
-            "block_ids": block, "positions": bpos, "block_table": gi["ctx_table"], "kv_start": gi["kv_start"],
-            "kv_len": gi["kv_len"], "dkv_pool": self.pools["dkv_pool"]}, want_logits=rp is not None)
+        run = self.graphs.run
+        dout, bpos = propose(TORCH, run, gi, bonus, seq_len, gamma + 1, self.dcfg, self.pools["dkv_pool"],
+                             rp is not None)
         if rp is None:
             drafts = dout["drafts"]
         else:  # slot j of the block predicts the token at position seq_len + j
             q = token_probs(dout["logits"][:, 1:], rp)
             drafts = draft_tokens(q, rp["seed"], bpos[:, 1:])
         pos = bpos
-        out = self._target(target_graph(K), torch.cat([bonus[:, None], drafts], 1), pos, gi,
-                           logits=rp is not None)
+        out = verify(TORCH, run, gi, bonus, drafts, pos, self.pools, rp is not None)
         if rp is None:
             am = out["argmax"]
-            # accepted = longest prefix with draft_i == argmax_i (a running product of matches)
-            acc = torch.cumprod((drafts == am[:, :gamma]).to(torch.int64), 1).sum(1)
-            n = (acc + 1) * b["live"]
+            n = greedy_accept(TORCH, drafts, am, b["live"])
         else:  # verify row j predicts the token at position seq_len + 1 + j
             am, n = speculative_accept(token_probs(out["logits"], rp), q, drafts, rp["seed"], bpos + 1)
             n = n * b["live"]

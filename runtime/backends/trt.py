@@ -5,23 +5,21 @@ the binding plan (runtime/backends/trt_plan.py, computed and tested on CPU), exe
 stream. Engines load through engines/load.py (all its refusals), and the whole plan is checked against the
 engines and the runtime's pools before anything launches.
 
-The step itself is the torch backend's FusedSteps, unchanged: it drives the graphs through run_graph's module
-interface (target.step, drafter.ctx, drafter.block), which the two stand-ins below implement with engines. So
-the graph executor captures drafter_block -> target verify -> accept -> commit kernels -> drafter ctx rows in
-the same per-step CUDA graph, and the runtime loop and commit path are the ones every backend uses.
-`run(graph, numpy inputs)` is the same interface for the host executor and `dflash-trt compare`.
+The step itself is the torch backend's FusedSteps, unchanged: it runs the graphs through a StepGraphs
+(runtime/interfaces.py), which `EngineGraphs` below implements with one enqueue per graph. So the graph executor
+captures drafter_block -> target verify -> accept -> commit kernels -> drafter ctx rows in the same per-step CUDA
+graph, and the runtime loop and commit path are the ones every backend uses. `run(graph, numpy inputs)` is the
+same interface for the host executor and `dflash-trt compare`.
 
 The drafter block table of the engines is the ABI's static width (abi.PoolSizes.max_ctx_blocks), which keeps
-room for the look-ahead rows of one step left in flight: `graph_executor(rt)` is the graph executor with one
-step in flight (the host plans step t+1 while the engines run step t), the executor a Runtime over this backend
-takes.
+room for the look-ahead rows of one step left in flight: runtime/executors.choose_executor gives a Runtime over
+this backend the graph executor with one step in flight (the host plans step t+1 while the engines run step t).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from dflash_trt.abi import DRAFTER_CTX, PREFILL, drafter_block_graph, target_graph
 from dflash_trt.engines.load import EngineError, load_engine
 from dflash_trt.manifest import Manifest, ManifestBacked
 from dflash_trt.plugins.opspec import dtype_name
@@ -40,7 +38,7 @@ class _Context:
         zeros = lambda b: torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=dev.device)
         self.outputs = {b.name: zeros(b) for b in plan.outputs}
         self.padded = {b.name: zeros(b) for b in plan.inputs if b.pad_rows}
-        getattr(dev, "sync_all", lambda: None)()  # the zeros landed before the runtime stream uses them
+        dev.sync_all()  # the zeros landed before the runtime stream uses them
         for name, t in self.outputs.items():
             self.bind(name, t)
 
@@ -51,6 +49,10 @@ class _Context:
 
 class TrtBackend(ManifestBacked):
     name = "trt"
+    kv_dtype: str  # the manifest's
+    want_logits = False  # the manifest's: whether the engines emit logits
+    concurrent_prefill = False  # enqueue is bound to the runtime's stream: prefills run on it
+    any_prefill_width = False  # the prefill engine is built for the chunk's width
 
     def __init__(self, manifest, device=None, engines: dict | None = None):
         """manifest: Manifest or its directory; device: the CudaDevice whose stream runs the engines (the
@@ -76,8 +78,7 @@ class TrtBackend(ManifestBacked):
         pools = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in rt.pools.items()}
         self.plans = runtime_plan(self.manifest, self._ios(), pools)  # the runtime's pools, not the manifest's
         self.device = rt.device
-        return FusedSteps(_EngineTarget(self), _EngineDrafter(self) if self.dcfg is not None else None, rt,
-                          graph_int32=False)  # engines bind the ABI's int64 index inputs
+        return FusedSteps(EngineGraphs(self), rt, graph_int32=False)  # engines bind the ABI's int64 index inputs
 
     def _context(self, graph: str, B: int) -> _Context:
         c = self._contexts.get((graph, B))
@@ -106,7 +107,7 @@ class TrtBackend(ManifestBacked):
             c.bind(b.name, t.contiguous())
         if self.launches is not None:
             self.launches.append(graph)
-        if not c.ctx.execute_async_v3(getattr(self.device, "stream_handle", 0)):
+        if not c.ctx.execute_async_v3(self.device.stream_handle):
             raise EngineError(f"engine {graph}: execute_async_v3 failed (see TensorRT's errors above)")
         return dict(c.outputs)
 
@@ -123,45 +124,15 @@ class TrtBackend(ManifestBacked):
             return {k: v.detach().cpu().numpy().copy() for k, v in out.items()}
 
 
-def graph_executor(rt):
-    """The CUDA-graph step executor for a Runtime over TrtBackend (Runtime(..., executor=graph_executor))."""
-    from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
-
-    return GraphStepExecutor(rt, inflight=1)  # at most one: the engines' ctx table width has room for one
-
-
-class _EngineTarget:
-    """run_graph's target interface (TargetModel.step) over the target engines."""
+class EngineGraphs:
+    """The StepGraphs of the fused step over the engines: each graph one enqueue on the runtime's stream, its
+    preallocated outputs returned (device tensors in and out, capturable)."""
 
     def __init__(self, be: TrtBackend):
         self.be = be
 
-    def parameters(self):
-        yield torch.empty(0, device=self.be.device.device)  # FusedSteps reads the device from here
-
-    def step(self, *args, valid_len=None, want_logits=False):
-        graph = PREFILL if valid_len is not None else target_graph(int(args[0].shape[1]))
-        return _call(self.be, graph, args + ((valid_len,) if valid_len is not None else ()), want_logits)
-
-
-class _EngineDrafter:
-    """run_graph's drafter interface (Drafter.ctx / Drafter.block) over the drafter engines."""
-
-    def __init__(self, be: TrtBackend):
-        self.be, self.cfg = be, be.dcfg
-
-    def ctx(self, *args):
-        return _call(self.be, DRAFTER_CTX, args, False)
-
-    def block(self, *args, want_logits=False):
-        return _call(self.be, drafter_block_graph(int(args[0].shape[1]), self.cfg.block_size), args, want_logits)
-
-
-def _call(be: TrtBackend, graph: str, args: tuple, want_logits: bool) -> dict:
-    """Positional module arguments -> ABI names (run_graph passes them in the ABI's input order)."""
-    if want_logits and not be.want_logits:
-        raise PlanError(f"engine {graph}: logits requested, but the export has none (export with logits)")
-    ins = [t["name"] for t in be.manifest.io(graph)[0]]
-    if len(args) != len(ins):
-        raise PlanError(f"engine {graph}: {len(args)} inputs handed, the engine takes {ins}")
-    return be.execute(graph, dict(zip(ins, args)))
+    def run(self, graph: str, inputs: dict, want_logits: bool) -> dict:
+        """Enqueue `graph` on the step's tensors `inputs` (ABI names); its output tensors."""
+        if want_logits and not self.be.want_logits:
+            raise PlanError(f"engine {graph}: logits requested, but the export has none (export with logits)")
+        return self.be.execute(graph, inputs)

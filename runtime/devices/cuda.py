@@ -49,6 +49,7 @@ class _CudaArray:
 
 class CudaDevice(TorchStepIO, TorchDevice):
     graph_steps = True  # the graph executor captures one CUDA graph per step kind, K and bucket
+    stream_handle = 0  # the runtime stream's raw handle, set with the stream (_own_stream)
 
     def __init__(self, index: int = 0):
         require_cuda()

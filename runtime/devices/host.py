@@ -9,6 +9,8 @@ numpy only (no torch / tensorrt).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from dflash_trt.plugins.registry import install_methods
@@ -16,6 +18,15 @@ from dflash_trt.plugins.registry import install_methods
 
 class HostDevice:
     name = "host"
+    graph_steps = False  # host steps only: nothing to capture
+
+    def on_stream(self):
+        """No stream: host work runs in program order."""
+        return contextlib.nullcontext()
+
+    def zero_slot(self, pool, slot: int) -> None:
+        """pool[:, slot] = 0 (a fresh sequence's GDN / conv state)."""
+        pool[:, int(slot)] = 0
 
     # ---- memory -----------------------------------------------------------------------
     def zeros(self, shape, dtype=np.float32) -> np.ndarray:

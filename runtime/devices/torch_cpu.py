@@ -7,8 +7,6 @@ capturable (sync-free) form.
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 
@@ -37,6 +35,7 @@ class TorchStepIO:
 
 class TorchCpuDevice(TorchStepIO, TorchDevice):
     graph_steps = False  # steps run eagerly
+    stream_handle = 0  # no stream: stand-in engines ignore it
 
     def __init__(self):
         super().__init__("cpu")
@@ -73,9 +72,6 @@ class TorchCpuDevice(TorchStepIO, TorchDevice):
 
     def sync_all(self) -> None:
         pass
-
-    def on_stream(self):
-        return contextlib.nullcontext()
 
     def capture(self, fn, hook=None):
         return None

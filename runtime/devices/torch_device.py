@@ -8,6 +8,8 @@ methods come from the op folders (plugins/<op>/device.py, through the op registr
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -18,6 +20,10 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 
 class TorchDevice:
+    name: str  # "torch:<device>"
+    device: torch.device
+    graph_steps = False  # the host executor's device: graphs run eagerly, one launch each
+
     def __init__(self, device: str = "cuda"):
         self.device = torch.device(device)
         self.name = f"torch:{self.device}"
@@ -28,6 +34,14 @@ class TorchDevice:
 
     def _i(self, a):
         return self._t(a, torch.int32)
+
+    def on_stream(self):
+        """torch's current stream: no stream of its own."""
+        return contextlib.nullcontext()
+
+    def zero_slot(self, pool, slot: int) -> None:
+        """pool[:, slot] = 0 (a fresh sequence's GDN / conv state)."""
+        pool[:, int(slot)] = 0
 
     # ---- memory -----------------------------------------------------------------------
     def zeros(self, shape, dtype="float32"):
