@@ -1,0 +1,160 @@
+"""FP8 block-wise checkpoints in Qwen's release layout (float8_e4m3fn `weight` + float32 `weight_scale_inv` per
+128x128 block, quantization_config quant_method 'fp8'): loaded exactly, greedy tokens through the torch (CPU) and
+ORT backends equal transformers on the same model with every weight replaced by its dequantized value (the W8A16
+reference, exact in fp32), DFlash equals plain greedy, and every malformed tensor or field is one line naming it."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_tiny import FP8_DIMS, make_hf_model
+from safetensors.torch import load_file, save_file
+
+from dflash_trt.abi import PoolSizes
+from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig
+from dflash_trt.export.checkpoint import CheckpointError, load_target, save_checkpoint
+from dflash_trt.modeling.drafter import Drafter
+from dflash_trt.quant import Fp8Config
+from dflash_trt.runtime.load import load_runtime
+from dflash_trt.tools.tiny import tiny_drafter_config
+
+B = 128
+SIZES = PoolSizes(kv_blocks=16, page_size=8, max_seq_len=96, max_seqs=2, dkv_blocks=32, prefill_chunk=16)
+NEW = 20
+
+
+def skip_list(n_layers: int, prefix: str = "model.") -> list[str]:
+    """What Qwen's FP8 releases keep unquantized: embeddings, lm_head, norms, the GDN a/b projections, conv1d,
+    routers and shared-expert gates (full module names, plus one suffix-style pattern as transformers matches)."""
+    out = ["lm_head", prefix + "embed_tokens", prefix + "norm", "linear_attn.in_proj_b"]
+    for i in range(n_layers):
+        L = f"{prefix}layers.{i}."
+        out += [L + "input_layernorm", L + "post_attention_layernorm", L + "linear_attn.in_proj_a",
+                L + "linear_attn.conv1d", L + "mlp.gate", L + "mlp.shared_expert_gate"]
+    return out
+
+
+def quantize(w):
+    """w fp32 [..., N, K] -> (float8_e4m3fn [..., N, K], fp32 scale_inv [..., ceil(N/128), ceil(K/128)]), amax/448
+    per block (written independently of modeling/fp8.py)."""
+    N, K = w.shape[-2:]
+    blocks = F.pad(w, (0, -K % B, 0, -N % B)).unflatten(-1, (-1, B)).unflatten(-3, (-1, B))
+    s = (blocks.abs().amax(dim=(-3, -1)) / 448).clamp(min=1e-8).float()
+    return (w / expand(s, N, K)).clamp(-448, 448).to(torch.float8_e4m3fn), s
+
+
+def expand(s, N, K):
+    return s.repeat_interleave(B, -2).repeat_interleave(B, -1)[..., :N, :K]
+
+
+def dequantize(q, s):
+    return q.float() * expand(s, *q.shape[-2:])
+
+
+def fp8_checkpoint(hf_dir: str, out: str, oracle: str, skip: list[str], keep=()) -> dict:
+    """Quantize the HF checkpoint at hf_dir to `out` (Qwen's tensor names and dtypes) and write the W8A16 oracle
+    (same config, every quantized weight replaced by its dequantized value) to `oracle`. keep: weight names left
+    unquantized although the skip list converts them (for refusal tests). Returns the FP8 tensors."""
+    sd, q = load_file(os.path.join(hf_dir, "model.safetensors")), Fp8Config(skip=tuple(skip))
+    fp8, ref = {}, {}
+    for k, w in sd.items():
+        module = k.removesuffix(".weight")
+        if k.endswith(".weight") and w.dim() == 2 and q.converts(module) and k not in keep:
+            fp8[k], fp8[k + "_scale_inv"] = quantize(w)
+            ref[k] = dequantize(fp8[k], fp8[k + "_scale_inv"])
+        else:
+            fp8[k] = ref[k] = w
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    for d, tensors, c in ((oracle, ref, cfg), (out, fp8, dict(cfg, quantization_config=dict(
+            quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128], activation_scheme="dynamic",
+            modules_to_not_convert=skip)))):
+        os.makedirs(d, exist_ok=True)
+        save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+        json.dump(c, open(os.path.join(d, "config.json"), "w"))
+    return fp8
+
+
+def make_drafter(target_dir: str, out: str, seed: int = 0) -> str:
+    """A small random fp32 DFlash drafter (block 8) for the target at target_dir."""
+    tcfg = json.load(open(os.path.join(target_dir, "config.json")))
+    dcfg = tiny_drafter_config(tcfg, block_size=8)
+    drafter = Drafter(DrafterConfig.from_dict(dcfg), tcfg["hidden_size"])
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in drafter.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen) if "norm" in n
+                    else 0.08 * torch.randn(p.shape, generator=gen))
+    save_checkpoint(drafter, dcfg, out)
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def dense(request, tmp_path_factory):
+    """(fp8 dir, oracle HF model, fp8 tensors) of a tiny dense model; Qwen3-Next's in_proj_ba (4 rows: one partial
+    block) is quantized too."""
+    torch.set_num_threads(1)
+    d = tmp_path_factory.mktemp(request.param)
+    make_hf_model(request.param, 1, str(d / "hf"), dims=FP8_DIMS)
+    fp8 = fp8_checkpoint(str(d / "hf"), str(d / "fp8"), str(d / "ref"), skip_list(4))
+    return str(d / "fp8"), oracle(str(d / "ref")), fp8
+
+
+def oracle(ref_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+PROMPT = torch.randint(0, 251, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+def test_loaded_exactly(dense):
+    d, _, fp8 = dense
+    m = load_target(d)
+    sd = {("lm_head.weight" if n == "lm_head.weight" else "model." + n): t for n, t in m.state_dict().items()}
+    quantized = [k for k, t in fp8.items() if t.dtype == torch.float8_e4m3fn]
+    assert any("in_proj_qkv" in k for k in quantized) and not any("in_proj_a" in k for k in quantized)
+    for k in quantized:  # the fp8 bytes and scales as stored, never cast
+        assert sd[k].dtype == torch.float8_e4m3fn and torch.equal(sd[k].view(torch.uint8), fp8[k].view(torch.uint8))
+        assert sd[k + "_scale_inv"].dtype == torch.float32 and torch.equal(sd[k + "_scale_inv"], fp8[k + "_scale_inv"])
+    assert not any(t.dtype == torch.float8_e4m3fn for k, t in sd.items() if k not in quantized)
+
+
+def test_torch_greedy_and_dflash_match_transformers(dense, tmp_path):
+    d, hf, _ = dense
+    ref = hf_greedy(hf, PROMPT, NEW)
+    rt, _ = load_runtime(d, make_drafter(d, str(tmp_path / "drafter")), "torch", sizes=SIZES)
+    assert rt.generate(PROMPT, NEW, spec=False)[0] == ref
+    assert rt.generate(PROMPT, NEW)[0] == ref  # DFlash: lossless on the FP8 target
+
+
+def test_ort_greedy_and_dflash_match_transformers(dense, tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    d, hf, _ = dense
+    ref = hf_greedy(hf, PROMPT, NEW)
+    rt, _ = load_runtime(d, make_drafter(d, str(tmp_path / "drafter")), "ort", sizes=SIZES, ks=(1, 8))
+    assert rt.generate(PROMPT, NEW, spec=False)[0] == ref
+    assert rt.generate(PROMPT, NEW)[0] == ref
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next_moe"])
+def test_moe_torch_matches_transformers(kind, tmp_path):
+    """Per-expert FP8 weights and scales stacked by the loader; routers and shared-expert gates unquantized."""
+    torch.set_num_threads(1)
+    make_hf_model(kind, 1, str(tmp_path / "hf"), dims=FP8_DIMS)
+    fp8_checkpoint(str(tmp_path / "hf"), str(tmp_path / "fp8"), str(tmp_path / "ref"), skip_list(4))
+    m = load_target(str(tmp_path / "fp8"))
+    assert any(p.dtype == torch.float8_e4m3fn for n, p in m.named_parameters() if "experts.gate_up_proj" in n)
+    rt, _ = load_runtime(str(tmp_path / "fp8"), sizes=SIZES)
+    assert rt.generate(PROMPT, NEW, spec=False)[0] == hf_greedy(oracle(str(tmp_path / "ref")), PROMPT, NEW)
