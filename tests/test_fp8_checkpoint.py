@@ -5,7 +5,9 @@ reference, exact in fp32), DFlash equals plain greedy, and every malformed tenso
 import json
 import os
 import shutil
+from dataclasses import asdict
 
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +20,7 @@ from dflash_trt.export.checkpoint import CheckpointError, load_target, save_chec
 from dflash_trt.modeling.drafter import Drafter
 from dflash_trt.quant import Fp8Config
 from dflash_trt.runtime.load import load_runtime
-from dflash_trt.tools.tiny import tiny_drafter_config
+from dflash_trt.tools.tiny import tiny_drafter_config, tiny_target_config
 
 B = 128
 SIZES = PoolSizes(kv_blocks=16, page_size=8, max_seq_len=96, max_seqs=2, dkv_blocks=32, prefill_chunk=16)
@@ -146,6 +148,24 @@ def test_ort_greedy_and_dflash_match_transformers(dense, tmp_path):
     rt, _ = load_runtime(d, make_drafter(d, str(tmp_path / "drafter")), "ort", sizes=SIZES, ks=(1, 8))
     assert rt.generate(PROMPT, NEW, spec=False)[0] == ref
     assert rt.generate(PROMPT, NEW)[0] == ref
+    g = onnx.load(rt.backend.manifest.graph_path("target_k1")).graph  # the FP8 bytes are the graph's weights
+    fp8 = {i.name for i in g.initializer if i.data_type == onnx.TensorProto.FLOAT8E4M3FN}
+    dq = [n for n in g.node if n.op_type == "DequantizeLinear"]
+    assert fp8 and len(dq) == len(fp8) and {n.input[0] for n in dq} == fp8
+
+
+def test_fused_projections_leave_fp8_unfused(dense):
+    """fuse_projections (the CUDA step's GEMM fusion) fuses the unquantized groups only; same logits."""
+    from dflash_trt.modeling.fuse import BUFFER
+
+    m = load_target(dense[0])
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        before = m.forward_full(ids)["logits"]
+        m.fuse_projections()
+        after = m.forward_full(ids)["logits"]
+    assert torch.equal(before, after)
+    assert not [n for n, _ in m.named_buffers() if BUFFER in n and ("self_attn" in n or "mlp." in n)]
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next_moe"])
@@ -158,3 +178,110 @@ def test_moe_torch_matches_transformers(kind, tmp_path):
     assert any(p.dtype == torch.float8_e4m3fn for n, p in m.named_parameters() if "experts.gate_up_proj" in n)
     rt, _ = load_runtime(str(tmp_path / "fp8"), sizes=SIZES)
     assert rt.generate(PROMPT, NEW, spec=False)[0] == hf_greedy(oracle(str(tmp_path / "ref")), PROMPT, NEW)
+
+
+W = "model.layers.0.mlp.gate_proj.weight"  # an FP8 projection
+A = "model.layers.0.linear_attn.in_proj_a.weight"  # kept unquantized by the skip list
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("base")
+    make_hf_model("qwen3_5", 1, str(d / "hf"), dims=FP8_DIMS)
+    fp8_checkpoint(str(d / "hf"), str(d / "fp8"), str(d / "ref"), skip_list(4))
+    return str(d / "fp8")
+
+
+def altered(src, dst, weights=None, quant=None):
+    """A copy of checkpoint `src` at `dst`, its tensors changed by weights(dict) and its quantization_config by
+    quant(dict) (in place)."""
+    dst = str(dst)
+    shutil.copytree(src, dst)
+    p, c = os.path.join(dst, "model.safetensors"), os.path.join(dst, "config.json")
+    if weights:
+        w = load_file(p)
+        weights(w)
+        save_file(w, p)
+    if quant:
+        cfg = json.load(open(c))
+        quant(cfg["quantization_config"])
+        json.dump(cfg, open(c, "w"))
+    return dst
+
+
+def refused(fn, err, *names):
+    with pytest.raises(err) as e:
+        fn()
+    line = str(e.value)
+    assert "\n" not in line
+    for n in names:
+        assert n in line, line
+
+
+def _set_byte(w, key, value):
+    t = w[key].view(torch.uint8).clone()
+    t[0, 0] = value
+    w[key] = t.view(torch.float8_e4m3fn)
+
+
+def _fp8_a(w, scale=True):
+    w[A], s = quantize(w[A])
+    if scale:
+        w[A + "_scale_inv"] = s
+
+
+@pytest.mark.parametrize("weights,names", [
+    (lambda w: w.pop(W + "_scale_inv"), ["missing tensor", W + "_scale_inv"]),
+    (lambda w: w.update({W + "_scale_inv": torch.ones(1, 1)}), [W + "_scale_inv", "has shape (1, 1), expected (2, 1)"]),
+    (lambda w: w.update({"model.layers.0.mlp.nope.weight_scale_inv": torch.ones(1, 1)}),
+     ["model.layers.0.mlp.nope.weight_scale_inv", "without its weight"]),
+    (lambda w: w[W + "_scale_inv"].__setitem__((0, 0), float("nan")), [W + "_scale_inv", "non-finite or non-positive"]),
+    (lambda w: w[W + "_scale_inv"].__setitem__((1, 0), 0.0), [W + "_scale_inv", "non-finite or non-positive"]),
+    (lambda w: w.update({W + "_scale_inv": w[W + "_scale_inv"].bfloat16()}), [W + "_scale_inv", "bfloat16"]),
+    (lambda w: _set_byte(w, W, 0x7F), [W, "NaN"]),
+    (lambda w: _set_byte(w, W, 0xFF), [W, "NaN"]),
+    (lambda w: w.update({W: w[W].float()}), [W, "float32", "makes this module FP8"]),
+    (_fp8_a, [A + "_scale_inv", f"FP8 scale of '{A}'", "skip list"]),
+    (lambda w: _fp8_a(w, scale=False), [A, "float8_e4m3fn", "skip list"]),
+], ids=["no-scale", "scale-shape", "orphan-scale", "nan-scale", "zero-scale", "bf16-scale", "nan-fp8", "neg-nan-fp8",
+        "unquantized", "skipped-fp8", "skipped-fp8-no-scale"])
+def test_tensor_refusals(base, tmp_path, weights, names):
+    refused(lambda: load_target(altered(base, tmp_path / "t", weights)), CheckpointError, *names)
+
+
+@pytest.mark.parametrize("quant,names", [
+    (lambda q: q.update(quant_method="awq"), ["'quantization_config'", "'awq'"]),
+    (lambda q: q.update(quant_method="modelopt"), ["'quantization_config'", "'modelopt'"]),
+    (lambda q: q.update(fmt="e5m2"), ["'quantization_config.fmt'", "'e5m2'"]),
+    (lambda q: q.update(weight_block_size=[64, 64]), ["'quantization_config.weight_block_size'", "[64, 64]"]),
+    (lambda q: q.update(activation_scheme="static"), ["'quantization_config.activation_scheme'", "'static'"]),
+    (lambda q: q.update(bits=8), ["'quantization_config.bits'"]),
+    (lambda q: q.update(ignored_layers=["lm_head"]), ["modules_to_not_convert", "ignored_layers", "both"]),
+    (lambda q: q.update(modules_to_not_convert="lm_head"), ["'quantization_config.modules_to_not_convert'"]),
+    (lambda q: q.update(scale_fmt="ue8m0"), ["'quantization_config.scale_fmt'", "'ue8m0'"]),
+], ids=["awq", "modelopt", "fmt", "block", "static", "unknown-key", "two-skip-lists", "skip-not-list", "ue8m0"])
+def test_config_refusals(base, tmp_path, quant, names):
+    refused(lambda: load_target(altered(base, tmp_path / "t", quant=quant)), ConfigError, *names)
+
+
+def test_ignored_layers_spelling_and_fp8_drafter(base, tmp_path):
+    """ignored_layers is transformers' other spelling of the skip list; an FP8 drafter is refused by name."""
+    d = altered(base, tmp_path / "t", quant=lambda q: q.update(ignored_layers=q.pop("modules_to_not_convert")))
+    assert torch.equal(load_target(d).layers[0].mlp.gate_proj.weight_scale_inv,
+                       load_target(base).layers[0].mlp.gate_proj.weight_scale_inv)
+    dcfg = tiny_drafter_config(json.load(open(os.path.join(base, "config.json"))))
+    refused(lambda: DrafterConfig.from_dict(dict(dcfg, quantization_config={"quant_method": "fp8"})), ConfigError,
+            "'quantization_config'", "'fp8'")
+
+
+def test_skip_list_matching_follows_transformers():
+    """Prefix up to a module boundary, regex with the same boundary, or suffix (should_convert_module); the
+    parsed config survives the manifest's JSON round trip."""
+    q = Fp8Config(skip=("model.layers.1", r"model\.layers\.2\..*\.in_proj_z", "o_proj"))
+    assert not q.converts("model.layers.1.mlp.gate_proj") and q.converts("model.layers.11.mlp.gate_proj")
+    assert not q.converts("model.layers.2.linear_attn.in_proj_z") and q.converts("model.layers.3.linear_attn.in_proj_z")
+    assert not q.converts("model.layers.5.self_attn.o_proj") and q.converts("model.layers.5.self_attn.q_proj")
+    cfg = TargetConfig.from_dict(dict(tiny_target_config(), quantization_config={"quant_method": "fp8",
+                                                                                   "ignored_layers": ["lm_head"]}))
+    assert cfg.quant == Fp8Config(skip=("lm_head",))
+    assert TargetConfig(**json.loads(json.dumps(asdict(cfg)))).quant == cfg.quant  # as a manifest stores it
