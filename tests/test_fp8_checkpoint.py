@@ -121,8 +121,12 @@ PROMPT = torch.randint(0, 251, (30,), generator=torch.Generator().manual_seed(2)
 
 
 def test_loaded_exactly(dense):
-    d, _, fp8 = dense
+    """The FP8 bytes and scales bound as stored; full-sequence logits == the W8A16 oracle's."""
+    d, hf, fp8 = dense
     m = load_target(d)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert (m.forward_full(ids)["logits"] - hf(ids).logits).abs().max().item() <= 1e-4
     sd = {("lm_head.weight" if n == "lm_head.weight" else "model." + n): t for n, t in m.state_dict().items()}
     quantized = [k for k, t in fp8.items() if t.dtype == torch.float8_e4m3fn]
     assert any("in_proj_qkv" in k for k in quantized) and not any("in_proj_a" in k for k in quantized)
