@@ -144,9 +144,10 @@ def test_torch_greedy_and_dflash_match_transformers(dense, tmp_path):
     assert rt.generate(PROMPT, NEW)[0] == ref  # DFlash: lossless on the FP8 target
 
 
-def test_ort_greedy_and_dflash_match_transformers(dense, tmp_path):
+def test_ort_greedy_and_dflash_match_transformers(dense, tmp_path, monkeypatch):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
     d, hf, _ = dense
     ref = hf_greedy(hf, PROMPT, NEW)
     rt, _ = load_runtime(d, make_drafter(d, str(tmp_path / "drafter")), "ort", sizes=SIZES, ks=(1, 8))
@@ -172,15 +173,19 @@ def test_fused_projections_leave_fp8_unfused(dense):
     assert not [n for n, _ in m.named_buffers() if BUFFER in n and ("self_attn" in n or "mlp." in n)]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next_moe"])
-def test_moe_torch_matches_transformers(kind, tmp_path):
+@pytest.mark.parametrize("kind,backend", [("qwen3_5_moe", "torch"), ("qwen3_next_moe", "torch"), ("qwen3_5_moe", "ort")])
+def test_moe_matches_transformers(kind, backend, tmp_path, monkeypatch):
     """Per-expert FP8 weights and scales stacked by the loader; routers and shared-expert gates unquantized."""
+    if backend == "ort":
+        pytest.importorskip("onnxruntime")
+        pytest.importorskip("onnxscript")
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
     torch.set_num_threads(1)
     make_hf_model(kind, 1, str(tmp_path / "hf"), dims=FP8_DIMS)
     fp8_checkpoint(str(tmp_path / "hf"), str(tmp_path / "fp8"), str(tmp_path / "ref"), skip_list(4))
     m = load_target(str(tmp_path / "fp8"))
     assert any(p.dtype == torch.float8_e4m3fn for n, p in m.named_parameters() if "experts.gate_up_proj" in n)
-    rt, _ = load_runtime(str(tmp_path / "fp8"), sizes=SIZES)
+    rt, _ = load_runtime(str(tmp_path / "fp8"), None, backend, sizes=SIZES, ks=(1,))
     assert rt.generate(PROMPT, NEW, spec=False)[0] == hf_greedy(oracle(str(tmp_path / "ref")), PROMPT, NEW)
 
 
