@@ -29,13 +29,20 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _rows(scale_inv, bn: int, N: int):
+    """scale_inv [..., nb, kb] -> [..., N, kb]: each block row's scales repeated over its bn rows. An expand, not
+    repeat_interleave: no host sync, so a CUDA graph can capture it."""
+    s = scale_inv.unsqueeze(-2).expand(*scale_inv.shape[:-1], bn, scale_inv.shape[-1])
+    return s.flatten(-3, -2)[..., :N, :]
+
+
 def dequantize_blockwise(w, scale_inv, block: tuple[int, int], dtype=torch.float32):
     """w float8_e4m3fn [..., N, K], scale_inv fp32 [..., ceil(N/bn), ceil(K/bk)] -> W [..., N, K] in `dtype`:
     W[n,k] = fp32(w[n,k]) * scale_inv[n // bn, k // bk] (one fp32 rounding), then cast to dtype. The scales are
     repeated over rows only and broadcast over a view of the columns, so no weight-sized scale tensor is made."""
     bn, bk = block
     N, K = w.shape[-2:]
-    rows = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :N, :]  # [..., N, ceil(K/bk)]
+    rows = _rows(scale_inv.float(), bn, N)  # [..., N, ceil(K/bk)]
     wf = w.float()
     full = K // bk
     out = (wf[..., :full * bk].unflatten(-1, (full, bk)) * rows[..., :full, None]).flatten(-2)
@@ -49,7 +56,7 @@ def _dequantize(w, scale_inv, block, dtype):
     block_size bk; the scale repeated over rows, which is exact: every row of a block row shares its scales)."""
     if not torch.onnx.is_in_onnx_export():
         return dequantize_blockwise(w, scale_inv, block, dtype)
-    rows = scale_inv.repeat_interleave(block[0], dim=-2)[..., :w.shape[-2], :]
+    rows = _rows(scale_inv, block[0], w.shape[-2])
     out = torch.onnx.ops.symbolic("DequantizeLinear", [w, rows], {"axis": w.dim() - 1, "block_size": block[1]},
                                   dtype=torch.float32, shape=list(w.shape), version=DQ_OPSET)
     return out.to(dtype)

@@ -294,3 +294,13 @@ def test_skip_list_matching_follows_transformers():
                                                                                    "ignored_layers": ["lm_head"]}))
     assert cfg.quant == Fp8Config(skip=("lm_head",))
     assert TargetConfig(**json.loads(json.dumps(asdict(cfg)))).quant == cfg.quant  # as a manifest stores it
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (4, 128), (3, 130, 70)])
+def test_dequantize_blockwise_is_the_reference(shape):
+    """modeling/fp8.dequantize_blockwise == the fully expanded product, bit for bit (partial blocks on both axes,
+    stacked experts)."""
+    from dflash_trt.modeling.fp8 import dequantize_blockwise
+
+    q, s = quantize(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(dequantize_blockwise(q, s, (B, B)), dequantize(q, s))
