@@ -304,3 +304,23 @@ def test_dequantize_blockwise_is_the_reference(shape):
 
     q, s = quantize(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
     assert torch.equal(dequantize_blockwise(q, s, (B, B)), dequantize(q, s))
+
+
+def test_multimodal_layout(base, tmp_path):
+    """Multimodal releases: the text decoder under model.language_model., quantization_config at top level with
+    the skip list in those names; FP8 vision and mtp tensors are ignored by name like the others."""
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    cfg = json.load(open(os.path.join(base, "config.json")))
+    q = cfg.pop("quantization_config")
+    q["modules_to_not_convert"] = [s.replace("model.", "model.language_model.", 1) for s in q["modules_to_not_convert"]]
+    json.dump({"model_type": "qwen3_5", "text_config": cfg, "quantization_config": q}, open(mm / "config.json", "w"))
+    w = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+         for k, v in load_file(os.path.join(base, "model.safetensors")).items()}
+    for extra in ("model.visual.blocks.0.attn.qkv.weight", "mtp.layers.0.mlp.gate_proj.weight"):
+        w[extra], w[extra + "_scale_inv"] = quantize(torch.randn(128, 128))
+    save_file(w, str(mm / "model.safetensors"))
+    ours, ref = load_target(str(mm)).state_dict(), load_target(base).state_dict()
+    assert ours.keys() == ref.keys()
+    assert all(torch.equal(ours[k].view(torch.uint8), ref[k].view(torch.uint8)) if ref[k].dtype == torch.float8_e4m3fn
+               else torch.equal(ours[k], ref[k]) for k in ref)
