@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from dflash_trt import config_fields as fields
 from dflash_trt.config_fields import ConfigError, read_json
+from dflash_trt.quant import Fp8Config, parse_quant
 
 __all__ = ["ConfigError", "DrafterConfig", "TargetConfig", "cache_root", "moe_layers", "read_json"]
 
@@ -102,6 +103,11 @@ class TargetConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    quant: Fp8Config | None = None  # FP8 block-wise checkpoint (dflash_trt.quant); None: unquantized
+
+    def __post_init__(self):
+        if isinstance(self.quant, dict):  # read back from a manifest, where asdict wrote it as an object
+            self.quant = Fp8Config(block=tuple(self.quant["block"]), skip=tuple(self.quant["skip"]))
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
@@ -147,9 +153,15 @@ class TargetConfig:
                 f"{path}: model_type '{mt}' is not supported (expected qwen3_next, qwen3_5_text, qwen3_5, "
                 "qwen3_5_moe_text or qwen3_5_moe)"
             )
-        fields.refuse_unsupported(raw, path)
+        fields.refuse_unsupported(raw, path, quant_ok=True)
+        quant = parse_quant(raw.get("quantization_config"), path)
         if cfg is not raw:
-            fields.refuse_unsupported(cfg, path, "text_config.")
+            fields.refuse_unsupported(cfg, path, "text_config.", quant_ok=True)
+            if cfg.get("quantization_config") is not None:  # multimodal releases keep it at top level
+                if quant is not None:
+                    raise ConfigError(f"{path}: fields 'quantization_config' and 'text_config.quantization_config' "
+                                      "are both set (one quantization, stated once)")
+                quant = parse_quant(cfg["quantization_config"], path, "text_config.")
         n_layers = _int(cfg, "num_hidden_layers", path)
         layer_types = fields.str_list(cfg, "layer_types", path, ("full_attention", "linear_attention"), n_layers)
         if layer_types is None:
@@ -184,6 +196,7 @@ class TargetConfig:
             tie_word_embeddings=fields.boolean(cfg, "tie_word_embeddings", path, False),
             gdn_layout=layout,
             eos_token_ids=fields.int_list(cfg, "eos_token_id", path, single_ok=True) or [],
+            quant=quant,
             **moe,
         )
         c.validate(path)

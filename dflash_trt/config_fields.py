@@ -109,10 +109,11 @@ def int_list(cfg: dict, key: str, path: str, minimum: int = 0, single_ok: bool =
     return [integer({key: t}, key, path, minimum=minimum) for t in items]
 
 
-def refuse_unsupported(cfg: dict, path: str, prefix: str = "") -> None:
-    """Fields that change the math and that no model here implements: refused by name, never ignored."""
+def refuse_unsupported(cfg: dict, path: str, prefix: str = "", quant_ok: bool = False) -> None:
+    """Fields that change the math and that no model here implements: refused by name, never ignored.
+    quant_ok: the caller parses quantization_config itself (targets: dflash_trt.quant)."""
     q = cfg.get("quantization_config")
-    if q is not None:
+    if q is not None and not quant_ok:
         method = q.get("quant_method", "?") if isinstance(q, dict) else q
         raise ConfigError(f"{path}: field '{prefix}quantization_config' (quant_method {method!r}) is not supported: "
                           "quantized checkpoints are not loaded (use the bf16/fp16/fp32 release)")

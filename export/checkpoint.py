@@ -1,7 +1,9 @@
 """Load (and save) Hugging Face checkpoint directories: config.json + safetensors, never pickles.
 
 Weights: a single model.safetensors or shards listed in model.safetensors.index.json; bf16/fp16/fp32
-on disk, cast to the requested dtype. Every error names the file and, where it applies, the tensor.
+on disk, cast to the requested dtype. FP8 block-wise checkpoints (dflash_trt.quant): the float8_e4m3fn weights
+and their fp32 weight_scale_inv are bound as stored, never cast. Every error names the file and, where it
+applies, the tensor.
 """
 from __future__ import annotations
 
@@ -107,13 +109,49 @@ class WeightSource:
         import torch
 
         t, f = self.get(name), self.where[name]
+        if t.dtype == torch.float8_e4m3fn:
+            raise CheckpointError(f"{f}: tensor '{name}' has dtype float8_e4m3fn, but config.json does not make "
+                                  "this module FP8 (no quantization_config, its skip list names the module, or "
+                                  "transformers never converts it)")
         if str(t.dtype) not in _FLOAT_DTYPES:
             raise CheckpointError(f"{f}: tensor '{name}' has dtype {str(t.dtype).removeprefix('torch.')}; only "
-                                  "float32/float16/bfloat16 weights are loaded (quantized checkpoints are not "
-                                  "supported)")
+                                  "float32/float16/bfloat16 weights and FP8 block-wise checkpoints are loaded")
         if not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"{f}: tensor '{name}' holds non-finite values (NaN or Inf)")
         return t
+
+    def read_fp8(self, name: str) -> torch.Tensor:
+        """An FP8 weight of a module quantization_config converts: float8_e4m3fn bytes as stored, no NaN code."""
+        import torch
+
+        t, f = self.get(name), self.where[name]
+        if t.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{f}: tensor '{name}' has dtype {str(t.dtype).removeprefix('torch.')}, but "
+                                  "config.json's quantization_config makes this module FP8 (float8_e4m3fn weight "
+                                  "+ weight_scale_inv expected)")
+        if bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):  # e4m3fn's only non-finite codes: NaN
+            raise CheckpointError(f"{f}: tensor '{name}' holds non-finite values (float8_e4m3fn NaN)")
+        return t
+
+    def read_scale(self, name: str) -> torch.Tensor:
+        """An FP8 weight's block scales: float32, every one finite and > 0."""
+        import torch
+
+        t, f = self.get(name), self.where[name]
+        if t.dtype != torch.float32:
+            raise CheckpointError(f"{f}: tensor '{name}' has dtype {str(t.dtype).removeprefix('torch.')}; FP8 "
+                                  "block scales are float32")
+        if not bool((torch.isfinite(t) & (t > 0)).all()):
+            raise CheckpointError(f"{f}: tensor '{name}' holds non-finite or non-positive scales")
+        return t
+
+    def read_as(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """read, read_fp8 or read_scale, by what the model's tensor `like` (named `name` there) is."""
+        import torch
+
+        if like.dtype == torch.float8_e4m3fn:
+            return self.read_fp8(name)
+        return self.read_scale(name) if name.endswith("_scale_inv") else self.read(name)
 
 
 def _where(src: WeightSource) -> str:
@@ -139,12 +177,13 @@ def _bind(module: torch.nn.Module, src: WeightSource, name_of, dtype, what: str,
     unused()
     for p_name, p in params.items():
         key = name_of(p_name)
-        t, f = built[key] if key in built else (src.read(key), src.where[key])
+        t, f = built[key] if key in built else (src.read_as(key, p), src.where[key])
         if tuple(t.shape) != tuple(p.shape):
             raise CheckpointError(
                 f"{f}: tensor '{key}' has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
             )
-        cast = t.to(dtype).contiguous()
+        exact = p.dtype == torch.float8_e4m3fn or key.endswith("_scale_inv")  # FP8 bytes and scales as stored
+        cast = t.contiguous() if exact else t.to(dtype).contiguous()
         if cast.dtype == torch.float16 and t.dtype != torch.float16 and not bool(torch.isfinite(cast).all()):
             raise CheckpointError(f"{f}: tensor '{key}' has values beyond the float16 range")
         with torch.no_grad():
@@ -158,47 +197,69 @@ def _target_prefix(src: WeightSource) -> str:
     raise CheckpointError(f"{src.files[0]}: missing tensor 'model.embed_tokens.weight' (not a Qwen3-Next/3.5 decoder?)")
 
 
+def _expert_parts(experts) -> tuple[tuple[str, ...], dict]:
+    """(per-expert tensor suffixes, fused name -> its checkpoint shape per expert) of one layer's experts module:
+    'weight' only, or with FP8 weights (modeling/fp8.Fp8Experts) also 'weight_scale_inv' and the fused scales."""
+    fused = {n: tuple(t.shape[1:]) for n, t in experts.named_parameters()}
+    return (("weight", "weight_scale_inv") if "down_proj_scale_inv" in fused else ("weight",)), fused
+
+
 def _stack_experts(model: TargetModel, src: WeightSource, prefix: str) -> dict:
     """Expert weights in the per-expert layout of released checkpoints (and of transformers' save_pretrained):
-    mlp.experts.{e}.{gate,up,down}_proj.weight, stacked into our fused parameters (HF's in-memory layout,
-    mlp.experts.gate_up_proj [E,2I,H] and mlp.experts.down_proj [E,H,I]). A layer whose fused tensors are in
-    the checkpoint is bound from them directly. Each per-expert tensor is checked by name and shape here,
-    so the error names the tensor the user has, not our stacked one."""
+    mlp.experts.{e}.{gate,up,down}_proj.weight (+ .weight_scale_inv for FP8), stacked into our fused parameters
+    (HF's in-memory layout, mlp.experts.gate_up_proj [E,2I,H] and mlp.experts.down_proj [E,H,I]; FP8 scales stacked
+    alike, gate's block rows then up's). A layer whose fused tensors are in the checkpoint is bound from them
+    directly. Each per-expert tensor is checked by name, dtype, values and shape here, so the error names the
+    tensor the user has, not our stacked one."""
     import torch
 
-    cfg, built = model.cfg, {}
-    E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    for i in cfg.moe_layers:
-        base = f"{prefix}layers.{i}.mlp.experts."
-        fused = [base + "gate_up_proj", base + "down_proj"]
-        if all(k in src.where for k in fused):
+    built = {}
+    for i in model.cfg.moe_layers:
+        base, experts = f"{prefix}layers.{i}.mlp.experts.", model.layers[i].mlp.experts
+        suffixes, fused = _expert_parts(experts)
+        if all(base + k in src.where for k in fused):
             continue
-        parts = {n: [] for n in ("gate_proj", "up_proj", "down_proj")}
-        for e in range(E):
-            for n, shape in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
-                key = f"{base}{e}.{n}.weight"
-                if key not in src.where:
-                    missing = fused[0] if fused[0] not in src.where else fused[1]
-                    raise CheckpointError(f"target checkpoint {_where(src)}: missing tensor '{key}' "
-                                          f"(layer {i} has {E} experts; no fused '{missing}' either)")
-                t = src.read(key)
-                if tuple(t.shape) != shape:
-                    raise CheckpointError(f"{src.where[key]}: tensor '{key}' has shape {tuple(t.shape)}, "
-                                          f"expected {shape}")
-                parts[n].append(t)
+        parts = {}
+        for n, fused_name in (("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"), ("down_proj", "down_proj")):
+            for sfx in suffixes:
+                name = fused_name + ("_scale_inv" if sfx != "weight" else "")
+                shape = list(fused[name])
+                shape[0] //= 2 if fused_name == "gate_up_proj" else 1
+                like = getattr(experts, name)
+                parts[n, sfx] = [_expert_tensor(src, f"{base}{e}.{n}.{sfx}", like, tuple(shape), base + name)
+                                 for e in range(model.cfg.num_experts)]
         f = src.where[f"{base}0.gate_proj.weight"]
-        built[fused[0]] = (torch.stack([torch.cat([g, u]) for g, u in zip(parts["gate_proj"], parts["up_proj"])]), f)
-        built[fused[1]] = (torch.stack(parts["down_proj"]), f)
+        for sfx in suffixes:
+            tail = "" if sfx == "weight" else "_scale_inv"
+            built[base + "gate_up_proj" + tail] = (torch.stack([torch.cat(gu) for gu in zip(
+                parts["gate_proj", sfx], parts["up_proj", sfx])]), f)
+            built[base + "down_proj" + tail] = (torch.stack(parts["down_proj", sfx]), f)
     return built
+
+
+def _expert_tensor(src: WeightSource, key: str, like, shape: tuple, fused: str):
+    """One per-expert tensor, read as `like` (the stacked tensor it goes into) is and of the given shape."""
+    if key not in src.where:
+        raise CheckpointError(f"target checkpoint {_where(src)}: missing tensor '{key}' (no fused '{fused}' either)")
+    t = src.read_as(key, like)
+    if tuple(t.shape) != shape:
+        raise CheckpointError(f"{src.where[key]}: tensor '{key}' has shape {tuple(t.shape)}, expected {shape}")
+    return t
 
 
 _QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "scale_inv", ".qweight", ".qzeros",
                    ".scales", ".g_idx", ".absmax", ".quant_map")
 
 
-def _why_unused(key: str, layers: str, n_layers: int) -> str:
+def _why_unused(key: str, layers: str, n_layers: int, used=frozenset()) -> str:
+    if key.endswith(".weight_scale_inv"):
+        w = key.removesuffix("_scale_inv")
+        if w in used:
+            return (f"the FP8 scale of '{w}', which config.json does not make FP8: no quantization_config, its "
+                    "skip list names the module, or transformers never converts it")
+        return f"an FP8 scale without its weight '{w}'"
     if key.endswith(_QUANT_SUFFIXES):
-        return "a quantization tensor: quantized checkpoints are not supported"
+        return "a quantization tensor of a format not loaded: only FP8 block-wise weights with weight_scale_inv"
     if key.endswith(".bias"):
         return "a bias: these projections have none here"
     m = re.match(re.escape(layers) + r"layers\.(\d+)\.", key)
@@ -215,17 +276,18 @@ def _refuse_unused(src: WeightSource, used: set, what: str, layers: str, n_layer
         k = extra[0]
         more = f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(f"{src.where[k]}: {what} tensor '{k}' is not used by the model "
-                              f"({_why_unused(k, layers, n_layers)}){more}")
+                              f"({_why_unused(k, layers, n_layers, used)}){more}")
 
 
-def _expert_keys(cfg: TargetConfig, src: WeightSource, prefix: str) -> set:
-    """The checkpoint names _stack_experts reads: a layer's fused pair when present, else its per-expert ones."""
+def _expert_keys(model: TargetModel, src: WeightSource, prefix: str) -> set:
+    """The checkpoint names _stack_experts reads: a layer's fused tensors when present, else its per-expert ones."""
     keys = set()
-    for i in cfg.moe_layers:
+    for i in model.cfg.moe_layers:
         base = f"{prefix}layers.{i}.mlp.experts."
-        if not all(base + n in src.where for n in ("gate_up_proj", "down_proj")):
-            keys |= {f"{base}{e}.{n}.weight" for e in range(cfg.num_experts)
-                     for n in ("gate_proj", "up_proj", "down_proj")}
+        suffixes, fused = _expert_parts(model.layers[i].mlp.experts)
+        if not all(base + n in src.where for n in fused):
+            keys |= {f"{base}{e}.{n}.{sfx}" for e in range(model.cfg.num_experts)
+                     for n in ("gate_proj", "up_proj", "down_proj") for sfx in suffixes}
     return keys
 
 
@@ -240,11 +302,15 @@ def load_target(d: str, dtype=None) -> TargetModel:
     src = WeightSource(d)
     prefix = _target_prefix(src)
     model = TargetModel(cfg)
+    if cfg.quant is not None:  # FP8 projections where quantization_config converts them, before binding
+        from dflash_trt.modeling.fp8 import quantize_modules
+
+        quantize_modules(model, cfg.quant, prefix, os.path.join(d, "config.json"))
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in src.where
     if tied and not cfg.tie_word_embeddings:
         raise CheckpointError(f"{src.files[0]}: missing tensor 'lm_head.weight' and tie_word_embeddings is false")
     name_of = lambda n: "lm_head.weight" if n == "lm_head.weight" else prefix + n  # noqa: E731
-    used = {name_of(n) for n, _ in model.named_parameters()} | _expert_keys(cfg, src, prefix)
+    used = {name_of(n) for n, _ in model.named_parameters()} | _expert_keys(model, src, prefix)
     if tied and "lm_head.weight" in src.where:  # a tied checkpoint may still store the copy: it must be one
         if not torch.equal(src.read("lm_head.weight"), src.read(prefix + "embed_tokens.weight")):
             raise CheckpointError(f"{src.where['lm_head.weight']}: tensor 'lm_head.weight' differs from "

@@ -35,10 +35,10 @@ from dflash_trt.manifest import Manifest, ManifestError, diff_io, expected_graph
 
 TWO_GB = 2 * 1024**3
 MAX_IR = 10  # onnx >= 1.16 writes newer IR versions than onnxruntime 1.30 / TensorRT parsers accept
-# Whose source decides what an export contains (the cache key hashes it): the model and its graphs (export/),
+# Whose source decides what an export contains (the cache key hashes it): the model (modeling/), its graphs (export/),
 # the ops' specs, references and ONNX bodies (plugins/), the ABI and the manifest. Whole packages, so a new or
 # moved module can never leave the key stale (a change that does not matter only costs one re-export).
-_SOURCE_PACKAGES = ("dflash_trt.export", "dflash_trt.plugins")
+_SOURCE_PACKAGES = ("dflash_trt.export", "dflash_trt.modeling", "dflash_trt.plugins")
 _SOURCE_MODULES = ("dflash_trt.abi", "dflash_trt.manifest")
 
 
@@ -92,6 +92,7 @@ def export_graph(name, target, drafter, sizes, path, *, batch="B", want_logits=T
     import onnx
     import torch
 
+    from dflash_trt.modeling.fp8 import DQ_OPSET
     from dflash_trt.plugins.onnx_functions import add_functions
 
     tcfg, dcfg = target.cfg, drafter.cfg if drafter is not None else None
@@ -99,6 +100,8 @@ def export_graph(name, target, drafter, sizes, path, *, batch="B", want_logits=T
     mod = _graph_module(name, target, drafter, [n for n, _, _ in ins], [n for n, _, _ in outs], want_logits)
     args = _example(ins, 2 if batch == "B" else batch)
     weights = sum(p.numel() * p.element_size() for p in mod.parameters())
+    # FP8 weights dequantize through DequantizeLinear-21 (modeling/fp8.py); other graphs keep the default opset
+    fp8 = any(p.dtype == torch.float8_e4m3fn for p in mod.parameters())
     big = weights > TWO_GB - 64 * 1024**2
     log = io.StringIO()
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # torchvision notes
@@ -110,7 +113,8 @@ def export_graph(name, target, drafter, sizes, path, *, batch="B", want_logits=T
             warnings.simplefilter("ignore")
             prog = torch.onnx.export(mod, args, input_names=[n for n, _, _ in ins],
                                      output_names=[n for n, _, _ in outs], dynamo=True, optimize=True, verbose=False,
-                                     dynamic_shapes=_dynamic_shapes(ins) if batch == "B" else None)
+                                     dynamic_shapes=_dynamic_shapes(ins) if batch == "B" else None,
+                                     **({"opset_version": DQ_OPSET} if fp8 else {}))
             model = prog.model_proto
     finally:
         torch.backends.opt_einsum.enabled = opt_einsum

@@ -68,11 +68,14 @@ class Linear(nn.Linear):
 
 
 def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> None:
-    """Idempotent; bias-free Linear layers only (every projection of these models)."""
+    """Idempotent; bias-free Linear layers only (every projection of these models). A group with an FP8 layer
+    is left unfused."""
     attr = BUFFER + names[0]
     if hasattr(owner, attr):
         return
     layers = [getattr(owner, n) for n in names]
+    if not all(isinstance(lin, nn.Linear) for lin in layers):
+        return  # FP8 layers (modeling/fp8.py) stay unfused: each dequantizes its own weight per call
     if any(lin.bias is not None for lin in layers):
         raise ValueError(f"fuse_linears: {names} must be bias-free")
     w = torch.cat([lin.weight.detach() for lin in layers])

@@ -65,14 +65,19 @@ def _fp8(w):
 
 
 @pytest.mark.parametrize("weights,config,err,names", [
-    (_fp8, lambda c: c.update(quantization_config={"quant_method": "fp8", "fmt": "e4m3"}), ConfigError,
-     ["'quantization_config'", "'fp8'"]),
+    (None, lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}), ConfigError,
+     ["'quantization_config'", "'awq'"]),
+    (_fp8, None, CheckpointError, [Q + "_scale_inv", "not make FP8"]),
     (lambda w: w.update({Q: w[Q].to(torch.float8_e4m3fn)}), None, CheckpointError, [Q, "float8_e4m3fn"]),
     (lambda w: w.update({Q: w[Q].to(torch.int8)}), None, CheckpointError, [Q, "int8"]),
     (lambda w: w.update({Q + "_scale_inv": torch.ones(1, 1)}), None, CheckpointError,
-     [Q + "_scale_inv", "quantization tensor"]),
-], ids=["config", "fp8-weight", "int8-weight", "scale-tensor"])
+     [Q + "_scale_inv", "FP8 scale"]),
+    (lambda w: w.update({Q.replace("weight", "qweight"): torch.ones(1, 1)}), None, CheckpointError,
+     [Q.replace("weight", "qweight"), "quantization tensor"]),
+], ids=["config", "fp8-unconfigured", "fp8-weight", "int8-weight", "scale-tensor", "awq-tensor"])
 def test_quantized_checkpoint_refused(pair, tmp_path, weights, config, err, names):
+    """Quantized checkpoints other than FP8 block-wise (tests/test_fp8_checkpoint.py), and FP8 tensors without a
+    quantization_config, are refused by name."""
     d = altered(pair[0], tmp_path / "t", weights, config)
     refused(lambda: load_target(d), err, *names)
 
@@ -252,7 +257,7 @@ def test_cli_one_line_per_refusal(tmp_path, capsys):
     command does the same (one subprocess)."""
     t = SHIPPED_T
     cases = {
-        "quant": altered(t, tmp_path / "q", config=lambda c: c.update(quantization_config={"quant_method": "fp8"})),
+        "quant": altered(t, tmp_path / "q", config=lambda c: c.update(quantization_config={"quant_method": "gptq"})),
         "bias": altered(t, tmp_path / "b", lambda w: w.update({K_BIAS: torch.zeros(128)})),
         "nan": altered(t, tmp_path / "n", lambda w: w[NORM].fill_(math.nan)),
         "config": altered(t, tmp_path / "c", config=lambda c: c.update(eos_token_id="</s>")),

@@ -1,0 +1,139 @@
+"""FP8 block-wise weights (dflash_trt.quant): the W8A16 reference linear and experts, and the swap that makes a
+built TargetModel's projections FP8 where the checkpoint's quantization_config says so.
+
+A converted projection holds `weight` float8_e4m3fn [N,K] and `weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)]
+under exactly those state_dict names (checkpoint names map 1:1), never a persistent 16/32-bit copy. Its forward
+dequantizes block-wise per call (dequantize_blockwise: one fp32 multiply per element) to the activation dtype and
+runs the ordinary projection GEMM (fuse.linear) on it. Under ONNX export the dequantisation is one standard
+DequantizeLinear node (opset 21, blocked along K with the scale repeated over each block's rows: the same fp32
+products), so ORT runs the FP8 initializers on the CPU. On CUDA this is the same reference (correct, not fast): a
+later FP8 GEMM kernel replaces the per-call dequantisation. Projection fusion (fuse.fuse_linears) leaves FP8 layers
+unfused (each dequantizes its own weight).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_trt.config import ConfigError
+from dflash_trt.modeling.fuse import Linear, linear
+from dflash_trt.modeling.mlp import Experts, SparseMoE
+from dflash_trt.plugins import ops
+from dflash_trt.quant import Fp8Config
+
+FP8 = torch.float8_e4m3fn
+DQ_OPSET = 21  # DequantizeLinear with float8 inputs and a block_size attribute
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rows(scale_inv, bn: int, N: int):
+    """scale_inv [..., nb, kb] -> [..., N, kb]: each block row's scales repeated over its bn rows. An expand, not
+    repeat_interleave: no host sync, so a CUDA graph can capture it."""
+    s = scale_inv.unsqueeze(-2).expand(*scale_inv.shape[:-1], bn, scale_inv.shape[-1])
+    return s.flatten(-3, -2)[..., :N, :]
+
+
+def dequantize_blockwise(w, scale_inv, block: tuple[int, int], dtype=torch.float32):
+    """w float8_e4m3fn [..., N, K], scale_inv fp32 [..., ceil(N/bn), ceil(K/bk)] -> W [..., N, K] in `dtype`:
+    W[n,k] = fp32(w[n,k]) * scale_inv[n // bn, k // bk] (one fp32 rounding), then cast to dtype. The scales are
+    repeated over rows only and broadcast over a view of the columns, so no weight-sized scale tensor is made."""
+    bn, bk = block
+    N, K = w.shape[-2:]
+    rows = _rows(scale_inv.float(), bn, N)  # [..., N, ceil(K/bk)]
+    wf = w.float()
+    full = K // bk
+    out = (wf[..., :full * bk].unflatten(-1, (full, bk)) * rows[..., :full, None]).flatten(-2)
+    if K % bk:  # the last, narrower column block
+        out = torch.cat([out, wf[..., full * bk:] * rows[..., full:]], dim=-1)
+    return out.to(dtype)
+
+
+def _dequantize(w, scale_inv, block, dtype):
+    """dequantize_blockwise, or under ONNX export one DequantizeLinear node on the FP8 initializer (axis K,
+    block_size bk; the scale repeated over rows, which is exact: every row of a block row shares its scales)."""
+    if not torch.onnx.is_in_onnx_export():
+        return dequantize_blockwise(w, scale_inv, block, dtype)
+    rows = _rows(scale_inv, block[0], w.shape[-2])
+    out = torch.onnx.ops.symbolic("DequantizeLinear", [w, rows], {"axis": w.dim() - 1, "block_size": block[1]},
+                                  dtype=torch.float32, shape=list(w.shape), version=DQ_OPSET)
+    return out.to(dtype)
+
+
+def _frozen(t):
+    return nn.Parameter(t, requires_grad=False)
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free projection with FP8 block-wise weights: weight float8_e4m3fn [out, in], weight_scale_inv fp32
+    [ceil(out/bn), ceil(in/bk)]. forward(x [..., in]) -> [..., out] in x's dtype (W8A16: x is not quantized)."""
+
+    bias = None
+
+    def __init__(self, in_features: int, out_features: int, block: tuple[int, int]):
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, tuple(block)
+        self.weight = _frozen(torch.zeros(out_features, in_features, dtype=FP8))
+        self.weight_scale_inv = _frozen(torch.ones(_cdiv(out_features, block[0]), _cdiv(in_features, block[1])))
+
+    def dequantized(self, dtype):
+        return _dequantize(self.weight, self.weight_scale_inv, self.block, dtype)
+
+    def forward(self, x):
+        return linear(x, self.dequantized(x.dtype))
+
+    def fp32(self, x):
+        return linear(x, self.dequantized(x.dtype), fp32_out=True)
+
+
+class Fp8Experts(nn.Module):
+    """Experts (modeling/mlp.py) with FP8 weights: gate_up_proj [E,2I,H] and down_proj [E,H,I] float8_e4m3fn with
+    gate_up_proj_scale_inv [E,2I/bn,ceil(H/bk)] and down_proj_scale_inv [E,ceil(H/bn),ceil(I/bk)] fp32 (transformers'
+    FP8Experts names). I must be a multiple of bn, so gate and up rows stack block for block."""
+
+    def __init__(self, n: int, hidden: int, inter: int, block: tuple[int, int]):
+        super().__init__()
+        bn, bk = self.block = tuple(block)
+        self.gate_up_proj = _frozen(torch.zeros(n, 2 * inter, hidden, dtype=FP8))
+        self.gate_up_proj_scale_inv = _frozen(torch.ones(n, 2 * inter // bn, _cdiv(hidden, bk)))
+        self.down_proj = _frozen(torch.zeros(n, hidden, inter, dtype=FP8))
+        self.down_proj_scale_inv = _frozen(torch.ones(n, _cdiv(hidden, bn), _cdiv(inter, bk)))
+
+    def forward(self, x, topk_idx, topk_w):
+        """As Experts.forward, on the weights dequantized to x's dtype (the op seam's reference or kernels)."""
+        gate_up = _dequantize(self.gate_up_proj, self.gate_up_proj_scale_inv, self.block, x.dtype)
+        down = _dequantize(self.down_proj, self.down_proj_scale_inv, self.block, x.dtype)
+        return ops.moe_experts(x, topk_idx, topk_w, gate_up, down)
+
+
+def _fp8_twin(owner: nn.Module, child: str, mod: nn.Module, q: Fp8Config, path: str):
+    """The FP8 module replacing owner.child, or None where transformers never converts it: the MoE router is
+    HF's TopKRouter (not an nn.Linear); lm_head is always kept (get_keys_to_not_convert)."""
+    if isinstance(mod, Linear) and not (isinstance(owner, SparseMoE) and child == "gate"):
+        return Fp8Linear(mod.in_features, mod.out_features, q.block)
+    if isinstance(mod, Experts):
+        E, two_i, H = mod.gate_up_proj.shape
+        if (two_i // 2) % q.block[0]:
+            raise ConfigError(f"{path}: field 'moe_intermediate_size' {two_i // 2} is not a multiple of the FP8 "
+                              f"block {q.block[0]} (gate and up blocks of an expert cannot be stacked)")
+        return Fp8Experts(E, H, two_i // 2, q.block)
+    return None
+
+
+def quantize_modules(model: nn.Module, q: Fp8Config, prefix: str, path: str = "config.json") -> list[str]:
+    """Swap model's projections (and routed experts) for FP8 ones where the checkpoint module prefix + name is
+    converted by q's skip list (Fp8Config.converts); returns the checkpoint module names made FP8. Call before
+    binding weights (export/checkpoint.py does)."""
+    done = []
+    for owner_name, owner in list(model.named_modules()):
+        for child, mod in list(owner.named_children()):
+            full = f"{owner_name}.{child}" if owner_name else child
+            if full == "lm_head" or not q.converts(prefix + full):
+                continue
+            twin = _fp8_twin(owner, child, mod, q, path)
+            if twin is not None:
+                setattr(owner, child, twin)
+                done.append(prefix + full)
+    return done
