@@ -20,7 +20,6 @@ from dflash_trt.runtime.step_recipe import NP, ctx_window, greedy_accept, positi
 class HostStepExecutor:
     max_inflight = 0  # steps left running after launch() returns
     runs_ahead = False  # ctx windows slide themselves on finish (no step in flight to protect)
-    ahead = runs_ahead  # the name scheduler.py reads until it says runs_ahead
 
     def __init__(self, rt):
         self.rt = rt

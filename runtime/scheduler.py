@@ -49,12 +49,6 @@ __all__ = ["WAITING", "RUNNING", "FINISHED", "FAILED", "REFUSALS", "PREFETCH", "
 REFUSALS = (PoolExhausted, ValueError)  # what a request can meet in normal serving: recorded, not raised
 
 
-def runs_ahead(executor) -> bool:
-    """The executor keeps steps in flight while the host plans the next (its `runs_ahead` flag; executors that still
-    call it `ahead` are read through here: the one place to simplify once every executor has the new name)."""
-    return executor.runs_ahead if hasattr(executor, "runs_ahead") else executor.ahead
-
-
 class Scheduler:
     """Continuous batching of one runtime's requests at verify width K (see the module docstring for a step)."""
 
@@ -91,7 +85,7 @@ class Scheduler:
         no launch in flight can touch them: at once when none is, else when the last one is collected. A device
         executor runs the prefills of joining requests on a second stream, beside the steps in flight
         (graph_executor), so a page freed under a running step could be rewritten by a prefill meanwhile."""
-        if req.seq is not None and not (runs_ahead(self.ex) and req.launches_in_flight):
+        if req.seq is not None and not (self.ex.runs_ahead and req.launches_in_flight):
             self.rt._release(req.seq)  # the scheduler's own handle (direct release() refuses managed ones)
             req.seq = None
         if req in self.running:
@@ -112,7 +106,7 @@ class Scheduler:
         cannot take this step anyway, and its admission's host work then overlaps two queued steps. Otherwise the
         admission comes first (nothing to overlap: the joiners take the step they were admitted in)."""
         touched: list[Request] = []
-        plan = self._launch(self._plan(touched), touched) if self.running and runs_ahead(self.ex) else None
+        plan = self._launch(self._plan(touched), touched) if self.running and self.ex.runs_ahead else None
         self._admit(touched)
         if plan is None:
             plan = self._launch(self._plan(touched), touched)
@@ -149,7 +143,7 @@ class Scheduler:
     def _collect_due(self, touched, plan: StepPlan | None) -> list[Request]:
         """After launching `plan` (None: nothing to launch): landed prefills, then the oldest steps while more than the
         executor keeps running are in flight (with no launch, everything in flight)."""
-        if runs_ahead(self.ex):  # a prefill still running is not waited for: the host would block beside a step
+        if self.ex.runs_ahead:  # a prefill still running is not waited for: the host would block beside a step
             for entry in self.inflight.landed_joins(self.ex.landed):
                 self._collect_entry(entry, touched)
         while self.inflight.due(plan is not None, self.ex.max_inflight):
@@ -194,7 +188,7 @@ class Scheduler:
 
     def _admission(self) -> Admission:
         """The admission decision for this step, from what the scheduler and the pools hold now."""
-        rt, overlapping = self.rt, runs_ahead(self.ex) and bool(self.inflight)
+        rt, overlapping = self.rt, self.ex.runs_ahead and bool(self.inflight)
         free = (rt.kv_alloc.num_free, rt.dkv_alloc.num_free if rt.dcfg is not None else 0)
         owed = self.budget.owed(self.running) if overlapping and self.waiting else (0, 0)  # only when someone waits
         return Admission(self.budget, max_batch=self.max_batch, stepping=sum(1 for r in self.running if r.wants_step),
@@ -232,7 +226,7 @@ class Scheduler:
             req.launches_in_flight += 1  # the first token: wants_step counts it
             self.running.append(req)
             self.inflight.push(Join(req), pending)
-            if not runs_ahead(self.ex):
+            if not self.ex.runs_ahead:
                 self._collect(*self.inflight.pop_newest(), touched)
 
     # ---- plan ---------------------------------------------------------------------------------
@@ -244,13 +238,13 @@ class Scheduler:
         wanting = [r for r in self.running if r.wants_step][: self.max_batch]
         # a joiner whose first token is not collected sits out while others run: its prefill then overlaps two steps
         ready = [r for r in wanting if r.seq.bonus is not None]
-        live = [req for req in (ready if ready and runs_ahead(self.ex) else wanting) if self._reserve(req, K, touched)]
+        live = [req for req in (ready if ready and self.ex.runs_ahead else wanting) if self._reserve(req, K, touched)]
         return StepPlan(kind, K, pad_rows([r.seq for r in live]), reqs=live) if live else None
 
     def _reserve(self, req: Request, K: int, touched) -> bool:
         """Pages for one more step of K rows of req, past its rows in flight; False: it failed instead."""
         try:
-            if runs_ahead(self.ex) and req.seq.ctx is not None:
+            if self.ex.runs_ahead and req.seq.ctx is not None:
                 req.seq.ctx.slide()  # only between launches: no step in flight reads a dropped row
             commit.reserve(req.seq, K, self.rt.kv_alloc, self.rt.sizes.page_size, ahead=req.rows_in_flight)
         except Exception as err:  # out of pages (or a fault): this request fails, the others run

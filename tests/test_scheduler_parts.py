@@ -8,7 +8,7 @@ from dflash_trt.runtime.admission import PREFETCH, Admission
 from dflash_trt.runtime.batching import DECODE, PREFILL_BATCH, StepPlan
 from dflash_trt.runtime.inflight import InFlightQueue, Join
 from dflash_trt.runtime.page_budget import PageBudget, fits
-from dflash_trt.runtime.scheduler import Request, runs_ahead
+from dflash_trt.runtime.scheduler import Request
 
 # 4 rows a page, verify width 4, a 12-row drafter window, ctx block tables 5 pages wide
 BUDGET = PageBudget(page_size=4, step_rows=4, ctx_window=12, ctx_blocks=5)
@@ -156,11 +156,3 @@ def test_take_removes_by_identity_and_pops_at_both_ends():
     q.take(first)
     assert len(q) == 2 and list(q)[0] is not first and list(q)[0] == first  # an equal entry stays
     assert q.pop_newest()[1] == "y" and q.pop_oldest()[1] == "x" and not q
-
-
-# ------------------------------------------------------------------ executor flag
-@pytest.mark.parametrize("attrs,expected", [({"ahead": True}, True), ({"ahead": False}, False),
-                                            ({"runs_ahead": True, "ahead": False}, True),
-                                            ({"runs_ahead": False}, False)])
-def test_runs_ahead_reads_the_new_flag_first(attrs, expected):
-    assert runs_ahead(SimpleNamespace(**attrs)) is expected

@@ -125,7 +125,6 @@ class StepBuffers:
 class GraphStepExecutor:
     max_inflight = 1  # steps left running while the host plans the next (set per instance: inflight)
     runs_ahead = True  # ctx windows slide only between launches (a step in flight keeps its rows)
-    ahead = runs_ahead  # the name scheduler.py reads until it says runs_ahead
 
     def __init__(self, rt, use_graphs: bool | None = None, inflight: int = 1):
         """inflight: steps left running while the host plans the next (1: overlap; 0: synchronous)."""
