@@ -219,7 +219,7 @@ def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None
                       sorted(set(ks)), asdict(sizes), batch, want_logits, dtype, _source_hash()])
     out = os.path.join(root, "onnx-" + hashlib.sha256(key.encode()).hexdigest()[:16])
     if _valid_entry(out, progress):
-        return out
+        return _record_source_dirs(out, model_dir, drafter_dir)
     where = f"the export cache {root} (set DFLASH_TRT_CACHE to use another directory)"
     try:
         os.makedirs(root, exist_ok=True)
@@ -234,6 +234,23 @@ def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None
                           dtype=dtype, progress=progress, _cache_entry=True)
         except OSError as e:
             raise ExportError(f"cannot write {where}: {e.strerror}") from None
+    return out
+
+
+def _record_source_dirs(out: str, model_dir, drafter_dir) -> str:
+    """A hit keyed by the checkpoints' hashes may come from another copy of the same weights that is gone since
+    (another checkout, a moved folder): the caller's dirs, which hold those weights, are recorded in its place."""
+    m = Manifest.load(out, check_files=False)
+    stale = {}
+    for what, d in (("target", model_dir), ("drafter", drafter_dir)):
+        rec = m.data.get(what)
+        if d and isinstance(rec, dict) and not os.path.isdir(str(rec.get("dir"))):
+            stale[what] = {**rec, "dir": os.path.abspath(d)}
+    if stale:
+        try:
+            m.update(**stale)
+        except (OSError, ManifestError):  # a read-only cache: the entry is still valid, only its record is stale
+            pass
     return out
 
 
