@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_tiny import FP8_DIMS, make_hf_model
+from refusal_helpers import refused
 from safetensors.torch import load_file, save_file
 
 from dflash_trt.abi import PoolSizes
@@ -216,15 +217,6 @@ def altered(src, dst, weights=None, quant=None):
         quant(cfg["quantization_config"])
         json.dump(cfg, open(c, "w"))
     return dst
-
-
-def refused(fn, err, *names):
-    with pytest.raises(err) as e:
-        fn()
-    line = str(e.value)
-    assert "\n" not in line
-    for n in names:
-        assert n in line, line
 
 
 def _set_byte(w, key, value):

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from refusal_helpers import refused
 from safetensors.torch import load_file, save_file
 
 from dflash_trt import cli
@@ -42,16 +43,6 @@ def altered(src, dst, weights=None, config=None):
         config(cfg)
         json.dump(cfg, open(p, "w"))
     return dst
-
-
-def refused(fn, err, *names):
-    with pytest.raises(err) as e:
-        fn()
-    line = str(e.value)
-    assert "\n" not in line
-    for n in names:
-        assert n in line, line
-    return line
 
 
 NORM, DOWN = "model.norm.weight", "model.layers.0.mlp.down_proj.weight"
