@@ -120,15 +120,19 @@ class WeightSource:
             raise CheckpointError(f"{f}: tensor '{name}' holds non-finite values (NaN or Inf)")
         return t
 
+    def _of_dtype(self, name: str, dtype, why: str):
+        """(tensor, its file), the tensor of `dtype` or refused naming it, its dtype and `why`."""
+        t, f = self.get(name), self.where[name]
+        if t.dtype != dtype:
+            raise CheckpointError(f"{f}: tensor '{name}' has dtype {str(t.dtype).removeprefix('torch.')}{why}")
+        return t, f
+
     def read_fp8(self, name: str) -> torch.Tensor:
         """An FP8 weight of a module quantization_config converts: float8_e4m3fn bytes as stored, no NaN code."""
         import torch
 
-        t, f = self.get(name), self.where[name]
-        if t.dtype != torch.float8_e4m3fn:
-            raise CheckpointError(f"{f}: tensor '{name}' has dtype {str(t.dtype).removeprefix('torch.')}, but "
-                                  "config.json's quantization_config makes this module FP8 (float8_e4m3fn weight "
-                                  "+ weight_scale_inv expected)")
+        t, f = self._of_dtype(name, torch.float8_e4m3fn, ", but config.json's quantization_config makes this "
+                              "module FP8 (float8_e4m3fn weight + weight_scale_inv expected)")
         if bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):  # e4m3fn's only non-finite codes: NaN
             raise CheckpointError(f"{f}: tensor '{name}' holds non-finite values (float8_e4m3fn NaN)")
         return t
@@ -137,10 +141,7 @@ class WeightSource:
         """An FP8 weight's block scales: float32, every one finite and > 0."""
         import torch
 
-        t, f = self.get(name), self.where[name]
-        if t.dtype != torch.float32:
-            raise CheckpointError(f"{f}: tensor '{name}' has dtype {str(t.dtype).removeprefix('torch.')}; FP8 "
-                                  "block scales are float32")
+        t, f = self._of_dtype(name, torch.float32, "; FP8 block scales are float32")
         if not bool((torch.isfinite(t) & (t > 0)).all()):
             raise CheckpointError(f"{f}: tensor '{name}' holds non-finite or non-positive scales")
         return t
