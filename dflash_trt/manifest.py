@@ -298,3 +298,8 @@ class ManifestBacked:
     @property
     def sizes(self):
         return self.manifest.sizes
+
+    def weights_id(self, which: str):
+        """'checkpoint:<hash>' of the checkpoint the export was made from (Backend.weights_id)."""
+        h = (self.manifest.data.get(which) or {}).get("hash")
+        return f"checkpoint:{h}" if h else None

@@ -34,6 +34,10 @@ class Backend(Protocol):
     def run(self, graph: str, inputs: dict) -> dict:
         """Run ABI graph `graph` on `inputs` (ABI name -> array); returns its outputs by ABI name (numpy on the host)."""
 
+    def weights_id(self, which: str) -> Optional[str]:
+        """The identity of the 'target' / 'drafter' weights in snapshots: 'checkpoint:<hash>', the same on every
+        backend for one checkpoint ('params:<hash>' for modules not loaded from one); None where there are none."""
+
 
 @runtime_checkable
 class StepGraphs(Protocol):
@@ -170,3 +174,8 @@ class BackendDefaults:
     concurrent_prefill = False
     any_prefill_width = False
     fused_steps = None
+    inner = None
+    """The backend a wrapper (test drafters, recorders) holds: the weights are its."""
+
+    def weights_id(self, which: str):
+        return self.inner.weights_id(which) if self.inner is not None else None

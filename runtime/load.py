@@ -117,9 +117,9 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     target = load_target(model_dir, dt)
     drafter = load_drafter(drafter_dir, target, dt) if drafter_dir else None
     # the weights' identity in snapshots, the one an export of these checkpoints records (runtime/snapshot.py)
-    target.checkpoint_hash = checkpoint_hash(model_dir)
+    hashes = {"target": checkpoint_hash(model_dir)}
     if drafter is not None:
-        drafter.checkpoint_hash = checkpoint_hash(drafter_dir)
+        hashes["drafter"] = checkpoint_hash(drafter_dir)
     dev = None
     if on_gpu:
         from dflash_trt.runtime.devices.cuda import CudaDevice
@@ -128,6 +128,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         target.to(dev.device)
         if drafter is not None:
             drafter.to(dev.device)
-    be = make_backend(backend, target=target, drafter=drafter, compile_steps=compile_steps and on_gpu)
+    be = make_backend(backend, target=target, drafter=drafter, compile_steps=compile_steps and on_gpu,
+                      checkpoint_hashes=hashes)
     return Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(), device=dev,
                    gate=gate), codec

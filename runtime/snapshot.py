@@ -61,39 +61,6 @@ class SnapshotMismatch(SnapshotError):
         super().__init__(f"{path}: snapshot is from another model/config, refusing to restore: {shown}")
 
 
-# ---- identity ---------------------------------------------------------------------------
-def _params_hash(mod) -> str:
-    """sha256 over every parameter's name, shape, dtype and bytes (any device)."""
-    import torch  # only reached for backends that hold torch modules
-
-    h = hashlib.sha256()
-    with torch.no_grad():
-        for name, p in mod.named_parameters():
-            h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
-            h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _weights_id(backend, which: str) -> str | None:
-    """The target/drafter weights' identity, the same on every backend for one checkpoint: its checkpoint_hash,
-    from the export's manifest (ort, trt) or from the module loaded from it (torch, `checkpoint_hash` set by
-    load_runtime). A module built otherwise has only the hash of its parameters, which no export can match."""
-    b = backend
-    while b is not None and not hasattr(b, "manifest") and not hasattr(b, "target"):
-        b = getattr(b, "inner", None)  # wrappers (test drafters, recorders) hold the real backend
-    if b is None:
-        return None
-    man = getattr(b, "manifest", None)
-    if man is not None:
-        h = (man.data.get(which) or {}).get("hash")
-        return f"checkpoint:{h}" if h else None
-    mod = getattr(b, which, None)
-    if mod is None:
-        return None
-    h = getattr(mod, "checkpoint_hash", None)
-    return f"checkpoint:{h}" if isinstance(h, str) else "params:" + _params_hash(mod)
-
-
 def identity(rt) -> dict:
     """field -> JSON value: everything a sequence's state depends on (flat, so a mismatch names a field)."""
     out = {f"target.{k}": v for k, v in asdict(rt.tcfg).items()}
@@ -103,8 +70,8 @@ def identity(rt) -> dict:
     out["kv_dtype"] = str(rt.backend.kv_dtype)
     out.update({f"pool.{name}.dtype": dtype_name(p.dtype) for name, p in sorted(rt.pools.items())})
     out.update({f"sizes.{k}": getattr(rt.sizes, k) for k in _SIZE_FIELDS})
-    out["weights.target"] = _weights_id(rt.backend, "target")
-    out["weights.drafter"] = _weights_id(rt.backend, "drafter") if rt.dcfg is not None else None
+    out["weights.target"] = rt.backend.weights_id("target")
+    out["weights.drafter"] = rt.backend.weights_id("drafter") if rt.dcfg is not None else None
     return json.loads(json.dumps(out))  # JSON-normalised (tuples -> lists), as it will read back
 
 
@@ -182,7 +149,7 @@ def save_sequence(rt, seq: Sequence, path: str, extra: dict | None = None) -> st
         "seq": {"tokens": [int(t) for t in seq.tokens], "bonus": int(seq.bonus), "seq_len": int(seq.seq_len),
                 "saved_seq_id": seq.seq_id},
         "ctx": ctx,
-        "saved_by": {"device": getattr(dev, "name", type(dev).__name__), "backend": getattr(rt.backend, "name", "?")},
+        "saved_by": {"device": dev.name, "backend": rt.backend.name},
         "extra": extra_json,
     }
     meta["field_sha256"] = _field_hashes(meta)
@@ -288,7 +255,7 @@ def _load_checked(rt, path: str) -> tuple[dict, dict]:
         start = _int(c.get("start"), "ctx.start", 0, ps - 1, path)
         end = _int(c.get("end"), "ctx.end", start, 1 << 40, path)
         # the window's page-table width depends on the runtime's executor (rows reserved ahead)
-        _int(c.get("pages"), "ctx.pages", cdiv(end, ps), getattr(rt, "ctx_blocks", sz.max_ctx_blocks), path)
+        _int(c.get("pages"), "ctx.pages", cdiv(end, ps), rt.ctx_blocks, path)
         total = _int(c.get("total"), "ctx.total", 0, 1 << 40, path)
         held = end - start
         # DESIGN §5 invariant: every committed position was appended once; the held rows end at

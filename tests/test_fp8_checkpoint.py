@@ -316,3 +316,16 @@ def test_multimodal_layout(base, tmp_path):
     assert ours.keys() == ref.keys()
     assert all(torch.equal(ours[k].view(torch.uint8), ref[k].view(torch.uint8)) if ref[k].dtype == torch.float8_e4m3fn
                else torch.equal(ours[k], ref[k]) for k in ref)
+
+
+@pytest.mark.gpu
+def test_cuda_greedy_and_dflash_match_transformers(dense, tmp_path):
+    """The FP8 target on the GPU: float32 tokens == the W8A16 oracle's; bfloat16 DFlash == bfloat16 plain greedy."""
+    d, hf, _ = dense
+    drafter = make_drafter(d, str(tmp_path / "drafter"))
+    ref = hf_greedy(hf, PROMPT, NEW)
+    rt, _ = load_runtime(d, drafter, "torch", sizes=SIZES, device="cuda", dtype="float32")
+    assert rt.generate(PROMPT, NEW, spec=False)[0] == ref
+    assert rt.generate(PROMPT, NEW)[0] == ref
+    rt, _ = load_runtime(d, drafter, "torch", sizes=SIZES, device="cuda", dtype="bfloat16")
+    assert rt.generate(PROMPT, NEW)[0] == rt.generate(PROMPT, NEW, spec=False)[0]

@@ -184,7 +184,7 @@ def test_edited_meta_fields_refused_naming_the_field(tiny_pair, other_pair, tmp_
     want = continue_for(rt, seq)
     snap = str(tmp_path / "s")
     other_weights = torch_rt(other_pair)
-    ident = {"weights.target": f"checkpoint:{other_weights.backend.target.checkpoint_hash}"}
+    ident = {"weights.target": other_weights.backend.weights_id("target")}
     edits = {
         "seq.bonus": lambda m: m["seq"].update(bonus=(m["seq"]["bonus"] + 1) % 250),
         "seq.tokens": lambda m: m["seq"]["tokens"].__setitem__(3, (m["seq"]["tokens"][3] + 1) % 250),

@@ -7,6 +7,8 @@ host (argmax, drafts) come back as numpy. The custom ops inside the models run o
 """
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 
@@ -36,10 +38,12 @@ class TorchBackend:
     any_prefill_width = True  # its prefill step takes ids of any width (engines are built for one: the chunk's)
 
     def __init__(self, target, drafter=None, want_logits: bool = False, device: str | None = None,
-                 compile_steps: bool = False):
+                 compile_steps: bool = False, checkpoint_hashes: dict | None = None):
         """compile_steps: on CUDA, the prefill/decode/spec steps through Inductor (runtime/backends/torch_compile.py):
-        faster steps for a compile per step key on first use (figures: docs/PERF.md). Ignored on CPU."""
+        faster steps for a compile per step key on first use (figures: docs/PERF.md). Ignored on CPU.
+        checkpoint_hashes: 'target' / 'drafter' -> the hash of the checkpoint each module was loaded from."""
         self.target, self.drafter, self.want_logits = target, drafter, want_logits
+        self.checkpoint_hashes = dict(checkpoint_hashes or {})
         p = next(target.parameters())
         self.device = torch.device(device) if device else p.device
         self.kv_dtype = dtype_name(p.dtype)
@@ -54,6 +58,14 @@ class TorchBackend:
             target.fuse_projections()
             if drafter is not None:
                 drafter.fuse_projections()
+
+    def weights_id(self, which: str) -> str | None:
+        """The checkpoint's hash where the module was loaded from one (what an export of it records), else a hash of
+        its parameters, which no export can match."""
+        if which in self.checkpoint_hashes:
+            return f"checkpoint:{self.checkpoint_hashes[which]}"
+        mod = {"target": self.target, "drafter": self.drafter}[which]
+        return None if mod is None else "params:" + params_hash(mod)
 
     def _in(self, v):
         if isinstance(v, torch.Tensor):
@@ -81,3 +93,13 @@ class TorchBackend:
         out = run_graph(graph, self.target, self.drafter, {k: self._in(v) for k, v in inputs.items()},
                         self.want_logits)
         return {k: self._out(k, v) for k, v in out.items() if v is not None}
+
+
+def params_hash(mod) -> str:
+    """sha256 over every parameter's name, shape, dtype and bytes (any device)."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in mod.named_parameters():
+            h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+            h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
