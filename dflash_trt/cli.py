@@ -10,6 +10,7 @@ from dflash_trt.args import ArgumentParser
 COMMANDS = {
     "generate": ("dflash_trt.tools.generate", "generate text with a target (+ DFlash drafter)"),
     "demo": ("dflash_trt.tools.demo", "run the embedded default model on CPU, plain vs DFlash"),
+    "cache": ("dflash_trt.tools.cache", "list or clear the cached exports, engines and compiled kernels"),
 }
 # subcommands that parse their own argv: module with main(argv) -> int
 PASSTHROUGH = {

@@ -19,6 +19,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -143,13 +144,15 @@ KIND = "export"  # the ownership marker's kind (dflash_trt.owned)
 
 
 def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, batch="B",
-                  want_logits=True, dtype="float32", check=True, progress=log.progress, _cache_entry=False) -> Manifest:
+                  want_logits=True, dtype="float32", check=True, progress=log.progress, _cache_entry=False,
+                  _reuse: Manifest | None = None) -> Manifest:
     """Export every graph of the ABI and write manifest.json, atomically: everything goes into a fresh
     temporary directory beside out_dir, renamed into place only when complete (under out_dir's lock, which
     the engine builder also takes). An older export of ours in out_dir (its ownership marker lists every
     entry, dflash_trt.owned) is replaced as a whole (its engines too: they were built from its graphs), never
     mixed with new files; any other non-empty directory is refused before loading anything. Temporaries of
-    killed exports of out_dir are removed."""
+    killed exports of out_dir are removed. _reuse: a verified export of the same checkpoints and settings whose
+    graphs are taken over as they are (hard links), so only the graphs it lacks are traced."""
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
     from dflash_trt.optional import require_torch
 
@@ -171,6 +174,9 @@ def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSiz
         man.root = tmp
         names = expected_graphs(man.ks, drafter.cfg.block_size if drafter is not None else None)
         for i, name in enumerate(names, 1):
+            if _reuse is not None and name in _reuse.graphs:
+                _take_graph(_reuse, name, man, tmp)
+                continue
             t0 = time.perf_counter()
             info = export_graph(name, target, drafter, sizes, os.path.join(tmp, name + ".onnx"), batch=batch,
                                 want_logits=want_logits, kv_dtype=dtype, check=check)
@@ -178,6 +184,8 @@ def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSiz
             man.add_graph(name, name + ".onnx", seconds=round(dt, 2), **info)
             progress(f"[{i}/{len(names)}] {name:<16} {dt:6.1f} s  {_mb(info['bytes'])}"
                      + (" (external data)" if info["external_data"] else ""))
+        if _reuse is not None:
+            _take_engines(_reuse, man, tmp)
         man.data["export_seconds"] = round(time.perf_counter() - t_all, 2)
         man.data["exporter"] = _source_hash()
         man.save(tmp)
@@ -185,6 +193,37 @@ def export_graphs(model_dir, drafter_dir, out_dir, ks=DEFAULT_KS, sizes: PoolSiz
     total = sum(g["bytes"] for g in man.data["graphs"].values())
     progress(f"exported {len(names)} graphs to {out_dir} in {man.data['export_seconds']:.1f} s, {_mb(total)} total")
     return man
+
+
+def _take_graph(src: Manifest, name: str, man: Manifest, tmp: str) -> None:
+    """Graph `name` of export `src` into the staged export `tmp`: its files hard-linked (copied across
+    filesystems) and its record, sha256 included, as `src` has it."""
+    for f in src.graph_files(name):
+        _link(f, os.path.join(tmp, os.path.basename(f)))
+    man.data["graphs"][name] = dict(src.require_graph(name))
+
+
+def _take_engines(src: Manifest, man: Manifest, tmp: str) -> None:
+    """The engines of `src` built from graphs taken over unchanged (same sha256) come along with their records;
+    the engine builder checks each before use as it checks any."""
+    recs = {}
+    for name, rec in (src.data.get("engines") or {}).items():
+        g = man.data["graphs"].get(rec.get("graph"))
+        if g is None or g.get("sha256") != src.data["graphs"].get(rec.get("graph"), {}).get("sha256"):
+            continue
+        dst = os.path.join(tmp, rec["file"])
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        _link(os.path.join(src.root, rec["file"]), dst)
+        recs[name] = dict(rec)
+    if recs:
+        man.data["engines"] = recs
+
+
+def _link(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _mb(n: int) -> str:
@@ -205,20 +244,25 @@ def _source_hash() -> str:
 
 def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, cache_dir=None,
                   batch="B", want_logits=True, dtype="float32", progress=log.progress) -> str:
-    """Export once, reuse after: the cache entry is keyed by both checkpoint hashes, the settings and a hash
-    of the exporter's source. Returns the manifest directory.
+    """Export once, reuse after: one cache entry per checkpoint pair and settings (keyed by both checkpoint
+    hashes, the sizes, batch, logits, dtype and a hash of the exporter's source), holding every verify width any
+    caller asked for. A width it lacks is added by re-staging the entry with its graphs taken over and only the
+    missing ones traced. Returns the manifest directory.
 
-    Process-safe: a hit is verified (every graph's sha256) and used read-only; a miss or a damaged entry is
-    (re)built under an advisory lock, so concurrent cold starts export once and the others wait; exports are
-    atomic (export_graphs) and leftovers of dead exports are removed."""
+    Process-safe: a hit is verified (every graph's sha256) and used read-only; a miss, a missing width or a
+    damaged entry is (re)built under an advisory lock, so concurrent cold starts export once and the others wait;
+    exports are atomic (export_graphs) and leftovers of dead exports are removed."""
     from dflash_trt.export.checkpoint import checkpoint_hash
 
     sizes = sizes or PoolSizes()
+    ks = sorted({int(k) for k in ks})
+    progress = progress or (lambda *_: None)
     root = cache_dir or cache_root()
     key = json.dumps([checkpoint_hash(model_dir), checkpoint_hash(drafter_dir) if drafter_dir else None,
-                      sorted(set(ks)), asdict(sizes), batch, want_logits, dtype, _source_hash()])
+                      asdict(sizes), batch, want_logits, dtype, _source_hash()])
     out = os.path.join(root, "onnx-" + hashlib.sha256(key.encode()).hexdigest()[:16])
-    if _valid_entry(out, progress):
+    have = _valid_entry(out, progress)
+    if have is not None and set(ks) <= set(have.ks):
         return _record_source_dirs(out, model_dir, drafter_dir)
     where = f"the export cache {root} (set DFLASH_TRT_CACHE to use another directory)"
     try:
@@ -227,11 +271,15 @@ def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None
     except OSError as e:
         raise ExportError(f"cannot write {where}: {e.strerror}") from None
     with entry_lock(out, progress, "exporting into"):
-        if _valid_entry(out, progress):  # the other process finished it
-            return out
+        have = _valid_entry(out, progress)  # another process may have finished it meanwhile
+        if have is not None and set(ks) <= set(have.ks):
+            return _record_source_dirs(out, model_dir, drafter_dir)
+        if have is not None:
+            progress(f"cached export {out} lacks verify widths {sorted(set(ks) - set(have.ks))}; adding them")
         try:
-            export_graphs(model_dir, drafter_dir, out, ks, sizes, batch=batch, want_logits=want_logits,
-                          dtype=dtype, progress=progress, _cache_entry=True)
+            export_graphs(model_dir, drafter_dir, out, sorted(set(ks) | set(have.ks if have else ())), sizes,
+                          batch=batch, want_logits=want_logits, dtype=dtype, progress=progress, _cache_entry=True,
+                          _reuse=have)
         except OSError as e:
             raise ExportError(f"cannot write {where}: {e.strerror}") from None
     return out
@@ -254,22 +302,22 @@ def _record_source_dirs(out: str, model_dir, drafter_dir) -> str:
     return out
 
 
-def _valid_entry(out: str, progress) -> bool:
-    """A complete cache entry whose every graph matches its recorded sha256 (read only)."""
+def _valid_entry(out: str, progress) -> Manifest | None:
+    """The manifest of a complete cache entry whose every graph matches its recorded sha256 (read only), or None."""
     if not os.path.isfile(os.path.join(out, "manifest.json")):
-        return False
+        return None
     if (read_marker(out) or {}).get("kind") != KIND:
         progress(f"cached export {out} has no dflash-trt ownership marker (an older dflash-trt wrote it); "
                  "exporting again")
-        return False
+        return None
     try:
         m = Manifest.load(out)
         for g in m.graphs:
             m.verify_graph(g)
     except ManifestError as e:
         progress(f"cached export {out} is damaged ({e}); exporting again")
-        return False
-    return True
+        return None
+    return m
 
 
 def add_size_args(p: argparse.ArgumentParser) -> None:

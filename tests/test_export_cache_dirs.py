@@ -25,3 +25,30 @@ def test_a_hit_from_a_vanished_copy_records_the_callers_dirs(tmp_path):
     assert data["drafter"]["dir"] == os.path.join(MODELS, "drafter")
     assert ensure_export(os.path.join(MODELS, "target"), os.path.join(MODELS, "drafter"), ks=[1], cache_dir=cache,
                          progress=None) == first  # still a valid hit after the record changed
+
+
+def test_one_entry_per_checkpoint_grows_by_the_widths_asked(tmp_path):
+    """Callers asking for other verify widths share one cache entry: a missing width re-stages it with the graphs
+    it had taken over as they are (same files, same records) and only the new ones traced; a subset is a hit."""
+    from dflash_trt.tools.tiny import make_tiny_pair
+
+    pair = make_tiny_pair(str(tmp_path / "tiny"), seed=0)
+    cache = str(tmp_path / "cache")
+    said = []
+    first = ensure_export(*pair, ks=[1], cache_dir=cache, progress=said.append)
+    m1 = Manifest.load(first)
+    ino = os.stat(m1.graph_path("target_k1")).st_ino
+    said.clear()
+    grown = ensure_export(*pair, ks=[1, 4], cache_dir=cache, progress=said.append)
+    m2 = Manifest.load(grown)
+    assert grown == first and m2.ks == [1, 4]
+    assert os.stat(m2.graph_path("target_k1")).st_ino == ino  # taken over, not traced again
+    assert m2.data["graphs"]["target_k1"] == m1.data["graphs"]["target_k1"]
+    traced = [line for line in said if line.startswith("[")]
+    assert any("target_k4" in line for line in traced) and not any("target_k1 " in line for line in traced)
+    assert any("lacks verify widths [4]" in line for line in said)
+    for g in m2.graphs:
+        m2.verify_graph(g)
+    said.clear()
+    assert ensure_export(*pair, ks=[4], cache_dir=cache, progress=said.append) == first and said == []
+    assert sorted(os.listdir(cache)) == sorted([os.path.basename(first), os.path.basename(first) + ".lock"])

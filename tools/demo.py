@@ -55,8 +55,8 @@ def run(args) -> int:
     if args.gamma is not None:
         check_gamma(args.gamma, block)
     progress(f"model: {what}\nbackend: {args.backend} (CPU)")
-    sizes = PoolSizes(max_seq_len=512, kv_blocks=40, dkv_blocks=80, max_seqs=1)
-    rt, codec = load_runtime(tdir, ddir, args.backend, sizes, ks=verify_widths(args.gamma, block, True))
+    # the default pools, as `generate` and `bench` use them: the three share one cached export
+    rt, codec = load_runtime(tdir, ddir, args.backend, PoolSizes(), ks=verify_widths(args.gamma, block, True))
     ids = codec.encode(args.prompt)
     plain, sp = rt.generate(ids, args.max_new_tokens, spec=False)
     spec, ss = rt.generate(ids, args.max_new_tokens, gamma=args.gamma)

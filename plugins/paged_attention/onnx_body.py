@@ -1,6 +1,6 @@
-"""The ONNX function body of PagedAttention in standard ONNX ops: reference.paged_attention_ref — gather every
-page of the block table (O(max_ctx), correct), mask rows outside [kv_start, kv_len) (+ causal), softmax in
-float32; o in q's dtype."""
+"""The ONNX function body of PagedAttention in standard ONNX ops: reference.paged_attention_ref — gather the pages
+of the block table up to the longest kv_len (O(context)), mask rows outside [kv_start, kv_len) (+ causal), softmax
+in float32; o in q's dtype."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,8 +17,15 @@ def body(b: Body):
     pool = b.op("Gather", pool_in, b.attr("layer", "int"), axis=0)  # [2,NB,bs,Hkv,hd]
     rows_shape = b.op("Concat", b.const([0, -1]), b.dims(kn, 2, 4), axis=0)
 
-    def cached(i):  # all pages of the block table -> [B, MB*bs, Hkv, hd]
-        pages = b.op("Gather", b.op("Gather", pool, b.const(i), axis=0), bt_in, axis=0)
+    # only the pages up to the longest kv_len: every later row is masked, so the cost follows the context, not
+    # the table's width (max_seq_len)
+    bs = b.dims(pool, 2, 3)
+    longest = b.op("ReduceMax", b.op("Cast", kl_in, to=TensorProto.INT64), keepdims=1)  # [1]
+    used = b.op("Min", b.op("Div", b.op("Add", longest, b.op("Sub", bs, b.const([1]))), bs), b.dims(bt_in, 1, 2))
+    bt = b.op("Slice", bt_in, b.const([0]), used, b.const([1]))
+
+    def cached(i):  # the used pages of the block table -> [B, used*bs, Hkv, hd]
+        pages = b.op("Gather", b.op("Gather", pool, b.const(i), axis=0), bt, axis=0)
         return b.op("Cast", b.op("Reshape", pages, rows_shape), to=F32)
 
     Kc, Vc = cached(0), cached(1)
