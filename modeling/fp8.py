@@ -19,6 +19,8 @@ from dflash_trt.config import ConfigError
 from dflash_trt.modeling.fuse import Linear, linear
 from dflash_trt.modeling.mlp import Experts, SparseMoE
 from dflash_trt.plugins import ops
+from dflash_trt.plugins.gemv_fp8 import reference as fp8_reference
+from dflash_trt.plugins.gemv_fp8.reference import dequantize_blockwise, scale_rows as _rows  # noqa: F401
 from dflash_trt.quant import Fp8Config
 
 FP8 = torch.float8_e4m3fn
@@ -27,28 +29,6 @@ DQ_OPSET = 21  # DequantizeLinear with float8 inputs and a block_size attribute
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _rows(scale_inv, bn: int, N: int):
-    """scale_inv [..., nb, kb] -> [..., N, kb]: each block row's scales repeated over its bn rows. An expand, not
-    repeat_interleave: no host sync, so a CUDA graph can capture it."""
-    s = scale_inv.unsqueeze(-2).expand(*scale_inv.shape[:-1], bn, scale_inv.shape[-1])
-    return s.flatten(-3, -2)[..., :N, :]
-
-
-def dequantize_blockwise(w, scale_inv, block: tuple[int, int], dtype=torch.float32):
-    """w float8_e4m3fn [..., N, K], scale_inv fp32 [..., ceil(N/bn), ceil(K/bk)] -> W [..., N, K] in `dtype`:
-    W[n,k] = fp32(w[n,k]) * scale_inv[n // bn, k // bk] (one fp32 rounding), then cast to dtype. The scales are
-    repeated over rows only and broadcast over a view of the columns, so no weight-sized scale tensor is made."""
-    bn, bk = block
-    N, K = w.shape[-2:]
-    rows = _rows(scale_inv.float(), bn, N)  # [..., N, ceil(K/bk)]
-    wf = w.float()
-    full = K // bk
-    out = (wf[..., :full * bk].unflatten(-1, (full, bk)) * rows[..., :full, None]).flatten(-2)
-    if K % bk:  # the last, narrower column block
-        out = torch.cat([out, wf[..., full * bk:] * rows[..., full:]], dim=-1)
-    return out.to(dtype)
 
 
 def _dequantize(w, scale_inv, block, dtype):
