@@ -2,13 +2,14 @@
 built TargetModel's projections FP8 where the checkpoint's quantization_config says so.
 
 A converted projection holds `weight` float8_e4m3fn [N,K] and `weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)]
-under exactly those state_dict names (checkpoint names map 1:1), never a persistent 16/32-bit copy. Its forward
-dequantizes block-wise per call (dequantize_blockwise: one fp32 multiply per element) to the activation dtype and
-runs the ordinary projection GEMM (fuse.linear) on it. Under ONNX export the dequantisation is one standard
+under exactly those state_dict names (checkpoint names map 1:1), never a persistent 16/32-bit copy. On CUDA, a
+16-bit x of 1-16 rows (decode and verify steps; fuse.fp8_takes) goes to the W8A16 kernel dflash::gemv_fp8
+(plugins/gemv_fp8: the fp8 bytes streamed once, exact up to fp32 accumulation). Any other call dequantizes
+block-wise per call (dequantize_blockwise: one fp32 multiply per element) to the activation dtype and runs the
+ordinary projection GEMM (fuse.linear) on it. Under ONNX export the dequantisation is one standard
 DequantizeLinear node (opset 21, blocked along K with the scale repeated over each block's rows: the same fp32
-products), so ORT runs the FP8 initializers on the CPU. On CUDA this is the same reference (correct, not fast): a
-later FP8 GEMM kernel replaces the per-call dequantisation. Projection fusion (fuse.fuse_linears) leaves FP8 layers
-unfused (each dequantizes its own weight).
+products), so ORT runs the FP8 initializers on the CPU. Projection fusion (fuse.fuse_linears) stacks an all-FP8 group's
+weights and scales when the scale blocks allow it (the gate/up pair: one gemv_fp8_swiglu launch).
 """
 from __future__ import annotations
 
@@ -16,10 +17,9 @@ import torch
 from torch import nn
 
 from dflash_trt.config import ConfigError
-from dflash_trt.modeling.fuse import Linear, linear
+from dflash_trt.modeling.fuse import Linear, fp8_takes, linear
 from dflash_trt.modeling.mlp import Experts, SparseMoE
 from dflash_trt.plugins import ops
-from dflash_trt.plugins.gemv_fp8 import reference as fp8_reference
 from dflash_trt.plugins.gemv_fp8.reference import dequantize_blockwise, scale_rows as _rows  # noqa: F401
 from dflash_trt.quant import Fp8Config
 
@@ -62,9 +62,13 @@ class Fp8Linear(nn.Module):
         return _dequantize(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x):
+        if fp8_takes(x, self.block):
+            return torch.ops.dflash.gemv_fp8(x, self.weight, self.weight_scale_inv)
         return linear(x, self.dequantized(x.dtype))
 
     def fp32(self, x):
+        if fp8_takes(x, self.block):
+            return torch.ops.dflash.gemv_fp8(x, self.weight, self.weight_scale_inv, True)
         return linear(x, self.dequantized(x.dtype), fp32_out=True)
 
 

@@ -2,7 +2,7 @@
 // 1-16 rows of x (spec.py), on tensor cores: gemv/mma.cuh's body with the FP8 weight stream of mma_fp8.cuh.
 #include "common.cuh"
 #include "gemv/mma.cuh"
-#include "mma_fp8.cuh"
+#include "gemv_fp8/mma_fp8.cuh"
 #if !defined(GEMV_WARPS) || !defined(GEMV_NARROW_WARPS)
 #error "GEMV_WARPS / GEMV_NARROW_WARPS (warps per CTA) come from gemv_fp8/spec.py through NVRTC -D options"
 #endif
