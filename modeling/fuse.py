@@ -141,7 +141,8 @@ def swiglu(owner: nn.Module, names: tuple[str, ...], x):
     below); else the two projections (`linears`) and torch ops."""
     w = getattr(owner, BUFFER + names[0], None)
     if w is not None and w.dtype == FP8:
-        if fp8_takes(x) and fp8_spec.swiglu_usable(w.shape[0]) and len({getattr(owner, n).out_features for n in names}) == 1:
+        same = len({getattr(owner, n).out_features for n in names}) == 1
+        if same and fp8_takes(x) and fp8_spec.swiglu_usable(w.shape[0]):
             return torch.ops.dflash.gemv_fp8_swiglu(x, w, getattr(owner, BUFFER + names[0] + SCALES))
     elif w is not None and _infer(x, w) and _gemv_takes(x):
         return torch.ops.dflash.gemv_swiglu(x, w)

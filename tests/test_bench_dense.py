@@ -31,7 +31,8 @@ def test_27b_config_shapes_and_taps():
 
 def test_fp8_skip_list():
     q = B.fp8_config()
-    kept = ["lm_head", "model.embed_tokens", "model.layers.0.linear_attn.in_proj_a", "model.layers.0.linear_attn.in_proj_b"]
+    kept = ["lm_head", "model.embed_tokens", "model.layers.0.linear_attn.in_proj_a",
+            "model.layers.0.linear_attn.in_proj_b"]
     fp8 = ["model.layers.0.linear_attn.in_proj_qkv", "model.layers.0.linear_attn.in_proj_z",
            "model.layers.0.linear_attn.out_proj", "model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.o_proj",
            "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj"]
@@ -64,7 +65,8 @@ def test_floor_counts_the_bytes_as_stored(tiny_fp8):
     want = 0
     for m in target.modules():
         if isinstance(m, Fp8Linear):
-            want += m.out_features * m.in_features + 4 * math.ceil(m.out_features / 128) * math.ceil(m.in_features / 128)
+            scales = math.ceil(m.out_features / 128) * math.ceil(m.in_features / 128)
+            want += m.out_features * m.in_features + 4 * scales
         elif m is not target.embed_tokens:
             want += sum(2 * p.numel() for p in m.parameters(recurse=False))
     pools = {"gdn_pool": torch.empty(3, 2, 4, 64, 64), "conv_pool": torch.empty(3, 2, 3, 640, dtype=torch.bfloat16),

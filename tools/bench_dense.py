@@ -194,7 +194,8 @@ def run(a) -> int:
 
 
 def print_table(res) -> None:
-    print(f"bench e2e: {res['model']} ({res['layers']} layers, {res['dtype']}{', FP8 projections' if res['fp8'] else ''}"
+    fp8 = ", FP8 projections" if res["fp8"] else ""
+    print(f"bench e2e: {res['model']} ({res['layers']} layers, {res['dtype']}{fp8}"
           f"{', compiled steps' if res['compiled'] else ''}, {res['weights_GB']:.1f} GB) on {res['hardware']}; "
           f"device copy {res['copy_bandwidth_GBps']:.0f} GB/s; drafter taps {res['drafter_taps']}")
     print(f"{'K':>3} {'step ms':>8} {'floor ms':>9} {'ratio':>6}")

@@ -169,7 +169,8 @@ def verify_steps(rt, seq, ctx_rows: int, bw: float, ks, compiled: bool) -> dict:
             _, ms = _capture(lambda: step(**x, **pools))  # the last draw is the timed one
         floor = step_bytes(t, rt.pools, ctx_rows, K, draws[-1]) / (bw * 1e9) * 1e3
         out[K] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor,
-                  "distinct": float(np.mean(draws[-1])) if moe else None, "distinct_mean": float(np.mean(draws)) if moe else None}
+                  "distinct": float(np.mean(draws[-1])) if moe else None,
+                  "distinct_mean": float(np.mean(draws)) if moe else None}
     return out
 
 

@@ -106,7 +106,8 @@ struct MmaW8 {
                               xv[t][u][1].x, xv[t][u][1].y, xv[t][u][1].z, xv[t][u][1].w};
       float p[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int s = 0; s < 4; ++s) mma16816<F16>(p, wa[2 * s], wb[2 * s], wa[2 * s + 1], wb[2 * s + 1], xw[2 * s], xw[2 * s + 1]);
+      for (int s = 0; s < 4; ++s)
+        mma16816<F16>(p, wa[2 * s], wb[2 * s], wa[2 * s + 1], wb[2 * s + 1], xw[2 * s], xw[2 * s + 1]);
       // D fragment: p0, p1 row of w g (scale sg), p2, p3 row g + 8 (sh)
       acc[t][0] = fmaf(sg[u], p[0], acc[t][0]);
       acc[t][1] = fmaf(sg[u], p[1], acc[t][1]);

@@ -73,7 +73,8 @@ def kernel_name(rows: int, N: int, K: int, dtype: str, swiglu: bool = False) -> 
 def kernel_variants() -> list[str]:
     """Every entry kernel.cu instantiates (the NVRTC test checks the PTX against this list)."""
     uw = [(1, gemv_spec.WARPS), (2, gemv_spec.WARPS), (4, gemv_spec.WARPS), (2, gemv_spec.NARROW_WARPS)]
-    return [f"fp8_n{n}_u{u}_w{w}_{d}{s}" for n in (1, 2) for u, w in uw for d in ("bf16", "f16") for s in ("", "_swiglu")]
+    return [f"fp8_n{n}_u{u}_w{w}_{d}{s}" for n in (1, 2) for u, w in uw for d in ("bf16", "f16")
+            for s in ("", "_swiglu")]
 
 
 def tiles(N: int, swiglu: bool = False) -> int:
