@@ -2,13 +2,14 @@
 built TargetModel's projections FP8 where the checkpoint's quantization_config says so.
 
 A converted projection holds `weight` float8_e4m3fn [N,K] and `weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)]
-under exactly those state_dict names (checkpoint names map 1:1), never a persistent 16/32-bit copy. Its forward
-dequantizes block-wise per call (dequantize_blockwise: one fp32 multiply per element) to the activation dtype and
-runs the ordinary projection GEMM (fuse.linear) on it. Under ONNX export the dequantisation is one standard
+under exactly those state_dict names (checkpoint names map 1:1), never a persistent 16/32-bit copy. On CUDA, a
+16-bit x of 1-16 rows (decode and verify steps; fuse.fp8_takes) goes to the W8A16 kernel dflash::gemv_fp8
+(plugins/gemv_fp8: the fp8 bytes streamed once, exact up to fp32 accumulation). Any other call dequantizes
+block-wise per call (dequantize_blockwise: one fp32 multiply per element) to the activation dtype and runs the
+ordinary projection GEMM (fuse.linear) on it. Under ONNX export the dequantisation is one standard
 DequantizeLinear node (opset 21, blocked along K with the scale repeated over each block's rows: the same fp32
-products), so ORT runs the FP8 initializers on the CPU. On CUDA this is the same reference (correct, not fast): a
-later FP8 GEMM kernel replaces the per-call dequantisation. Projection fusion (fuse.fuse_linears) leaves FP8 layers
-unfused (each dequantizes its own weight).
+products), so ORT runs the FP8 initializers on the CPU. Projection fusion (fuse.fuse_linears) stacks an all-FP8 group's
+weights and scales when the scale blocks allow it (the gate/up pair: one gemv_fp8_swiglu launch).
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import torch
 from torch import nn
 
 from dflash_trt.config import ConfigError
-from dflash_trt.modeling.fuse import Linear, linear
+from dflash_trt.modeling.fuse import Linear, fp8_takes, linear
 from dflash_trt.modeling.mlp import Experts, SparseMoE
 from dflash_trt.plugins import ops
+from dflash_trt.plugins.gemv_fp8.reference import dequantize_blockwise, scale_rows as _rows  # noqa: F401
 from dflash_trt.quant import Fp8Config
 
 FP8 = torch.float8_e4m3fn
@@ -27,28 +29,6 @@ DQ_OPSET = 21  # DequantizeLinear with float8 inputs and a block_size attribute
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _rows(scale_inv, bn: int, N: int):
-    """scale_inv [..., nb, kb] -> [..., N, kb]: each block row's scales repeated over its bn rows. An expand, not
-    repeat_interleave: no host sync, so a CUDA graph can capture it."""
-    s = scale_inv.unsqueeze(-2).expand(*scale_inv.shape[:-1], bn, scale_inv.shape[-1])
-    return s.flatten(-3, -2)[..., :N, :]
-
-
-def dequantize_blockwise(w, scale_inv, block: tuple[int, int], dtype=torch.float32):
-    """w float8_e4m3fn [..., N, K], scale_inv fp32 [..., ceil(N/bn), ceil(K/bk)] -> W [..., N, K] in `dtype`:
-    W[n,k] = fp32(w[n,k]) * scale_inv[n // bn, k // bk] (one fp32 rounding), then cast to dtype. The scales are
-    repeated over rows only and broadcast over a view of the columns, so no weight-sized scale tensor is made."""
-    bn, bk = block
-    N, K = w.shape[-2:]
-    rows = _rows(scale_inv.float(), bn, N)  # [..., N, ceil(K/bk)]
-    wf = w.float()
-    full = K // bk
-    out = (wf[..., :full * bk].unflatten(-1, (full, bk)) * rows[..., :full, None]).flatten(-2)
-    if K % bk:  # the last, narrower column block
-        out = torch.cat([out, wf[..., full * bk:] * rows[..., full:]], dim=-1)
-    return out.to(dtype)
 
 
 def _dequantize(w, scale_inv, block, dtype):
@@ -82,9 +62,13 @@ class Fp8Linear(nn.Module):
         return _dequantize(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x):
+        if fp8_takes(x, self.block):
+            return torch.ops.dflash.gemv_fp8(x, self.weight, self.weight_scale_inv)
         return linear(x, self.dequantized(x.dtype))
 
     def fp32(self, x):
+        if fp8_takes(x, self.block):
+            return torch.ops.dflash.gemv_fp8(x, self.weight, self.weight_scale_inv, True)
         return linear(x, self.dequantized(x.dtype), fp32_out=True)
 
 

@@ -14,6 +14,9 @@ projections in a verify step and in its decode step agree bit for bit), the rest
 export traces on the CPU).
 `Linear` is nn.Linear through it (same parameters and state_dict names). `swiglu(owner, (gate, up), x)`: the SwiGLU
 MLP's activation of its two projections, one kernel launch when fused on CUDA (plugins/gemv gemv_swiglu).
+FP8 layers (modeling/fp8.py: `weight` e4m3 + `weight_scale_inv`) take the same routes through plugins/gemv_fp8
+(`fp8_takes` is the test): a group fuses when every layer is FP8 and all but the last have whole 128-row scale
+blocks (weights and scales then stack row for row); calls the kernel cannot take run each layer on its own.
 """
 from __future__ import annotations
 
@@ -24,9 +27,12 @@ from torch import nn
 from dflash_trt.plugins import torch_ops  # noqa: F401  (registers torch.ops.dflash.gemv)
 from dflash_trt.plugins.gemv import reference as gemv_reference
 from dflash_trt.plugins.gemv import spec as gemv_spec
+from dflash_trt.plugins.gemv_fp8 import spec as fp8_spec
 from dflash_trt.plugins.torch_util import dname
 
 BUFFER = "_fused_"  # buffer name prefix on the owner: _fused_<first layer name>
+SCALES = "_scale_inv"  # FP8 groups: the stacked scales are buffer _fused_<first layer name>_scale_inv
+FP8 = torch.float8_e4m3fn
 
 
 def _infer(x, w) -> bool:
@@ -36,6 +42,14 @@ def _infer(x, w) -> bool:
 
 def _gemv_takes(x) -> bool:
     return gemv_spec.usable(x.numel() // max(x.shape[-1], 1), x.shape[-1], dname(x))
+
+
+def fp8_takes(x, block=(fp8_spec.BLOCK, fp8_spec.BLOCK)) -> bool:
+    """Whether dflash::gemv_fp8 takes x against an FP8 weight of scale blocks `block` (CUDA inference, 16-bit x of
+    1-16 rows, K % 16 == 0); otherwise the FP8 layer dequantizes its weight and runs `linear`."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.is_cuda and not torch.is_grad_enabled() and tuple(block) == (fp8_spec.BLOCK, fp8_spec.BLOCK)
+            and fp8_spec.usable(rows, x.shape[-1], dname(x)))
 
 
 def linear(x, w, fp32_out: bool = False):
@@ -67,15 +81,35 @@ class Linear(nn.Linear):
         return linear(x, self.weight, fp32_out=True)
 
 
+def _fuse_fp8(owner: nn.Module, attr: str, layers: list) -> None:
+    """An all-FP8 group: weights and scales stacked into two buffers, each layer's weight and weight_scale_inv views
+    of their rows. Left unfused unless every layer but the last ends on a scale-block boundary."""
+    bn = fp8_spec.BLOCK
+    if any(tuple(lin.block) != (bn, bn) for lin in layers) or any(lin.out_features % bn for lin in layers[:-1]):
+        return
+    w = torch.cat([lin.weight.detach() for lin in layers])
+    s = torch.cat([lin.weight_scale_inv.detach() for lin in layers])
+    owner.register_buffer(attr, w, persistent=False)
+    owner.register_buffer(attr + SCALES, s, persistent=False)
+    off = 0
+    for lin in layers:
+        rows = lin.out_features
+        lin.weight = nn.Parameter(w[off:off + rows], requires_grad=False)
+        lin.weight_scale_inv = nn.Parameter(s[off // bn:off // bn + lin.weight_scale_inv.shape[0]], requires_grad=False)
+        off += rows
+
+
 def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> None:
-    """Idempotent; bias-free Linear layers only (every projection of these models). A group with an FP8 layer
-    is left unfused."""
+    """Idempotent; bias-free Linear layers only (every projection of these models), or FP8 layers only (_fuse_fp8);
+    a group mixing the two is left unfused."""
     attr = BUFFER + names[0]
     if hasattr(owner, attr):
         return
     layers = [getattr(owner, n) for n in names]
+    if all(getattr(lin, "weight", None) is not None and lin.weight.dtype == FP8 for lin in layers):
+        return _fuse_fp8(owner, attr, layers)
     if not all(isinstance(lin, nn.Linear) for lin in layers):
-        return  # FP8 layers (modeling/fp8.py) stay unfused: each dequantizes its own weight per call
+        return
     if any(lin.bias is not None for lin in layers):
         raise ValueError(f"fuse_linears: {names} must be bias-free")
     w = torch.cat([lin.weight.detach() for lin in layers])
@@ -90,9 +124,15 @@ def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> None:
 def linears(owner: nn.Module, names: tuple[str, ...], x) -> list:
     """[layer(x) for layer in names], as one GEMM when fuse_linears(owner, names) ran."""
     w = getattr(owner, BUFFER + names[0], None)
-    if w is None:
+    if w is not None and w.dtype == FP8:  # the fused FP8 GEMM where the kernel takes x, else each layer dequantizes
+        if not fp8_takes(x):
+            return [getattr(owner, n)(x) for n in names]
+        y = torch.ops.dflash.gemv_fp8(x, w, getattr(owner, BUFFER + names[0] + SCALES))
+    elif w is None:
         return [getattr(owner, n)(x) for n in names]
-    return list(torch.split(linear(x, w), [getattr(owner, n).out_features for n in names], dim=-1))
+    else:
+        y = linear(x, w)
+    return list(torch.split(y, [getattr(owner, n).out_features for n in names], dim=-1))
 
 
 def swiglu(owner: nn.Module, names: tuple[str, ...], x):
@@ -100,7 +140,11 @@ def swiglu(owner: nn.Module, names: tuple[str, ...], x):
     gemv kernel's limits: one launch, the activation in the projection's epilogue (dflash::gemv_swiglu, rounded as
     below); else the two projections (`linears`) and torch ops."""
     w = getattr(owner, BUFFER + names[0], None)
-    if w is not None and _infer(x, w) and _gemv_takes(x):
+    if w is not None and w.dtype == FP8:
+        same = len({getattr(owner, n).out_features for n in names}) == 1
+        if same and fp8_takes(x) and fp8_spec.swiglu_usable(w.shape[0]):
+            return torch.ops.dflash.gemv_fp8_swiglu(x, w, getattr(owner, BUFFER + names[0] + SCALES))
+    elif w is not None and _infer(x, w) and _gemv_takes(x):
         return torch.ops.dflash.gemv_swiglu(x, w)
     gate, up = linears(owner, names, x)
     return F.silu(gate) * up

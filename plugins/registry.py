@@ -14,6 +14,7 @@ OP_FOLDERS = (
     "paged_attention",
     "moe",
     "gemv",
+    "gemv_fp8",
 )
 
 

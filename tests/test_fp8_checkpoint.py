@@ -160,18 +160,23 @@ def test_ort_greedy_and_dflash_match_transformers(dense, tmp_path, monkeypatch):
     assert fp8 and len(dq) == len(fp8) and {n.input[0] for n in dq} == fp8
 
 
-def test_fused_projections_leave_fp8_unfused(dense):
-    """fuse_projections (the CUDA step's GEMM fusion) fuses the unquantized groups only; same logits."""
-    from dflash_trt.modeling.fuse import BUFFER
+def test_fused_projections_stack_fp8_groups(dense):
+    """fuse_projections (the CUDA step's GEMM fusion) also fuses all-FP8 groups whose scale blocks stack (weights and
+    scales as two buffers, the layers' tensors row views of them; state_dict unchanged); same logits on the CPU,
+    where each FP8 layer still dequantizes its own rows."""
+    from dflash_trt.modeling.fuse import BUFFER, SCALES
 
     m = load_target(dense[0])
     ids = torch.tensor([PROMPT])
+    keys = set(m.state_dict())
     with torch.no_grad():
         before = m.forward_full(ids)["logits"]
         m.fuse_projections()
         after = m.forward_full(ids)["logits"]
-    assert torch.equal(before, after)
-    assert not [n for n, _ in m.named_buffers() if BUFFER in n and ("self_attn" in n or "mlp." in n)]
+    assert torch.equal(before, after) and set(m.state_dict()) == keys
+    bufs = dict(m.named_buffers())
+    fp8 = [n for n, b in bufs.items() if BUFFER in n and b.dtype == torch.float8_e4m3fn]
+    assert fp8 and all(n + SCALES in bufs and bufs[n + SCALES].dtype == torch.float32 for n in fp8)
 
 
 @pytest.mark.parametrize("kind,backend", [("qwen3_5_moe", "torch"), ("qwen3_next_moe", "torch"), ("qwen3_5_moe", "ort")])

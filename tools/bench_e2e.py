@@ -339,13 +339,18 @@ def check_args(a) -> None:
     if any(not t > 0 for t in temps):
         raise UsageError(f"--temperatures wants comma-separated temperatures > 0 (or ''), got {a.temperatures!r}")
     parse_step_ks(a.step_ks)
+    if (a.fp8 or a.layers is not None) and a.model != "random-27b":
+        raise UsageError(f"--fp8 and --layers build the random-27b preset only, not --model {a.model!r}")
+    if a.layers is not None and a.layers < 1:
+        raise UsageError(f"--layers must be >= 1, got {a.layers}")
     if a.dtype is not None and a.dtype not in DTYPES:
         raise UsageError(f"--dtype {a.dtype!r} not supported ({', '.join(DTYPES)})")
 
 
 def main(argv=None) -> int:
     p = ArgumentParser(prog="dflash-trt bench e2e")
-    p.add_argument("--model", required=True, help=f"target checkpoint dir, or '{RANDOM_0P9B}' or 'random-moe-35b-a3b'")
+    p.add_argument("--model", required=True,
+                   help=f"target checkpoint dir, or '{RANDOM_0P9B}', 'random-27b' or 'random-moe-35b-a3b'")
     p.add_argument("--drafter", help="DFlash drafter checkpoint dir")
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default="torch", choices=["torch", "trt"],
@@ -373,6 +378,8 @@ def main(argv=None) -> int:
                    help="verify widths of the per-K target step latency sweep (default 1..16; 1 and 16 always)")
     p.add_argument("--no-compile", action="store_true", help="run the captured steps without Inductor")
     p.add_argument("--profile", action="store_true", help="also break one decode / spec step down by kernel")
+    p.add_argument("--fp8", action="store_true", help="random-27b: FP8 block-wise projections (the release layout)")
+    p.add_argument("--layers", type=int, default=None, help="random-27b: build this many target layers (default 64)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     check_args(a)
@@ -380,6 +387,10 @@ def main(argv=None) -> int:
         from dflash_trt.tools.bench_moe import run as run_moe
 
         return run_moe(a)
+    if a.model == "random-27b":  # the dense real-scale bench: tools/bench_dense.py
+        from dflash_trt.tools.bench_dense import run as run_dense
+
+        return run_dense(a)
     from dflash_trt.tools.bench_e2e_run import run
 
     return run(a)

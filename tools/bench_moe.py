@@ -75,15 +75,23 @@ def build_random_moe(dtype, device, layers: int = LAYERS):
     with torch.device(device):
         target = TargetModel(TargetConfig.from_dict(tcfg)).to(dtype)
         drafter = Drafter(DrafterConfig.from_dict(moe_drafter_config(layers)), tcfg["hidden_size"]).to(dtype)
+    random_init([*target.named_parameters(), *drafter.named_parameters()], gen, device)
+    return target.eval(), drafter.eval().bind_target(target)
+
+
+def random_init(named_params, gen, device) -> None:
+    """N(0, 0.02) matrices, GDN A_log / dt_bias in their usual ranges, norms left at their init (the random
+    presets: this module's and bench_dense's)."""
+    import torch
+
     with torch.no_grad():
-        for name, p in [*target.named_parameters(), *drafter.named_parameters()]:
+        for name, p in named_params:
             if name.endswith("A_log"):
                 p.copy_(torch.empty(p.shape, device=device).uniform_(1, 16, generator=gen).log())
             elif name.endswith("dt_bias"):
                 p.uniform_(-1, 1, generator=gen)
             elif p.dim() >= 2:
                 p.normal_(0.0, 0.02, generator=gen)
-    return target.eval(), drafter.eval().bind_target(target)
 
 
 def _expert_bytes(target) -> int:
@@ -93,7 +101,8 @@ def _expert_bytes(target) -> int:
 
 
 def step_bytes(target, pools, ctx_rows: int, K: int, distinct_per_layer: list[float]) -> float:
-    """The floor's bytes of one batch-1 step of K tokens (see the module doc)."""
+    """The floor's bytes of one batch-1 step of K tokens (see the module doc); a dense target: no experts, [].
+    Parameters count as stored (FP8 projections: 1 byte a weight + their fp32 scales)."""
     experts = {id(layer.mlp.experts.gate_up_proj) for layer in target.layers if hasattr(layer.mlp, "experts")}
     experts |= {id(layer.mlp.experts.down_proj) for layer in target.layers if hasattr(layer.mlp, "experts")}
     emb = target.embed_tokens.weight
@@ -102,7 +111,7 @@ def step_bytes(target, pools, ctx_rows: int, K: int, distinct_per_layer: list[fl
     gdn, conv, kv = pools["gdn_pool"], pools["conv_pool"], pools["kv_pool"]
     state = gdn[:, 0].numel() * gdn.element_size() + conv[:, 0].numel() * conv.element_size()
     state += kv.shape[0] * 2 * (ctx_rows + K) * kv.shape[4] * kv.shape[5] * kv.element_size()
-    return dense + state + sum(distinct_per_layer) * _expert_bytes(target)
+    return dense + state + (sum(distinct_per_layer) * _expert_bytes(target) if distinct_per_layer else 0)
 
 
 def _capture(fn, reps: int = 20):
@@ -136,12 +145,14 @@ def distinct_experts(target, fn) -> list[int]:
 
 
 def verify_steps(rt, seq, ctx_rows: int, bw: float, ks, compiled: bool) -> dict:
-    """{K: {ms, floor_ms, ratio, distinct (timed draw, mean over layers), distinct_mean (DRAWS draws)}}."""
+    """{K: {ms, floor_ms, ratio, distinct (timed draw, mean over layers), distinct_mean (DRAWS draws)}}; a dense
+    target: one draw, distinct None."""
     import torch
 
     t, dev = rt.backend.target, rt.device.device
     gen = torch.Generator(device=dev).manual_seed(1)
     step = _compiled(t.step, compiled)  # one compiled function, one static-shape entry per K
+    moe = any(hasattr(layer.mlp, "experts") for layer in t.layers)  # dense: no expert draws (bench_dense)
     out = {}
     for K in ks:
         def inputs():
@@ -152,13 +163,14 @@ def verify_steps(rt, seq, ctx_rows: int, bw: float, ks, compiled: bool) -> dict:
         pools = dict(kv_pool=rt.pools["kv_pool"], gdn_pool=rt.pools["gdn_pool"], conv_pool=rt.pools["conv_pool"])
         draws = []
         with torch.no_grad():
-            for _ in range(DRAWS):
+            for _ in range(DRAWS if moe else 1):
                 x = inputs()
                 draws.append(distinct_experts(t, lambda: t.step(**x, **pools)))
             _, ms = _capture(lambda: step(**x, **pools))  # the last draw is the timed one
         floor = step_bytes(t, rt.pools, ctx_rows, K, draws[-1]) / (bw * 1e9) * 1e3
-        out[K] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor, "distinct": float(np.mean(draws[-1])),
-                  "distinct_mean": float(np.mean(draws))}
+        out[K] = {"ms": ms, "floor_ms": floor, "ratio": ms / floor,
+                  "distinct": float(np.mean(draws[-1])) if moe else None,
+                  "distinct_mean": float(np.mean(draws)) if moe else None}
     return out
 
 

@@ -11,7 +11,8 @@
 #define MMA_(NT, U, W, DT, F16, SFX, SWIGLU)                                                                       \
   extern "C" __global__ void __launch_bounds__(W * 32)                                                           \
       mma_n##NT##_u##U##_w##W##_##DT##SFX(const u16* w, const u16* x, void* y, int M, int N, int K, int y_f32) { \
-    mma_body<NT, F16, U, W, SWIGLU>(w, x, y, M, N, K, y_f32);                                                     \
+    MmaW16<NT, F16, U, SWIGLU> s(w, x, M, N, K);                                                                 \
+    mma_body<NT, F16, U, W, SWIGLU>(s, y, M, N, y_f32);                                                          \
   }
 #define MMA(NT, U, W, DT, F16) MMA_(NT, U, W, DT, F16, , false) MMA_(NT, U, W, DT, F16, _swiglu, true)
 #define MMA_U(NT, DT, F16)                                                                              \

@@ -29,7 +29,8 @@ __device__ __forceinline__ void mma_rows(const uint4*& wg, const uint4*& wh, con
 }
 
 // Slots u0 .. u1-1 of a pass of a lane's loads: chunks ch0 + u (32 columns each) of its rows g, g+8 of the tile
-// of w and rows g (, g+8) of x; vectors past K (nv = K / 8) and rows of x past M are zeros.
+// of w and rows g (, g+8) of x; vectors past K (nv = K / 8) and rows of x past M are zeros. x through the read-only
+// path (__ldg: what __restrict__ gave when the pointers were kernel arguments; x is an earlier kernel's output).
 template <int U>
 __device__ __forceinline__ void mma_load_w(uint4 (&a)[U], uint4 (&b)[U], const uint4* wg, const uint4* wh, int ch0,
                                            int nv, int u0 = 0, int u1 = U) {
@@ -52,7 +53,7 @@ __device__ __forceinline__ void mma_load_x(uint4 (&xv)[NT][U], const uint4* cons
   for (int u = u0; u < u1; ++u) {
     const int v = (ch0 + u) * 4;
 #pragma unroll
-    for (int t = 0; t < NT; ++t) xv[t][u] = v + c < nv && xok[t] ? xr[t][v] : zero;
+    for (int t = 0; t < NT; ++t) xv[t][u] = v + c < nv && xok[t] ? __ldg(xr[t] + v) : zero;
   }
 }
 template <int NT, int U>
@@ -72,6 +73,43 @@ __device__ __forceinline__ u16 swiglu_out(float gs, float us) {
   return F16 ? f_to_f16(p) : f_to_bf16(p);
 }
 
+// The 16-bit weight stream of mma_body (its Stream): a lane's rows of w and x, its U slots of loads in flight, and
+// a slot's two mma steps (the column permutation above). gemv_fp8/mma_fp8.cuh is the FP8 one; the interface:
+//   rows(n0)            point the lane at the tile of output rows from n0 (mma_rows)
+//   load_w / load_x / load(ch0, u0, u1)   slots u0 .. u1-1 of the pass from chunk ch0 (zeros past K or M)
+//   mma(u, acc)         slot u's products added to acc (D fragments, fp32)
+//   nv                  16-byte vectors of w a row: chunk ch (4 vectors a row) exists while ch * 4 < nv
+template <int NT, bool F16, int U, bool SWIGLU>
+struct MmaW16 {
+  const u16* w;
+  int N, K, nv;
+  const uint4 *wg, *wh, *xr[NT];
+  bool xok[NT];
+  uint4 a[U], b[U], xv[NT][U];
+  __device__ __forceinline__ MmaW16(const u16* w_, const u16* x, int M, int N_, int K_) : w(w_), N(N_), K(K_) {
+    const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+    nv = K >> 3;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      xok[t] = t * 8 + g < M;
+      xr[t] = (const uint4*)(x + (i64)min(t * 8 + g, M - 1) * K) + c;
+    }
+  }
+  __device__ __forceinline__ void rows(int n0) { mma_rows<SWIGLU>(wg, wh, w, n0, N, K); }
+  __device__ __forceinline__ void load_w(int ch0, int u0, int u1) { mma_load_w<U>(a, b, wg, wh, ch0, nv, u0, u1); }
+  __device__ __forceinline__ void load_x(int ch0, int u0, int u1) { mma_load_x<NT, U>(xv, xr, xok, ch0, nv, u0, u1); }
+  __device__ __forceinline__ void load(int ch0, int u0, int u1) {
+    mma_load<NT, U>(a, b, xv, wg, wh, xr, xok, ch0, nv, u0, u1);
+  }
+  __device__ __forceinline__ void mma(int u, float (&acc)[NT][4]) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      mma16816<F16>(acc[t], a[u].x, b[u].x, a[u].y, b[u].y, xv[t][u].x, xv[t][u].y);
+      mma16816<F16>(acc[t], a[u].z, b[u].z, a[u].w, b[u].w, xv[t][u].z, xv[t][u].w);
+    }
+  }
+};
+
 // Persistent: the grid is the CTAs the device holds at once (launch.py), each CTA walks tiles blockIdx.x,
 // + gridDim.x, ... and issues the next tile's first loads BEFORE the current tile's epilogue (partials to shared
 // memory, barrier, sum over warps, stores), so the weight stream does not pause for it (figures: docs/PERF.md).
@@ -80,28 +118,21 @@ __device__ __forceinline__ u16 swiglu_out(float gs, float us) {
 // SWIGLU (the SwiGLU MLP's fused gate/up projection, w = [gate; up]): a tile is 8 gate rows and their 8 up rows
 // (mma_rows), the same products summed in the same order as the plain kernel's for those rows, and the epilogue
 // stores y [M, N/2] = silu(gate) * up (swiglu_out): no elementwise kernel between the MLP's two projections.
-template <int NT, bool F16, int U, int W, bool SWIGLU>
-__device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* __restrict__ x, void* __restrict__ y,
-                                         int M, int N, int K, int y_f32) {
+// S: the weight stream (MmaW16 above; FP8: gemv_fp8/mma_fp8.cuh), which owns the loads and the products; this body
+// owns the tile walk, the pass pipeline and the epilogue, the same for both.
+template <int NT, bool F16, int U, int W, bool SWIGLU, class S>
+__device__ __forceinline__ void mma_body(S& s, void* __restrict__ y, int M, int N, int y_f32) {
   __shared__ float part[W][NT * 8][17];  // [warp][row of x][row of w] (+1: fewer conflicts)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   constexpr int TR = SWIGLU ? 8 : 16;  // output rows of a tile (SWIGLU: 8 gate rows, each with its up row)
-  const int nv = K >> 3, tiles = SWIGLU ? (N / 2 + TR - 1) / TR : (N + TR - 1) / TR;  // nv: 16-byte vectors a row
-  const uint4 *wg, *wh, *xr[NT];
-  bool xok[NT];
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    xok[t] = t * 8 + g < M;
-    xr[t] = (const uint4*)(x + (i64)min(t * 8 + g, M - 1) * K) + c;
-  }
-  uint4 a[U], b[U], xv[NT][U];
+  const int tiles = SWIGLU ? (N / 2 + TR - 1) / TR : (N + TR - 1) / TR;
   int tile = blockIdx.x;
-  mma_rows<SWIGLU>(wg, wh, w, tile * TR, N, K);
+  s.rows(tile * TR);
   // The first pass's weight loads go out before the PDL wait (weights are never written by a step's kernels): under
   // a programmatic launch they overlap the previous kernel's tail. x is an earlier kernel's output: after the wait.
-  mma_load_w<U>(a, b, wg, wh, warp * U, nv);
+  s.load_w(warp * U, 0, U);
   pdl_wait();
-  mma_load_x<NT, U>(xv, xr, xok, warp * U, nv);
+  s.load_x(warp * U, 0, U);
   for (;;) {
     float acc[NT][4];
 #pragma unroll
@@ -114,15 +145,11 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* _
     constexpr int H = U > 1 ? U / 2 : U;  // slots per stage
     for (int ch0 = warp * U;;) {
       const int next = ch0 + W * U;
-      const bool more = next * 4 < nv;
+      const bool more = next * 4 < s.nv;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          mma16816<F16>(acc[t], a[u].x, b[u].x, a[u].y, b[u].y, xv[t][u].x, xv[t][u].y);
-          mma16816<F16>(acc[t], a[u].z, b[u].z, a[u].w, b[u].w, xv[t][u].z, xv[t][u].w);
-        }
-        if (u % H == H - 1 && more) mma_load<NT, U>(a, b, xv, wg, wh, xr, xok, next, nv, u + 1 - H, u + 1);
+        s.mma(u, acc);
+        if (u % H == H - 1 && more) s.load(next, u + 1 - H, u + 1);
       }
       if (!more) break;
       ch0 = next;
@@ -130,8 +157,8 @@ __device__ __forceinline__ void mma_body(const u16* __restrict__ w, const u16* _
     const int n0 = tile * TR;
     tile += gridDim.x;
     if (tile < tiles) {  // the next tile's loads fly during this tile's epilogue
-      mma_rows<SWIGLU>(wg, wh, w, tile * TR, N, K);
-      mma_load<NT, U>(a, b, xv, wg, wh, xr, xok, warp * U, nv);
+      s.rows(tile * TR);
+      s.load(warp * U, 0, U);
     }
     // D fragment: d0, d1 = (row of w g, rows of x 2c, 2c+1); d2, d3 = (row of w g + 8, same rows of x)
 #pragma unroll

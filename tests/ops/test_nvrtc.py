@@ -7,6 +7,7 @@ import pytest
 
 from dflash_trt.plugins import nvrtc
 from dflash_trt.plugins.gdn import spec as gdn_spec
+from dflash_trt.plugins.gemv_fp8 import spec as gemv_fp8_spec
 from dflash_trt.plugins.opspec import KernelError, check_arch
 from dflash_trt.plugins.paged_attention import spec as attention_spec
 
@@ -19,6 +20,7 @@ ENTRIES = {
     + ["paged_attention_combine", "kv_write"],
     "gemv": [f"mma_n{n}_u{u}_w{w}_{d}" for n in (1, 2) for u, w in ((1, 8), (2, 8), (4, 8), (8, 8), (4, 16))
              for d in ("bf16", "f16")],
+    "gemv_fp8": gemv_fp8_spec.kernel_variants(),
     "moe": ["moe_plan", "moe_combine", "moe_route"] + [f"moe_dec_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16")] + [f"moe_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16", "f32")],
 }
 
@@ -51,6 +53,8 @@ def test_specs_list_the_instantiated_kernels():
     ptx = nvrtc.compile_source("gdn", "compute_90").decode()
     assert set(re.findall(r"\.entry (\w+)\(", ptx)) == set(gdn_spec.kernel_variants())
     assert set(gdn_spec.WY16_CG) == set(gdn_spec.KERNEL_DK) == set(gdn_spec.FOLD_CG)
+    ptx = nvrtc.compile_source("gemv_fp8", "compute_90").decode()
+    assert set(re.findall(r"\.entry (\w+)\(", ptx)) == set(gemv_fp8_spec.kernel_variants())
     ptx = nvrtc.compile_source("paged_attention", "compute_90").decode()
     rows = lambda h: (attention_spec.rows_per_cta(h), attention_spec.rows_per_cta(h, small=True))  # noqa: E731
     mma = {attention_spec.kernel_name(h, d, d, attention_spec.MMA_ROWS, mma=True) for h in attention_spec.KERNEL_HD

@@ -1,0 +1,111 @@
+"""The spec of the FP8 (W8A16) projections of decode and verify steps (a torch-only op). Math: reference.py.
+
+gemv_fp8(x [*, K], w [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)] fp32, fp32_out) -> y [*, N]:
+y = x @ W.T with W[n, k] = fp32(w[n, k]) * scale_inv[n // 128, k // 128] (the block-wise checkpoint layout,
+modeling/fp8.py), fp32 accumulation, y in x's dtype or fp32 (fp32_out); x bf16 or f16 with 1 to MAX_ROWS rows.
+gemv_fp8_swiglu(x, w [2I, K], scale_inv [2I/128, ceil(K/128)]) -> y [*, I] = silu(x @ gate.T) * (x @ up.T) for
+w = [gate; up] stacked with their scales: needs I % 128 == 0 (swiglu_usable), so every scale row belongs to gate
+or to up; rounded as gemv_swiglu rounds.
+Why: at 1-16 rows a projection streams its weights once, and FP8 halves those bytes; dequantizing the weight per
+call (modeling/fp8.py's reference path) reads it in fp8, writes it in 16 bits and reads that again. The kernel is
+gemv's (gemv/mma.cuh: the same tile walk, warps splitting K, fixed reduction order, so a row's result does not depend
+on the rows beside it) with an FP8 weight stream (mma_fp8.cuh): e4m3 -> bf16/f16 in registers (exact), the mma on
+the unscaled values, each 64-column chunk's fp32 partial times its block's scale added to the sum.
+Limits: K a multiple of 16 (one 16-byte load is 16 fp8 columns, paired with two 16-byte loads of x); N any.
+"""
+from __future__ import annotations
+
+from dflash_trt.plugins.gemv import spec as gemv_spec
+from dflash_trt.plugins.opspec import OpSpec, Port, kernel_need, need
+
+MAX_ROWS = gemv_spec.MAX_ROWS
+CHUNK = 16          # fp8 columns per 16-byte load of w: K must be a multiple
+MAX_K = gemv_spec.MAX_K
+BLOCK = 128         # rows and columns of one scale block (dflash_trt.quant.BLOCK)
+DTYPES = gemv_spec.DTYPES
+W_DTYPES = ("float8_e4m3fn",)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def usable(rows: int, K: int, dtype: str) -> bool:
+    """Whether the kernel takes this call (the dispatcher's test: otherwise the dequantizing reference path)."""
+    return 1 <= rows <= MAX_ROWS and K % CHUNK == 0 and 0 < K <= MAX_K and dtype in DTYPES
+
+
+def swiglu_usable(N: int) -> bool:
+    """w = [gate; up] of I rows each fuses only when I % 128 == 0: the scale rows then stack gate's, then up's."""
+    return N % (2 * BLOCK) == 0
+
+
+def check(rows: int, N: int, K: int, dtype: str) -> None:
+    kernel_need(usable(rows, K, dtype) and N >= 1,
+                f"gemv_fp8: needs 1 to {MAX_ROWS} rows of x, K a multiple of {CHUNK} up to {MAX_K}, N >= 1 and a "
+                f"16-bit x (got rows={rows}, N={N}, K={K}, {dtype})")
+
+
+def scale_shape(N: int, K: int) -> tuple[int, int]:
+    return _cdiv(N, BLOCK), _cdiv(K, BLOCK)
+
+
+def warps(N: int, K: int) -> int:
+    """gemv's choice for the same bytes a row: an fp8 row of K columns streams as a 16-bit row of K/2."""
+    return gemv_spec.warps(N, K // 2)
+
+
+def chunks_per_pass(N: int, K: int) -> int:
+    """U: 64-column chunks a warp loads per pass; a slot holds 2 + 2 * (tiles of x) loads of 16 bytes (twice gemv's x
+    loads), so U stops at 4 (2 at 16 warps: 128 registers a thread), else gemv's choice for a row of K/2."""
+    if warps(N, K) == gemv_spec.NARROW_WARPS:
+        return 2
+    return min(4, gemv_spec.chunks_per_pass(N, K // 2))
+
+
+def kernel_name(rows: int, N: int, K: int, dtype: str, swiglu: bool = False) -> str:
+    """The kernel.cu entry: fp8_n{8-row tiles of x}_u{U}_w{warps}_{dtype of x}[_swiglu]; U and the warps depend on
+    (N, K) alone, so a row's result does not depend on M (gemv/spec.py)."""
+    return (f"fp8_n{1 if rows <= 8 else 2}_u{chunks_per_pass(N, K)}_w{warps(N, K)}_"
+            f"{'bf16' if dtype == 'bfloat16' else 'f16'}{'_swiglu' if swiglu else ''}")
+
+
+def kernel_variants() -> list[str]:
+    """Every entry kernel.cu instantiates (the NVRTC test checks the PTX against this list)."""
+    uw = [(1, gemv_spec.WARPS), (2, gemv_spec.WARPS), (4, gemv_spec.WARPS), (2, gemv_spec.NARROW_WARPS)]
+    return [f"fp8_n{n}_u{u}_w{w}_{d}{s}" for n in (1, 2) for u, w in uw for d in ("bf16", "f16")
+            for s in ("", "_swiglu")]
+
+
+def tiles(N: int, swiglu: bool = False) -> int:
+    return gemv_spec.tiles(N, swiglu)
+
+
+def _output_shapes(ins):
+    return [[*ins[0][:-1], ins[1][0]]]
+
+
+def _check_shapes(d, attrs=None):
+    x, w, s = (tuple(v) for v in d)
+    need(len(w) == 2 and len(x) >= 1 and x[-1] == w[1], f"GemvFp8: x {x} [*,K] and w {w} [N,K] must share K")
+    need(s == scale_shape(*w), f"GemvFp8: scale_inv {s} must be {scale_shape(*w)} for w {w} (128x128 blocks)")
+
+
+def _check_kernel(d, dtypes):
+    x, w, _ = d
+    rows = 1
+    for v in x[:-1]:
+        rows *= v
+    check(rows, w[0], w[1], dtypes[0])
+
+
+SPEC = OpSpec(
+    name="GemvFp8",
+    inputs=(Port("x", "x", "[*,K]"), Port("w", "w", "[N,K]"), Port("scale_inv", "s", "[ceil(N/128),ceil(K/128)]")),
+    outputs=(Port("y", "x", "[*,N]"),),
+    attrs=(),
+    groups={"x": DTYPES, "w": W_DTYPES, "s": ("float32",)},
+    output_shapes=_output_shapes, check_shapes=_check_shapes, check_kernel=_check_kernel,
+    doc="x @ (fp8 w * block scales).T for 1-16 rows of x (FP8 decode and verify projections)",
+    cuda_defines={"GEMV_WARPS": gemv_spec.WARPS, "GEMV_NARROW_WARPS": gemv_spec.NARROW_WARPS},
+)

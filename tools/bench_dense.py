@@ -1,0 +1,211 @@
+"""`dflash-trt bench e2e --model random-27b [--fp8] [--layers N]`: a random dense target with Qwen3.5-27B's shapes
+(64 layers, 3 GDN : 1 gated attention) and a random 5-layer drafter of the same width reading 5 taps, built in memory
+on the GPU (never saved). --fp8: the same model with every projection FP8 block-wise (e4m3, 128x128 fp32 scales) as
+Qwen's FP8 release stores it, except FP8_SKIP; --layers N builds the first N layers (drafter taps spread over them).
+
+  copy bandwidth        device-to-device copy measured in this run (bench_e2e.copy_bandwidth_gbs)
+  step(K), K in --step-ks  the target verify step alone at batch 1 on a 512-row context, compiled as the runtime
+                        runs it (--no-compile: eager), captured in a CUDA graph and replayed (bench_moe.verify_steps)
+  floor(K)              bytes the step must read / copy bandwidth (bench_moe.step_bytes): every parameter as stored
+                        (fp8 bytes + fp32 scales for the FP8 projections, bf16 elsewhere) but the embedding table,
+                        the K embedding rows, and the sequence's state (GDN + conv slot, the KV rows of the context)
+  plain vs DFlash       plain decode tok/s (batch 1) and the spec step (K = gamma + 1 = 16 with the drafter) time, the
+                        spec/plain step ratio (= break-even τ) and DFlash tok/s at a scripted acceptance
+                        (bench_moe.spec_vs_plain: a random drafter accepts nothing)
+  prefill tok/s         one PREFILL_TOKENS-token prompt through the prefill graph, chunks of PREFILL_CHUNK
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from dflash_trt.files import write_json
+from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs
+from dflash_trt.tools.bench_moe import random_init, spec_vs_plain, step_bytes, verify_steps
+
+RANDOM_27B = "random-27b"
+LAYERS = 64
+DRAFTER_LAYERS = 5
+TAPS = 5
+PREFILL_TOKENS = 2048
+PREFILL_CHUNK = 512
+CONTEXT = 512  # rows of context of the per-K step sweep
+# Kept 16-bit in the FP8 model (checkpoint module names, Fp8Config.converts patterns): the embedding, lm_head and
+# the GDN's per-head a/b in-projections. Norms, conv1d and the GDN's A_log/dt_bias are not linear layers and never
+# convert; a dense model has no routers or shared-expert gates.
+FP8_SKIP = ("model.embed_tokens", "lm_head", "in_proj_a", "in_proj_b")
+# Qwen3.5-27B; the drafter's attention is z-lab's DFlash drafter's (32 heads / 8 KV of 128)
+DIMS_27B = dict(hidden=5120, inter=17408, heads=24, kv_heads=4, head_dim=256, gdn_k=16, gdn_v=48, gdn_dim=128,
+                vocab=248320, d_heads=32, d_kv_heads=8, d_head_dim=128)
+FP8_TYPICAL = 112.0  # random e4m3 weights are N(0, 1) * this (|w| <= 448), scaled to N(0, 0.02)
+
+
+def taps(layers: int, n: int = TAPS) -> list[int]:
+    """n target layers spread evenly from layer 1 to layers - 3 (z-lab's DFlash drafters' pattern), distinct."""
+    hi = max(1, layers - 3)
+    return sorted({min(layers - 1, int(round(v))) for v in np.linspace(1, hi, n)})
+
+
+def dense_target_config(layers: int = LAYERS, dims: dict = DIMS_27B) -> dict:
+    d = dims
+    return dict(
+        model_type="qwen3_5_text", vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"],
+        num_hidden_layers=layers, num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"],
+        head_dim=d["head_dim"], linear_num_key_heads=d["gdn_k"], linear_num_value_heads=d["gdn_v"],
+        linear_key_head_dim=d["gdn_dim"], linear_value_head_dim=d["gdn_dim"], linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=32768,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        eos_token_id=None,
+    )
+
+
+def dense_drafter_config(layers: int = LAYERS, dims: dict = DIMS_27B) -> dict:
+    d = dims
+    return dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=d["hidden"], intermediate_size=d["inter"],
+        num_hidden_layers=DRAFTER_LAYERS, num_attention_heads=d["d_heads"], num_key_value_heads=d["d_kv_heads"],
+        head_dim=d["d_head_dim"], rms_norm_eps=1e-6, rope_theta=10000000.0, block_size=16, num_target_layers=layers,
+        dflash_config={"target_layer_ids": taps(layers), "mask_token_id": d["vocab"] - 1},
+    )
+
+
+def fp8_config():
+    from dflash_trt.quant import Fp8Config
+
+    return Fp8Config(skip=FP8_SKIP)
+
+
+def quantize_random(target, gen) -> list[str]:
+    """The target's projections made FP8 as the release converts them (quantize_modules with FP8_SKIP), each filled
+    with random e4m3 weights and one scale per block so that W ~ N(0, 0.02) like the 16-bit layers; the 16-bit
+    weights they replace are freed layer by layer. Returns the converted checkpoint module names."""
+    import torch
+
+    from dflash_trt.modeling.fp8 import Fp8Linear, quantize_modules
+
+    done = quantize_modules(target, fp8_config(), "model.")
+    with torch.no_grad():
+        for m in target.modules():
+            if isinstance(m, Fp8Linear):
+                r = torch.randn(m.weight.shape, device=m.weight.device, generator=gen, dtype=torch.bfloat16)
+                m.weight.copy_(r.mul_(FP8_TYPICAL).clamp_(-448, 448).to(m.weight.dtype))
+                m.weight_scale_inv.fill_(0.02 / FP8_TYPICAL)
+    return done
+
+
+def build_random_dense(dtype, device, layers: int = LAYERS, fp8: bool = False, dims: dict = DIMS_27B):
+    """(target, drafter) with random weights made on `device` in `dtype` (no fp32 copy of the model first), the
+    target's projections FP8 when `fp8` (quantize_random); the drafter stays 16-bit."""
+    import torch
+
+    from dflash_trt.config import DrafterConfig, TargetConfig
+    from dflash_trt.modeling.drafter import Drafter
+    from dflash_trt.modeling.target import TargetModel
+
+    tcfg = dense_target_config(layers, dims)
+    gen = torch.Generator(device=device).manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            target = TargetModel(TargetConfig.from_dict(tcfg))
+            drafter = Drafter(DrafterConfig.from_dict(dense_drafter_config(layers, dims)), tcfg["hidden_size"])
+    finally:
+        torch.set_default_dtype(default)
+    random_init([*target.named_parameters(), *drafter.named_parameters()], gen, device)
+    if fp8:  # made on the device, in fp32 by default (the scales)
+        with torch.device(device):
+            quantize_random(target, gen)
+    return target.eval(), drafter.eval().bind_target(target)
+
+
+def floor_bytes(target, pools, ctx_rows: int, K: int) -> float:
+    """Bytes of one batch-1 step of K tokens: bench_moe.step_bytes with no routed experts."""
+    return step_bytes(target, pools, ctx_rows, K, [])
+
+
+def prefill_tok_s(rt, dev, prompt: list[int]) -> float:
+    """Tokens/s of one prompt through the prefill graph: the second of two runs (the first captures)."""
+    for _ in range(2):
+        seq = rt.add_sequence(prompt)
+        dev.synchronize()
+        e0, e1 = dev.new_event(timing=True), dev.new_event(timing=True)
+        dev.record(e0)
+        rt.prefill(seq)
+        dev.record(e1)
+        dev.synchronize()
+        rt.release(seq)
+    return len(prompt) / (dev.elapsed_ms(e0, e1) * 1e-3)
+
+
+def run(a) -> int:
+    """bench e2e's entry for --model random-27b (batch 1; --batch is not used)."""
+    from dflash_trt.runtime.devices.cuda import CudaUnavailable, require_cuda
+
+    try:
+        require_cuda()
+    except CudaUnavailable as e:
+        print(f"dflash-trt bench e2e: error: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    from dflash_trt.abi import PoolSizes
+    from dflash_trt.runtime import commit
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+    from dflash_trt.runtime.devices.cuda import CudaDevice
+    from dflash_trt.runtime.gating import Gate
+    from dflash_trt.runtime.runtime import Runtime
+    from dflash_trt.tools.bench import hardware
+    from dflash_trt.tools.bench_e2e import parse_step_ks
+
+    dname, layers = a.dtype or "bfloat16", a.layers or LAYERS
+    dev = CudaDevice()
+    target, drafter = build_random_dense(getattr(torch, dname), dev.device, layers, a.fp8)
+    pages = (PREFILL_TOKENS + 1024) // 16
+    sizes = PoolSizes(max_seq_len=pages * 16, kv_blocks=2 * pages + 64, page_size=16, max_seqs=2,
+                      dkv_blocks=2 * pages + 64, ctx_window=pages * 16, prefill_chunk=PREFILL_CHUNK)
+    compiled = not a.no_compile
+    rt = Runtime(TorchBackend(target, drafter, compile_steps=compiled), target.cfg, drafter.cfg, sizes, device=dev,
+                 gate=Gate(min_rate=0.0))
+    res = {"hardware": hardware("cuda"), "model": RANDOM_27B, "layers": layers, "dtype": dname, "fp8": bool(a.fp8),
+           "compiled": compiled, "weights_GB": sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9,
+           "fp8_skip": list(FP8_SKIP) if a.fp8 else None, "drafter_taps": drafter.cfg.target_layer_ids}
+    res["copy_bandwidth_GBps"] = bw = copy_bandwidth_gbs(dev)
+    rng = np.random.default_rng(1)
+    vocab = target.cfg.vocab_size
+    seq = rt.add_sequence([int(t) for t in rng.integers(0, vocab - 1, CONTEXT)])
+    rt.prefill(seq)
+    dev.synchronize()
+    commit.reserve(seq, 16, rt.kv_alloc, sizes.page_size)
+    res["steps"] = steps = verify_steps(rt, seq, CONTEXT, bw, parse_step_ks(a.step_ks), compiled)
+    commit.finish(seq, 0, rt.kv_alloc, sizes.page_size)
+    rt.release(seq)
+    res["step16_over_step1"] = steps[16]["ms"] / steps[1]["ms"]
+    prompt = [int(t) for t in rng.integers(0, vocab - 1, 48)]
+    res["decode"] = spec_vs_plain(rt, prompt, a.max_new_tokens, a.gamma or 15, steps[1]["ms"])
+    res["prefill_tokens"] = PREFILL_TOKENS
+    res["prefill_tok_s"] = prefill_tok_s(rt, dev, [int(t) for t in rng.integers(0, vocab - 1, PREFILL_TOKENS)])
+    print_table(res)
+    if a.json:
+        write_json(a.json, res)
+    return 0
+
+
+def print_table(res) -> None:
+    fp8 = ", FP8 projections" if res["fp8"] else ""
+    print(f"bench e2e: {res['model']} ({res['layers']} layers, {res['dtype']}{fp8}"
+          f"{', compiled steps' if res['compiled'] else ''}, {res['weights_GB']:.1f} GB) on {res['hardware']}; "
+          f"device copy {res['copy_bandwidth_GBps']:.0f} GB/s; drafter taps {res['drafter_taps']}")
+    print(f"{'K':>3} {'step ms':>8} {'floor ms':>9} {'ratio':>6}")
+    for K, s in res["steps"].items():
+        print(f"{K:>3} {s['ms']:>8.3f} {s['floor_ms']:>9.3f} {s['ratio']:>6.2f}")
+    print(f"step(16)/step(1) = {res['step16_over_step1']:.2f}")
+    d = res["decode"]
+    print(f"decode batch 1: plain {d['plain_tok_s']:.1f} tok/s ({d['plain_step_ms']:.3f} ms/step); spec step (K = "
+          f"{d['gamma'] + 1} + drafter) {d['spec_step_ms']:.3f} ms = {d['break_even_tau']:.2f}x plain; identical "
+          f"tokens {d['identical']}")
+    print(f"DFlash with scripted acceptance (tau {d['scripted_tau']:.2f}): {d['dflash_tok_s']:.1f} tok/s = "
+          f"{d['dflash_over_plain']:.2f}x plain")
+    print(f"prefill {res['prefill_tokens']}-token prompt: {res['prefill_tok_s']:.0f} tok/s")
