@@ -102,7 +102,15 @@ class Engine:
                 self.rt.step()
             except Exception as err:  # a fault: Runtime.step failed the requests it belongs to, the others moved on
                 fault = err
-        changed = [t for t in list(self.live) if self._advance(t)]
+        changed = []
+        for t in list(self.live):
+            try:
+                if self._advance(t):
+                    changed.append(t)
+            except Exception as err:  # this track's text work failed (a decoder error): it fails alone
+                t.error = err
+                self._end(t, "error")
+                changed.append(t)
         return changed, fault
 
     def _advance(self, t: Track) -> bool:
