@@ -79,6 +79,8 @@ class Engine:
             raise CapacityError(f"prompt of {len(ids)} tokens leaves no room for new tokens "
                                 f"(max_seq_len={self.rt.sizes.max_seq_len})")
         sp = params.token_sampling(index)
+        if not self.has_work:  # an idle runtime starts afresh, as Runtime.generate does: a seeded call reproduces
+            self.rt.gate.reset()
         req = self.rt.add_request(ids, max_tokens, self.gamma if self.spec else None, self.spec,
                                   temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
                                   seed=sp.seed, ignore_eos=params.ignore_eos)
