@@ -66,23 +66,20 @@ class Submission:
             self.state.loop.abort(self.tracks)
 
 
-def build_app(state: ServerState):
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.background import BackgroundTask
+def error_response(err: Exception):
+    from fastapi.responses import JSONResponse
 
-    app = FastAPI(title="dflash-trt")
+    status, body = classify(err)
+    return JSONResponse(body, status_code=status)
 
-    def error(err: Exception) -> JSONResponse:
-        status, body = classify(err)
-        return JSONResponse(body, status_code=status)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request, exc):
-        return JSONResponse(protocol.error_body(str(exc), "invalid_request_error"), status_code=400)
+class Handlers:
+    """The completion endpoints' work: parse, tokenize, submit, then answer as JSON or as a stream."""
 
-    async def body_of(request: Request) -> dict:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def body_of(self, request) -> dict:
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -90,36 +87,61 @@ def build_app(state: ServerState):
         if not isinstance(body, dict):
             raise ParamError("body", "request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != state.model_name:
-            raise ParamError("model", f"model {model!r} is not served here (this server serves {state.model_name!r})")
+        if model is not None and model != self.state.model_name:
+            raise ParamError("model", f"model {model!r} is not served here (this server serves "
+                                      f"{self.state.model_name!r})")
         return body
 
-    def encode(prompts: list, chat: bool) -> list:
-        return [state.codec.encode(p, add_special_tokens=not chat) if isinstance(p, str) else [int(i) for i in p]
+    def encode(self, prompts: list, chat: bool) -> list:
+        """Token ids per prompt; a rendered chat template writes its own special tokens (none added)."""
+        codec = self.state.codec
+        return [codec.encode(p, add_special_tokens=not chat) if isinstance(p, str) else [int(i) for i in p]
                 for p in prompts]
 
-    async def run(request: Request, parsed, prompt_ids: list, chat: bool):
-        sub = Submission(state)
+    async def handle(self, request, chat: bool):
+        """One completion request end to end; every refusal becomes an OpenAI error body (the server goes on)."""
+        try:
+            body = await self.body_of(request)
+            if chat:
+                parsed, kwargs = protocol.parse_chat(body, self.state.defaults)
+                if self.state.template is None:
+                    raise ChatTemplateError(f"model {self.state.model_name!r} has no chat template; use "
+                                            f"/v1/completions or start the server with --chat-template FILE")
+                prompts = [self.state.template.render(body["messages"], **kwargs)]
+            else:
+                parsed = protocol.parse_completion(body, self.state.defaults)
+                prompts = parsed.prompts
+            return await self.run(request, parsed, self.encode(prompts, chat), chat)
+        except Exception as err:
+            return error_response(err)
+
+    async def run(self, request, parsed, prompt_ids: list, chat: bool):
+        from fastapi.responses import JSONResponse, StreamingResponse
+        from starlette.background import BackgroundTask
+
+        sub = Submission(self.state)
         await sub.start(prompt_ids, parsed.params)
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         lens = [len(ids) for ids in prompt_ids]
         if parsed.stream:
             # background: also when the stream never started (client gone at once), its completions are aborted
-            return StreamingResponse(stream(sub, rid, chat, lens, parsed.include_usage), media_type="text/event-stream",
-                                     background=BackgroundTask(sub.abort))
+            return StreamingResponse(self.stream(sub, rid, chat, lens, parsed.include_usage),
+                                     media_type="text/event-stream", background=BackgroundTask(sub.abort))
         try:
-            await wait_all(request, sub)
+            await self.wait_all(request, sub)
         finally:
             sub.abort()  # a handler cancelled, or its client gone: nothing of it stays in the engine
         failed = next((t for t in sub.tracks if t.error is not None), None)
         if failed is not None:
-            return error(failed.error)
+            return error_response(failed.error)
         if any(t.finish_reason == "abort" for t in sub.tracks):
             return JSONResponse(protocol.error_body("client disconnected", "server_error"), status_code=499)
         make = protocol.chat_body if chat else protocol.completion_body
-        return JSONResponse(make(rid, state.model_name, sub.tracks, lens))
+        return JSONResponse(make(rid, self.state.model_name, sub.tracks, lens))
 
-    async def wait_all(request: Request, sub: Submission) -> None:
+    @staticmethod
+    async def wait_all(request, sub: Submission) -> None:
+        """Until every track of sub ended, or its client is gone (checked every DISCONNECT_POLL_S)."""
         left = len(sub.tracks)
         while left:
             try:
@@ -130,8 +152,9 @@ def build_app(state: ServerState):
                 continue
             left -= track.finished
 
-    async def stream(sub: Submission, rid: str, chat: bool, lens: list, include_usage: bool):
-        model = state.model_name
+    async def stream(self, sub: Submission, rid: str, chat: bool, lens: list, include_usage: bool):
+        """Server-sent events: per track its text deltas, then its finish_reason; `data: [DONE]` at the end."""
+        model = self.state.model_name
         try:
             if chat:
                 for i in range(len(sub.tracks)):
@@ -139,17 +162,14 @@ def build_app(state: ServerState):
             left = len(sub.tracks)
             while left:
                 track, delta = await sub.queue.get()
-                i = sub.index[id(track)]
+                left -= track.finished
                 if track.error is not None:
                     yield sse(classify(track.error)[1])
-                    left -= 1
                     continue
-                finish = track.finish_reason if track.finished else None
+                i, finish = sub.index[id(track)], track.finish_reason if track.finished else None
                 if delta or finish:
-                    body = (protocol.chat_chunk(rid, model, i, {"content": delta} if delta else {}, finish) if chat
-                            else protocol.completion_chunk(rid, model, i, delta, finish))
-                    yield sse(body)
-                left -= track.finished
+                    yield sse(protocol.chat_chunk(rid, model, i, {"content": delta} if delta else {}, finish) if chat
+                              else protocol.completion_chunk(rid, model, i, delta, finish))
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                            "model": model, "choices": [], "usage": protocol.usage(lens, sub.tracks)})
@@ -157,29 +177,20 @@ def build_app(state: ServerState):
         finally:
             sub.abort()  # the client closed the stream (the generator is cancelled/closed): release its requests
 
-    async def guarded(request: Request, chat: bool):
-        try:
-            body = await body_of(request)
-            if chat:
-                parsed, kwargs = protocol.parse_chat(body, state.defaults)
-                if state.template is None:
-                    raise ChatTemplateError(f"model {state.model_name!r} has no chat template; use /v1/completions "
-                                            f"or start the server with --chat-template FILE")
-                prompts = [state.template.render(body["messages"], **kwargs)]
-            else:
-                parsed = protocol.parse_completion(body, state.defaults)
-                prompts = parsed.prompts
-            return await run(request, parsed, encode(prompts, chat), chat)
-        except Exception as err:  # every refusal is an OpenAI error body; the server goes on
-            return error(err)
+
+def build_app(state: ServerState):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import PlainTextResponse
+
+    app, handlers = FastAPI(title="dflash-trt"), Handlers(state)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await guarded(request, chat=False)
+        return await handlers.handle(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await guarded(request, chat=True)
+        return await handlers.handle(request, chat=True)
 
     @app.get("/v1/models")
     async def models():
