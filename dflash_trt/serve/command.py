@@ -41,13 +41,18 @@ def build_state(args):
     if args.chat_template is not None:
         with open(args.chat_template, encoding="utf-8") as f:  # OSError: one line from the CLI
             source = f.read()
-    from dflash_trt.runtime.load import load_runtime
+    from dflash_trt.config import DrafterConfig, read_json
+    from dflash_trt.runtime.load import check_checkpoint_dir, load_runtime
+    from dflash_trt.runtime.runtime import check_gamma
 
+    check_checkpoint_dir(args.model, "--model")
     block = None
-    if args.drafter:
-        from dflash_trt.config import DrafterConfig, read_json
-
-        block = DrafterConfig.from_dict(read_json(os.path.join(args.drafter, "config.json"))).block_size
+    if args.drafter:  # a bad --drafter / --gamma costs nothing: refused before weights load
+        check_checkpoint_dir(args.drafter, "--drafter")
+        path = os.path.join(args.drafter, "config.json")
+        block = DrafterConfig.from_dict(read_json(path), path).block_size
+        if args.gamma is not None and not args.no_spec:
+            check_gamma(args.gamma, block)
     ks = verify_widths(args.gamma, block, not args.no_spec)
     rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=run_sizes(args.max_seq_len), ks=ks,
                              device=args.device, dtype=args.dtype)
