@@ -53,8 +53,9 @@ class Submission:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tracks: list = []
 
-    def sink(self, track, delta: str, tokens: list) -> None:  # engine thread
-        self.aio.call_soon_threadsafe(self.queue.put_nowait, (track, delta))
+    def sink(self, track, delta: str, tokens: list) -> None:
+        """Engine thread: the finish reason is read here, with the delta it belongs to (the track moves on)."""
+        self.aio.call_soon_threadsafe(self.queue.put_nowait, (track, delta, track.finish_reason))
 
     async def start(self, prompt_ids: list, params) -> None:
         fut = self.state.loop.submit(prompt_ids, params, self.sink)
@@ -145,12 +146,12 @@ class Handlers:
         left = len(sub.tracks)
         while left:
             try:
-                track, _ = await asyncio.wait_for(sub.queue.get(), DISCONNECT_POLL_S)
+                _, _, finish = await asyncio.wait_for(sub.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     return
                 continue
-            left -= track.finished
+            left -= finish is not None
 
     async def stream(self, sub: Submission, rid: str, chat: bool, lens: list, include_usage: bool):
         """Server-sent events: per track its text deltas, then its finish_reason; `data: [DONE]` at the end."""
@@ -161,12 +162,12 @@ class Handlers:
                     yield sse(protocol.chat_chunk(rid, model, i, {"role": "assistant", "content": ""}, None))
             left = len(sub.tracks)
             while left:
-                track, delta = await sub.queue.get()
-                left -= track.finished
-                if track.error is not None:
+                track, delta, finish = await sub.queue.get()
+                left -= finish is not None
+                if finish == "error":
                     yield sse(classify(track.error)[1])
                     continue
-                i, finish = sub.index[id(track)], track.finish_reason if track.finished else None
+                i = sub.index[id(track)]
                 if delta or finish:
                     yield sse(protocol.chat_chunk(rid, model, i, {"content": delta} if delta else {}, finish) if chat
                               else protocol.completion_chunk(rid, model, i, delta, finish))
