@@ -112,6 +112,10 @@ def test_bad_input_leaves_pools_intact(llm):
         llm.generate([PROMPTS[0], [5, 999999]], SamplingParams(max_tokens=4))
     with pytest.raises(TypeError, match="prompts must be"):
         llm.generate([], SamplingParams())
+    from dflash_trt.api.chat import ChatTemplateError
+
+    with pytest.raises(ChatTemplateError, match="non-empty"):
+        llm.chat([])
     assert pools_full(llm)
     assert list(llm.generate(PROMPTS[0], SamplingParams(max_tokens=N))[0].outputs[0].token_ids) == greedy(llm, PROMPTS[0])
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numbers
 
 from dflash_trt.abi import DEFAULT_KS
-from dflash_trt.api.chat import ChatTemplate
+from dflash_trt.api.chat import ChatTemplate, ChatTemplateError
 from dflash_trt.api.engine import Engine, Track
 from dflash_trt.api.outputs import CompletionOutput, RequestOutput
 from dflash_trt.api.params import SamplingParams
@@ -71,7 +71,10 @@ class LLM:
              tools=None) -> list[RequestOutput]:
         """Complete one conversation (a list of {"role", "content"} dicts) or a list of them through the checkpoint's
         chat template; chat_template_kwargs (e.g. {"enable_thinking": False}) reach the template."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ChatTemplateError("messages must be a conversation (a non-empty list of message dicts) or a list "
+                                    "of them")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
         texts = [self.render_chat(c, add_generation_prompt=add_generation_prompt, tools=tools,
                                   **(chat_template_kwargs or {})) for c in convs]
         params = sampling_params if sampling_params is not None else SamplingParams()
