@@ -10,6 +10,7 @@ from dflash_trt.args import ArgumentParser
 COMMANDS = {
     "generate": ("dflash_trt.tools.generate", "generate text with a target (+ DFlash drafter)"),
     "demo": ("dflash_trt.tools.demo", "run the embedded default model on CPU, plain vs DFlash"),
+    "serve": ("dflash_trt.serve.command", "OpenAI-compatible HTTP server (completions, chat, streaming)"),
     "cache": ("dflash_trt.tools.cache", "list or clear the cached exports, engines and compiled kernels"),
 }
 # subcommands that parse their own argv: module with main(argv) -> int
@@ -39,6 +40,8 @@ USER_ERRORS = {
     "dflash_trt.runtime.sampling": ("SamplingError",),
     "dflash_trt.runtime.sequence": ("SequenceError", "TokenIdError"),
     "dflash_trt.runtime.snapshot": ("SnapshotError",),
+    "dflash_trt.api.chat": ("ChatTemplateError",),
+    "dflash_trt.api.params": ("ParamError",),
     # ONNX Runtime's load errors
     "onnxruntime.capi.onnxruntime_pybind11_state": ("Fail", "InvalidArgument", "InvalidGraph", "InvalidProtobuf",
                                                     "NoSuchFile", "NoModel", "NotImplemented"),

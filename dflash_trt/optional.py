@@ -13,3 +13,15 @@ def require_torch(why: str, error: type[Exception]):
             raise
         raise error(f"{why} needs PyTorch, which is not installed: pip install torch") from None
     return torch
+
+
+def require(module: str, why: str, error: type[Exception], extra: str = "serve"):
+    """The module, or `error` saying that `why` needs it (pip install "dflash-trt[extra]")."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        raise error(f"{why} needs {module}, which is not installed: pip install \"dflash-trt[{extra}]\"") from None

@@ -15,7 +15,7 @@ from dflash_trt.runtime.runtime import Runtime
 class ByteCodec:
     """Fallback text codec for checkpoints without tokenizer.json: UTF-8 bytes are token ids 0..255."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
@@ -26,8 +26,9 @@ class TokenizerCodec:
     def __init__(self, tok):
         self.tok = tok
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """add_special_tokens=False: no post-processor tokens (a rendered chat template writes its own)."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids))

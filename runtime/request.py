@@ -28,6 +28,7 @@ class Request:
     accepted: list = field(default_factory=list)  # accepted drafts per spec step
     rt: object = field(default=None, repr=False)  # the Runtime that queued it (release_request checks it)
     sampling: SamplingParams = GREEDY  # seed resolved when queued (req.sampling.seed reproduces it)
+    ignore_eos: bool = False  # EOS is an ordinary token: only max_new_tokens (or a release) ends it
 
     @property
     def done(self) -> bool:

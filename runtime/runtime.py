@@ -327,10 +327,11 @@ class Runtime:
     # ---- continuous batching (one K per batch) -----------------------------------------------
     def add_request(self, prompt, max_new_tokens: int, gamma: int | None = None, spec: bool = True, *,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                    seed: int | None = None):
+                    seed: int | None = None, ignore_eos: bool = False):
         """Queue a request for batched decoding; step() advances every running request by one step.
         temperature > 0 samples (top_k / top_p / min_p filter, seed reproduces; runtime/sampling.py); greedy and
-        sampling requests share batches. Bad sampling parameters raise SamplingError before anything is queued."""
+        sampling requests share batches. Bad sampling parameters raise SamplingError before anything is queued.
+        ignore_eos: the request runs to max_new_tokens through EOS tokens."""
         sp = SamplingParams(temperature, top_k, top_p, min_p, seed)
         use_spec = spec and self.dcfg is not None
         gamma = gamma if gamma is not None else (self.dcfg.block_size - 1 if use_spec else 0)
@@ -342,7 +343,7 @@ class Runtime:
         elif (sch.spec, sch.gamma) != (use_spec, gamma if use_spec else 0):
             raise ValueError(f"this batch decodes with spec={sch.spec} gamma={sch.gamma}; a request with "
                              f"spec={use_spec} gamma={gamma} must wait until it drains")
-        return sch.add(prompt, max_new_tokens, sp)
+        return sch.add(prompt, max_new_tokens, sp, ignore_eos=ignore_eos)
 
     def step(self):
         """One scheduler step; returns the requests that got tokens, finished or failed. An exception inside it (a

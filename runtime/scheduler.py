@@ -70,12 +70,15 @@ class Scheduler:
         self.on_step = None  # hook(rt, request, plan, result, row) after each of its steps is finished (tests, tracing)
 
     # ---- requests -------------------------------------------------------------------------
-    def add(self, prompt, max_new_tokens: int, sampling: SamplingParams | None = None) -> Request:
+    def add(self, prompt, max_new_tokens: int, sampling: SamplingParams | None = None,
+            ignore_eos: bool = False) -> Request:
         """Queue a request; bad input (empty prompt, token ids outside the vocabulary, over capacity) raises.
-        sampling: how it picks tokens (None: greedy); greedy and sampling requests share batches."""
+        sampling: how it picks tokens (None: greedy); greedy and sampling requests share batches.
+        ignore_eos: EOS does not end it (benchmarks, fixed-length outputs)."""
         ids = self.rt.check_request(prompt, max_new_tokens, self.K)
         sampling = (sampling or GREEDY).resolved()
-        req = Request(self._next_id, ids, int(max_new_tokens), rt=self.rt, sampling=sampling)
+        req = Request(self._next_id, ids, int(max_new_tokens), rt=self.rt, sampling=sampling,
+                      ignore_eos=bool(ignore_eos))
         self._next_id += 1
         self.waiting.append(req)
         return req
@@ -324,7 +327,7 @@ class Scheduler:
             if len(req.tokens) >= req.max_new_tokens:
                 break
             req.tokens.append(token)
-            if token in self.rt.eos:
+            if token in self.rt.eos and not req.ignore_eos:
                 req.finish_reason = "eos"
                 break
         touched.append(req)

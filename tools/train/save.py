@@ -9,7 +9,7 @@ import shutil
 import torch
 
 from dflash_trt.log import progress
-from dflash_trt.tools.train.configs import EOS, MASK
+from dflash_trt.tools.train.configs import CHAT_TEMPLATE, EOS, MASK
 
 
 def save_dir(module, config: dict, d: str, prefix: str = "", max_shard_bytes: int | None = None) -> list[str]:
@@ -83,6 +83,8 @@ def finalize(src: str, work: str, models: str, target_src: str | None = None) ->
     with open(os.path.join(t, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "mask_token": MASK,
                    "model_max_length": 2048}, f, indent=2)
+    with open(os.path.join(t, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(CHAT_TEMPLATE)
     if os.path.isfile(os.path.join(src, "train_log.json")):
         with open(os.path.join(src, "train_log.json")) as f:
             lg = json.load(f)

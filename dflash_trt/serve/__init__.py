@@ -1,0 +1,1 @@
+"""`dflash-trt serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one Runtime."""

@@ -1,0 +1,81 @@
+"""`dflash-trt serve`: load a target (+ drafter), start the engine loop and an OpenAI-compatible server."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from dflash_trt.log import progress
+from dflash_trt.runtime.load import UsageError
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="target checkpoint dir (HF format)")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint dir")
+    p.add_argument("--backend", default="torch", choices=["torch", "ort", "trt"])
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--gamma", type=int, default=None, help="drafts per step (default block_size-1)")
+    p.add_argument("--no-spec", action="store_true", help="plain decoding (no drafter steps)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="positions per sequence (prompt + new + verify)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="completions pending (waiting + running) before new requests get 503")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model's folder name)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the checkpoint's)")
+
+
+def build_state(args):
+    """Everything but the HTTP server: the runtime, its engine loop (started) and the chat template."""
+    from dflash_trt.api.chat import ChatTemplate, find_template, special_tokens
+    from dflash_trt.api.engine import Engine
+    from dflash_trt.serve.app import ServerState
+    from dflash_trt.serve.loop import EngineLoop
+    from dflash_trt.serve.metrics import Metrics
+    from dflash_trt.serve.protocol import generation_defaults
+    from dflash_trt.tools.generate import run_sizes, verify_widths
+
+    if args.max_queue < 1:
+        raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
+    source = None
+    if args.chat_template is not None:
+        with open(args.chat_template, encoding="utf-8") as f:  # OSError: one line from the CLI
+            source = f.read()
+    from dflash_trt.config import DrafterConfig, read_json
+    from dflash_trt.runtime.load import check_checkpoint_dir, load_runtime
+    from dflash_trt.runtime.runtime import check_gamma
+
+    check_checkpoint_dir(args.model, "--model")
+    block = None
+    if args.drafter:  # a bad --drafter / --gamma costs nothing: refused before weights load
+        check_checkpoint_dir(args.drafter, "--drafter")
+        path = os.path.join(args.drafter, "config.json")
+        block = DrafterConfig.from_dict(read_json(path), path).block_size
+        if args.gamma is not None and not args.no_spec:
+            check_gamma(args.gamma, block)
+    ks = verify_widths(args.gamma, block, not args.no_spec)
+    rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=run_sizes(args.max_seq_len), ks=ks,
+                             device=args.device, dtype=args.dtype)
+    source = source if source is not None else find_template(args.model)
+    template = ChatTemplate(source, special_tokens(args.model)) if source is not None else None
+    loop = EngineLoop(Engine(rt, codec, gamma=args.gamma, spec=not args.no_spec), Metrics(), args.max_queue).start()
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    return ServerState(loop, codec, name, generation_defaults(args.model), template)
+
+
+def run(args) -> int:
+    from dflash_trt.optional import require
+
+    require("fastapi", "dflash-trt serve", UsageError)
+    require("uvicorn", "dflash-trt serve", UsageError)
+    import uvicorn
+
+    from dflash_trt.serve.app import build_app
+
+    state = build_state(args)
+    progress(f"serve: {state.model_name} ({args.backend}, {args.device}) on http://{args.host}:{args.port}")
+    try:
+        uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning")
+    finally:
+        state.loop.close()
+    return 0

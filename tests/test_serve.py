@@ -1,0 +1,216 @@
+"""`dflash-trt serve` on the shipped pair (CPU, torch) in a subprocess, driven by the official `openai` client:
+completions and chat, streamed and not, equal `LLM.generate` greedy; stop strings; n=2 with a seed; 8 concurrent
+clients x 4 requests; bad parameters (400, the next request fine), a full queue (503); a client that closes its
+stream mid-way has its request released; the pools are full afterwards (/health)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("torch")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+from dflash_trt import LLM, SamplingParams  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET, DRAFTER = os.path.join(ROOT, "models", "target"), os.path.join(ROOT, "models", "drafter")
+MAX_QUEUE = 8
+PROMPTS = ["def fibonacci(n):\n    ", "import os\n", "class Stack:\n    def push(self, item):\n", "for i in range(",
+           "# parse the header\n", "    return self._data[", "def main():\n", "if __name__ == "]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", "--model", TARGET, "--drafter", DRAFTER,
+                             "--port", str(port), "--max-queue", str(MAX_QUEUE)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"server did not start:\n{proc.stdout.read()}")
+            time.sleep(0.3)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(TARGET, DRAFTER)
+
+
+def health(url) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
+
+
+def metric(url, line_prefix) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(line_prefix)))
+
+
+def settled(url, timeout=30.0) -> dict:
+    """/health once nothing is pending; the pools then must be full."""
+    deadline = time.time() + timeout
+    while True:
+        h = health(url)
+        if h["pending"] == 0 and h["running"] == 0 or time.time() > deadline:
+            return h
+        time.sleep(0.1)
+
+
+def assert_pools_full(url):
+    h = settled(url)
+    assert h["pending"] == 0 and all(p["free"] == p["total"] for p in h["pools"].values()), h
+
+
+def expected(llm, prompt, **kw):
+    return llm.generate(prompt, SamplingParams(**kw))[0].outputs[0].text
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["target"]
+    assert_pools_full(server)
+
+
+def test_completions_equal_llm_greedy(client, llm, server):
+    want = expected(llm, PROMPTS[0], max_tokens=32)
+    r = client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=32, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 32 and r.usage.prompt_tokens == len(llm.codec.encode(PROMPTS[0]))
+    chunks = list(client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=32, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "length"
+    assert len(chunks) > 1
+    assert_pools_full(server)
+
+
+def test_chat_equal_llm_greedy(client, llm):
+    messages = [{"role": "user", "content": "Write a stack class."}]
+    want = llm.chat(messages, SamplingParams(max_tokens=24))[0].outputs[0].text
+    r = client.chat.completions.create(model="target", messages=messages, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="target", messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+    off = llm.chat(messages, SamplingParams(max_tokens=8), chat_template_kwargs={"enable_thinking": False})
+    r = client.chat.completions.create(model="target", messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content == off[0].outputs[0].text
+
+
+def test_stop_strings(client, llm):
+    full = expected(llm, PROMPTS[2], max_tokens=40)
+    stop = full[10:14]
+    want = llm.generate(PROMPTS[2], SamplingParams(max_tokens=40, stop=[stop]))[0].outputs[0]
+    assert want.finish_reason == "stop" and stop not in want.text
+    r = client.completions.create(model="target", prompt=PROMPTS[2], max_tokens=40, temperature=0, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, "stop")
+    chunks = list(client.completions.create(model="target", prompt=PROMPTS[2], max_tokens=40, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+
+
+def test_n_and_seed(client):
+    kw = dict(model="target", prompt=PROMPTS[1], max_tokens=20, temperature=0.9, seed=77, n=2)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert len(texts) == 2 and texts[0] != texts[1]
+    assert texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)]
+
+
+def test_concurrent_clients(client, llm, server):
+    want = {(p, m): expected(llm, p, max_tokens=m) for p in PROMPTS for m in (8, 24)}
+    got, errors = {}, []
+
+    def worker(w):
+        try:
+            for j in range(4):
+                p, m = PROMPTS[(w + j) % len(PROMPTS)], (8, 24)[j % 2]
+                if j == 3:
+                    chunks = client.completions.create(model="target", prompt=p, max_tokens=m, temperature=0,
+                                                       stream=True)
+                    got[w, j] = (p, m, "".join(c.choices[0].text for c in chunks))
+                else:
+                    r = client.completions.create(model="target", prompt=p, max_tokens=m, temperature=0)
+                    got[w, j] = (p, m, r.choices[0].text)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert len(got) == 32 and all(text == want[p, m] for p, m, text in got.values())
+    assert_pools_full(server)
+
+
+def test_bad_requests_then_fine(client, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="target", prompt="x", max_tokens=4, temperature=-1)
+    assert e.value.status_code == 400 and "temperature" in e.value.body["message"]
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="target", prompt="x", max_tokens=100000)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="target", prompt="x", max_tokens=4, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="role robot") as e:
+        client.chat.completions.create(model="target", messages=[{"role": "robot", "content": "x"}])
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match="not served"):
+        client.completions.create(model="other", prompt="x", max_tokens=4)
+    with pytest.raises(openai.InternalServerError) as e:  # 9 completions in one request > --max-queue 8
+        client.completions.create(model="target", prompt=["x"] * (MAX_QUEUE + 1), max_tokens=4)
+    assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+    r = client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert_pools_full(server)
+
+
+def test_client_closing_stream_releases_request(client, server):
+    aborted = metric(server, 'dflash_trt_requests_total{outcome="abort"}')
+    stream = client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=1800, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert health(server)["running"] == 1
+    stream.close()
+    deadline = time.time() + 30
+    while metric(server, 'dflash_trt_requests_total{outcome="abort"}') < aborted + 1 and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric(server, 'dflash_trt_requests_total{outcome="abort"}') == aborted + 1
+    assert_pools_full(server)
