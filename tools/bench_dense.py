@@ -22,7 +22,8 @@ import numpy as np
 
 from dflash_trt.files import write_json
 from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs
-from dflash_trt.tools.bench_moe import random_init, spec_vs_plain, step_bytes, verify_steps
+from dflash_trt.tools.bench_e2e_run import prefill_tok_s
+from dflash_trt.tools.bench_moe import context_sweep, random_bench_runtime, random_init, spec_vs_plain, step_bytes
 
 RANDOM_27B = "random-27b"
 LAYERS = 64
@@ -126,62 +127,28 @@ def floor_bytes(target, pools, ctx_rows: int, K: int) -> float:
     return step_bytes(target, pools, ctx_rows, K, [])
 
 
-def prefill_tok_s(rt, dev, prompt: list[int]) -> float:
-    """Tokens/s of one prompt through the prefill graph: the second of two runs (the first captures)."""
-    for _ in range(2):
-        seq = rt.add_sequence(prompt)
-        dev.synchronize()
-        e0, e1 = dev.new_event(timing=True), dev.new_event(timing=True)
-        dev.record(e0)
-        rt.prefill(seq)
-        dev.record(e1)
-        dev.synchronize()
-        rt.release(seq)
-    return len(prompt) / (dev.elapsed_ms(e0, e1) * 1e-3)
-
-
 def run(a) -> int:
     """bench e2e's entry for --model random-27b (batch 1; --batch is not used)."""
-    from dflash_trt.runtime.devices.cuda import CudaUnavailable, require_cuda
-
-    try:
-        require_cuda()
-    except CudaUnavailable as e:
-        print(f"dflash-trt bench e2e: error: {e}", file=sys.stderr)
-        return 2
-    import torch
-
     from dflash_trt.abi import PoolSizes
-    from dflash_trt.runtime import commit
-    from dflash_trt.runtime.backends.torch_backend import TorchBackend
-    from dflash_trt.runtime.devices.cuda import CudaDevice
-    from dflash_trt.runtime.gating import Gate
-    from dflash_trt.runtime.runtime import Runtime
     from dflash_trt.tools.bench import hardware
     from dflash_trt.tools.bench_e2e import parse_step_ks
 
-    dname, layers = a.dtype or "bfloat16", a.layers or LAYERS
-    dev = CudaDevice()
-    target, drafter = build_random_dense(getattr(torch, dname), dev.device, layers, a.fp8)
+    layers = a.layers or LAYERS
     pages = (PREFILL_TOKENS + 1024) // 16
     sizes = PoolSizes(max_seq_len=pages * 16, kv_blocks=2 * pages + 64, page_size=16, max_seqs=2,
                       dkv_blocks=2 * pages + 64, ctx_window=pages * 16, prefill_chunk=PREFILL_CHUNK)
-    compiled = not a.no_compile
-    rt = Runtime(TorchBackend(target, drafter, compile_steps=compiled), target.cfg, drafter.cfg, sizes, device=dev,
-                 gate=Gate(min_rate=0.0))
-    res = {"hardware": hardware("cuda"), "model": RANDOM_27B, "layers": layers, "dtype": dname, "fp8": bool(a.fp8),
-           "compiled": compiled, "weights_GB": sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9,
-           "fp8_skip": list(FP8_SKIP) if a.fp8 else None, "drafter_taps": drafter.cfg.target_layer_ids}
+    made = random_bench_runtime(a, lambda dt, d: build_random_dense(dt, d, layers, a.fp8), sizes)
+    if made is None:
+        return 2
+    rt, dev, target, compiled = made
+    res = {"hardware": hardware("cuda"), "model": RANDOM_27B, "layers": layers, "dtype": a.dtype or "bfloat16",
+           "fp8": bool(a.fp8), "compiled": compiled,
+           "weights_GB": sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9,
+           "fp8_skip": list(FP8_SKIP) if a.fp8 else None, "drafter_taps": rt.dcfg.target_layer_ids}
     res["copy_bandwidth_GBps"] = bw = copy_bandwidth_gbs(dev)
     rng = np.random.default_rng(1)
     vocab = target.cfg.vocab_size
-    seq = rt.add_sequence([int(t) for t in rng.integers(0, vocab - 1, CONTEXT)])
-    rt.prefill(seq)
-    dev.synchronize()
-    commit.reserve(seq, 16, rt.kv_alloc, sizes.page_size)
-    res["steps"] = steps = verify_steps(rt, seq, CONTEXT, bw, parse_step_ks(a.step_ks), compiled)
-    commit.finish(seq, 0, rt.kv_alloc, sizes.page_size)
-    rt.release(seq)
+    res["steps"] = steps = context_sweep(rt, dev, CONTEXT, bw, parse_step_ks(a.step_ks), compiled, rng)
     res["step16_over_step1"] = steps[16]["ms"] / steps[1]["ms"]
     prompt = [int(t) for t in rng.integers(0, vocab - 1, 48)]
     res["decode"] = spec_vs_plain(rt, prompt, a.max_new_tokens, a.gamma or 15, steps[1]["ms"])

@@ -162,26 +162,32 @@ def _runtime(a, random: bool, dname: str, dtype):
     return rt, dev, target, drafter, hf, sizes
 
 
-def _prefill_and_step_latency(rt, dev, a, sizes, vocab: int, res: dict) -> None:
-    """Prefill tok/s of one 512-token prompt, chunked through the prefill graph (the first of two runs captures);
-    torch backend: the per-K target step latency on its 512-row context. Into res."""
-    from dflash_trt.runtime.backends.torch_backend import TorchBackend
-
-    long = [int(t) for t in np.random.default_rng(1).integers(0, vocab - 1, 512)]
-    for rep in range(2):  # the first captures
-        seq = rt.add_sequence(long)
+def prefill_tok_s(rt, dev, prompt: list[int]) -> float:
+    """Tokens/s of one prompt through the prefill graph: the second of two runs (the first captures)."""
+    for _ in range(2):
+        seq = rt.add_sequence(prompt)
         dev.synchronize()
         e0, e1 = dev.new_event(timing=True), dev.new_event(timing=True)
         dev.record(e0)
         rt.prefill(seq)
         dev.record(e1)
         dev.synchronize()
-        res["prefill_tok_s"] = 512 / (dev.elapsed_ms(e0, e1) * 1e-3)
-        if rep == 1 and isinstance(rt.backend, TorchBackend):  # per-K target step latency, 512-row context
-            _step_latency(rt, seq, a, sizes, res)
         rt.release(seq)
-    res.setdefault("step_latency_ms", {})  # trt: the torch target's step latency is not the engines'
-    res.setdefault("step16_over_step1", float("nan"))
+    return len(prompt) / (dev.elapsed_ms(e0, e1) * 1e-3)
+
+
+def _prefill_and_step_latency(rt, dev, a, sizes, vocab: int, res: dict) -> None:
+    """Prefill tok/s of one 512-token prompt, chunked through the prefill graph; torch backend: the per-K target
+    step latency on its 512-row context. Into res."""
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+
+    long = [int(t) for t in np.random.default_rng(1).integers(0, vocab - 1, 512)]
+    res["prefill_tok_s"] = prefill_tok_s(rt, dev, long)
+    if isinstance(rt.backend, TorchBackend):  # per-K target step latency, 512-row context
+        seq = rt.add_sequence(long)
+        rt.prefill(seq)
+        _step_latency(rt, seq, a, sizes, res)
+        rt.release(seq)
 
 
 def _step_latency(rt, seq, a, sizes, res: dict) -> None:

@@ -216,45 +216,63 @@ def spec_vs_plain(rt, prompt, max_new: int, gamma: int, step1_ms: float) -> dict
             "break_even_tau": spec_ms / plain_ms, "plain_step_over_graph_step1": plain_ms / step1_ms}
 
 
-def run(a) -> int:
-    """bench e2e's entry for --model random-moe-35b-a3b (batch 1; --batch is not used)."""
+def random_bench_runtime(a, build, sizes):
+    """(rt, dev, target, compiled) over the random pair build(dtype, device) on a CudaDevice (steps compiled unless
+    --no-compile, the gate off, so every spec step speculates), or None with one line said where CUDA is missing."""
     from dflash_trt.runtime.devices.cuda import CudaUnavailable, require_cuda
 
     try:
         require_cuda()
     except CudaUnavailable as e:
         print(f"dflash-trt bench e2e: error: {e}", file=sys.stderr)
-        return 2
+        return None
     import torch
 
-    from dflash_trt.abi import PoolSizes
-    from dflash_trt.runtime import commit
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
     from dflash_trt.runtime.devices.cuda import CudaDevice
     from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.runtime import Runtime
+
+    dev = CudaDevice()
+    target, drafter = build(getattr(torch, a.dtype or "bfloat16"), dev.device)
+    compiled = not a.no_compile
+    rt = Runtime(TorchBackend(target, drafter, compile_steps=compiled), target.cfg, drafter.cfg, sizes, device=dev,
+                 gate=Gate(min_rate=0.0))
+    return rt, dev, target, compiled
+
+
+def context_sweep(rt, dev, ctx: int, bw: float, ks, compiled: bool, rng) -> dict:
+    """verify_steps on a fresh sequence of ctx random tokens (prefilled, 16 rows reserved; released after)."""
+    from dflash_trt.runtime import commit
+
+    ps = rt.sizes.page_size
+    seq = rt.add_sequence([int(t) for t in rng.integers(0, rt.tcfg.vocab_size - 1, ctx)])
+    rt.prefill(seq)
+    dev.synchronize()
+    commit.reserve(seq, 16, rt.kv_alloc, ps)
+    steps = verify_steps(rt, seq, ctx, bw, ks, compiled)
+    commit.finish(seq, 0, rt.kv_alloc, ps)
+    rt.release(seq)
+    return steps
+
+
+def run(a) -> int:
+    """bench e2e's entry for --model random-moe-35b-a3b (batch 1; --batch is not used)."""
+    from dflash_trt.abi import PoolSizes
     from dflash_trt.tools.bench import hardware
 
-    dname = a.dtype or "bfloat16"
-    dev = CudaDevice()
-    target, drafter = build_random_moe(getattr(torch, dname), dev.device)
     sizes = PoolSizes(max_seq_len=1024, kv_blocks=4 * 64 + 64, page_size=16, max_seqs=4, dkv_blocks=4 * 64 + 64,
                       ctx_window=1024, prefill_chunk=64)
-    compiled = not a.no_compile
-    rt = Runtime(TorchBackend(target, drafter, compile_steps=compiled), target.cfg, drafter.cfg, sizes, device=dev, gate=Gate(min_rate=0.0))
-    res = {"hardware": hardware("cuda"), "model": RANDOM_MOE, "layers": LAYERS, "dtype": dname, "compiled": compiled,
-           "weights_GB": sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9,
+    made = random_bench_runtime(a, build_random_moe, sizes)
+    if made is None:
+        return 2
+    rt, dev, target, compiled = made
+    res = {"hardware": hardware("cuda"), "model": RANDOM_MOE, "layers": LAYERS, "dtype": a.dtype or "bfloat16",
+           "compiled": compiled, "weights_GB": sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9,
            "expert_MB": _expert_bytes(target) / 1e6}
     res["copy_bandwidth_GBps"] = bw = copy_bandwidth_gbs(dev)
     rng = np.random.default_rng(1)
-    ctx = 512
-    seq = rt.add_sequence([int(t) for t in rng.integers(0, target.cfg.vocab_size - 1, ctx)])
-    rt.prefill(seq)
-    dev.synchronize()
-    commit.reserve(seq, 16, rt.kv_alloc, sizes.page_size)
-    res["steps"] = steps = verify_steps(rt, seq, ctx, bw, parse_step_ks(a.step_ks), compiled)
-    commit.finish(seq, 0, rt.kv_alloc, sizes.page_size)
-    rt.release(seq)
+    res["steps"] = steps = context_sweep(rt, dev, 512, bw, parse_step_ks(a.step_ks), compiled, rng)
     res["step16_over_step1"] = steps[16]["ms"] / steps[1]["ms"]
     res["moe_block"] = moe_block(target, bw, compiled)
     prompt = [int(t) for t in rng.integers(0, target.cfg.vocab_size - 1, 48)]

@@ -47,6 +47,20 @@ def verify_widths(gamma: int | None, block_size: int | None, spec: bool) -> tupl
     return tuple(sorted({1, (gamma if gamma is not None else block_size - 1) + 1}))
 
 
+def checked_widths(args) -> tuple:
+    """--model / --drafter / --gamma checked before any weight loads (a bad one costs nothing); the verify widths
+    the run needs."""
+    check_checkpoint_dir(args.model, "--model")
+    block = None
+    if args.drafter:
+        check_checkpoint_dir(args.drafter, "--drafter")
+        p = os.path.join(args.drafter, "config.json")
+        block = DrafterConfig.from_dict(read_json(p), p).block_size
+        if args.gamma is not None and not args.no_spec:
+            check_gamma(args.gamma, block)
+    return verify_widths(args.gamma, block, not args.no_spec)
+
+
 def run_sizes(max_seq_len: int | None) -> PoolSizes:
     """Default pools, with max_seq_len raised (KV pages to match) when asked; PoolSizes validates the values."""
     if max_seq_len is None:
@@ -75,15 +89,7 @@ def run(args) -> int:
         text = read_prompt(args)
     except UnicodeDecodeError as e:
         raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason})") from None
-    check_checkpoint_dir(args.model, "--model")
-    block = None
-    if args.drafter:
-        check_checkpoint_dir(args.drafter, "--drafter")
-        p = os.path.join(args.drafter, "config.json")
-        block = DrafterConfig.from_dict(read_json(p), p).block_size
-        if args.gamma is not None and not args.no_spec:
-            check_gamma(args.gamma, block)
-    ks = verify_widths(args.gamma, block, not args.no_spec)
+    ks = checked_widths(args)
     rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
                              dtype=args.dtype, compile_steps=args.compile)
     ids = codec.encode(text)

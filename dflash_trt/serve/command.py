@@ -33,7 +33,7 @@ def build_state(args):
     from dflash_trt.serve.loop import EngineLoop
     from dflash_trt.serve.metrics import Metrics
     from dflash_trt.serve.protocol import generation_defaults
-    from dflash_trt.tools.generate import run_sizes, verify_widths
+    from dflash_trt.tools.generate import checked_widths, run_sizes
 
     if args.max_queue < 1:
         raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
@@ -41,19 +41,9 @@ def build_state(args):
     if args.chat_template is not None:
         with open(args.chat_template, encoding="utf-8") as f:  # OSError: one line from the CLI
             source = f.read()
-    from dflash_trt.config import DrafterConfig, read_json
-    from dflash_trt.runtime.load import check_checkpoint_dir, load_runtime
-    from dflash_trt.runtime.runtime import check_gamma
+    from dflash_trt.runtime.load import load_runtime
 
-    check_checkpoint_dir(args.model, "--model")
-    block = None
-    if args.drafter:  # a bad --drafter / --gamma costs nothing: refused before weights load
-        check_checkpoint_dir(args.drafter, "--drafter")
-        path = os.path.join(args.drafter, "config.json")
-        block = DrafterConfig.from_dict(read_json(path), path).block_size
-        if args.gamma is not None and not args.no_spec:
-            check_gamma(args.gamma, block)
-    ks = verify_widths(args.gamma, block, not args.no_spec)
+    ks = checked_widths(args)
     rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=run_sizes(args.max_seq_len), ks=ks,
                              device=args.device, dtype=args.dtype)
     source = source if source is not None else find_template(args.model)

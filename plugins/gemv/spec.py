@@ -81,12 +81,17 @@ def _check_shapes(d, attrs=None):
     need(len(w) == 2 and len(x) >= 1 and x[-1] == w[1], f"Gemv: x {x} [*,K] and w {w} [N,K] must share K")
 
 
-def _check_kernel(d, dtypes):
-    x, w = d
+def rows_of(x) -> int:
+    """Rows of x [*, K]: the product of its leading dims."""
     rows = 1
     for v in x[:-1]:
         rows *= v
-    check(rows, w[0], w[1], dtypes[0])
+    return rows
+
+
+def _check_kernel(d, dtypes):
+    x, w = d
+    check(rows_of(x), w[0], w[1], dtypes[0])
 
 
 SPEC = OpSpec(

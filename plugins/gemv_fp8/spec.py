@@ -93,10 +93,7 @@ def _check_shapes(d, attrs=None):
 
 def _check_kernel(d, dtypes):
     x, w, _ = d
-    rows = 1
-    for v in x[:-1]:
-        rows *= v
-    check(rows, w[0], w[1], dtypes[0])
+    check(gemv_spec.rows_of(x), w[0], w[1], dtypes[0])
 
 
 SPEC = OpSpec(
