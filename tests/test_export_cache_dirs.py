@@ -52,3 +52,19 @@ def test_one_entry_per_checkpoint_grows_by_the_widths_asked(tmp_path):
     said.clear()
     assert ensure_export(*pair, ks=[4], cache_dir=cache, progress=said.append) == first and said == []
     assert sorted(os.listdir(cache)) == sorted([os.path.basename(first), os.path.basename(first) + ".lock"])
+
+
+def test_demo_generate_and_bench_share_one_export(tmp_path, monkeypatch, capsys):
+    """The commands a new user runs first (demo, generate plain / DFlash / --gamma 7, bench generate on ORT) export
+    the shipped pair once between them: one cache entry, grown by the widths they ask for."""
+    from dflash_trt.cli import main
+
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
+    pair = ["--model", os.path.join(MODELS, "target"), "--drafter", os.path.join(MODELS, "drafter")]
+    gen = ["generate", *pair, "--prompt", "def f(x):", "--max-new-tokens", "4", "--backend", "ort"]
+    assert main(["demo", "--max-new-tokens", "4"]) == 0
+    assert main(gen) == 0 and main([*gen, "--no-spec"]) == 0 and main([*gen, "--gamma", "7"]) == 0
+    assert main(["bench", "generate", *pair, "--backend", "ort", "--max-new-tokens", "4"]) == 0
+    entries = [n for n in os.listdir(tmp_path / "cache") if n.startswith("onnx-") and not n.endswith(".lock")]
+    assert len(entries) == 1, entries
+    assert Manifest.load(str(tmp_path / "cache" / entries[0])).ks == [1, 2, 3, 4, 8, 16]
