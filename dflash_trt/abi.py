@@ -74,6 +74,13 @@ def parse_drafter_block(name: str, block_size: int) -> int | None:
     return None
 
 
+def verify_widths(gamma: int | None, block_size: int | None, spec: bool) -> tuple:
+    """The target graphs a run needs: K=1 (prefill tail / plain decode) and K=γ+1 when speculating."""
+    if not spec or block_size is None:
+        return (1,)
+    return tuple(sorted({1, (gamma if gamma is not None else block_size - 1) + 1}))
+
+
 def drafter_block_lens(ks, block_size: int) -> list[int]:
     """Block lengths exported for verify widths ks: every K = γ+1 in 2..block_size-1, plus the full block."""
     return sorted({int(k) for k in ks if 2 <= int(k) < block_size} | {block_size})

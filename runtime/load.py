@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from dflash_trt.abi import DEFAULT_KS, PoolSizes
-from dflash_trt.config import read_json
+from dflash_trt.config import DrafterConfig, read_json
 from dflash_trt.optional import require_torch
 from dflash_trt.runtime.runtime import Runtime
 
@@ -61,13 +61,16 @@ def check_checkpoint_dir(d: str, what: str) -> None:
 
 def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = "torch",
                  sizes: PoolSizes | None = None, gate=None, ks=DEFAULT_KS, device: str = "cpu",
-                 dtype: str | None = None, compile_steps: bool = False) -> tuple[Runtime, object]:
+                 dtype: str | None = None, compile_steps: bool = False,
+                 export_dir: str | None = None) -> tuple[Runtime, object]:
     """Build a Runtime over the chosen backend; returns (runtime, codec).
     torch: the reference modules; on device="cpu" in float32 with numpy pools, on device="cuda" (dtype
     float32 / bfloat16 / float16) with pools owned by a CudaDevice and one CUDA graph per step.
     ort: the ONNX graphs for verify widths `ks` (CPU), exported once into the cache (keyed by both checkpoint
     hashes, sizes and exporter version) and reused after. trt: that export's TensorRT engines (built once into the
     cache entry) on a CudaDevice's pools, one CUDA graph per step; refused in one line where engines cannot run.
+    export_dir (ort, trt): a `dflash-trt export --out` directory of these checkpoints used instead of the cache
+    (checked against the checkpoints' hashes, the widths ks, the sizes when given and the dtype).
     compile_steps (torch on CUDA): the steps through Inductor, faster steps for a compile per step key on first use
     (runtime/backends/torch_compile.py; figures: docs/PERF.md). A missing GPU fails with one clear line."""
     from dflash_trt.runtime.backends import make_backend
@@ -99,17 +102,22 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     if backend == "ort":
         from dflash_trt.export.onnx_export import ensure_export
 
-        be = make_backend("ort", manifest=ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes()))
+        be = make_backend("ort", manifest=export_dir and checked_export(export_dir, model_dir, drafter_dir, ks, sizes,
+                                                                         dtype)
+                          or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes()))
         return Runtime(be, be.tcfg, be.dcfg, be.sizes, gate=gate), codec
     if backend == "trt":  # the ONNX export (cached) -> its engines (built once) -> a runtime on the GPU pools
         from dflash_trt.engines.build import ensure_engines
         from dflash_trt.export.onnx_export import ensure_export
         from dflash_trt.runtime.devices.cuda import CudaDevice
 
-        man = ensure_engines(ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes(), dtype=dtype))
+        man = ensure_engines(export_dir and checked_export(export_dir, model_dir, drafter_dir, ks, sizes, dtype)
+                             or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes(), dtype=dtype))
         dev = CudaDevice(int(device.split(":")[1]) if ":" in device else 0)
         be = make_backend("trt", manifest=man, device=dev)
         return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=gate), codec
+    if export_dir is not None:
+        raise UsageError(f"an export directory ({export_dir}) runs on the ort or trt backend, not '{backend}'")
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
 
     torch = require_torch(f"--backend {backend}", UsageError)
@@ -133,3 +141,27 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
                       checkpoint_hashes=hashes)
     return Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(), device=dev,
                    gate=gate), codec
+
+
+def checked_export(export_dir: str, model_dir: str, drafter_dir, ks, sizes, dtype: str) -> str:
+    """A user's `dflash-trt export --out` directory, refused in one line (ManifestError) unless it was exported from
+    these checkpoints (hashes), with a drafter iff one is given, the widths ks, `sizes` (when given) and `dtype`."""
+    from dflash_trt.export.checkpoint import checkpoint_hash
+    from dflash_trt.manifest import Manifest, ManifestError
+
+    m = Manifest.load(export_dir)
+    if (m.data.get("drafter") is not None) != bool(drafter_dir):
+        raise ManifestError(f"{m.root}: exported {'with' if m.data.get('drafter') else 'without'} a drafter, but the "
+                            f"run has {'one' if drafter_dir else 'none'}")
+    m.check(ks=ks, sizes=sizes, target_hash=checkpoint_hash(model_dir), kv_dtype=dtype,
+            drafter_hash=checkpoint_hash(drafter_dir) if drafter_dir else None)
+    return m.root
+
+
+def drafter_block_size(drafter_dir: str | None) -> int | None:
+    """The drafter's block size from its config.json (None without a drafter), read before any weight loads."""
+    if not drafter_dir:
+        return None
+    check_checkpoint_dir(drafter_dir, "--drafter")
+    p = os.path.join(drafter_dir, "config.json")
+    return DrafterConfig.from_dict(read_json(p), p).block_size

@@ -68,3 +68,28 @@ def test_demo_generate_and_bench_share_one_export(tmp_path, monkeypatch, capsys)
     entries = [n for n in os.listdir(tmp_path / "cache") if n.startswith("onnx-") and not n.endswith(".lock")]
     assert len(entries) == 1, entries
     assert Manifest.load(str(tmp_path / "cache" / entries[0])).ks == [1, 2, 3, 4, 8, 16]
+
+
+def test_a_users_export_dir_runs_instead_of_the_cache(tmp_path, monkeypatch, capsys):
+    """`generate --engines DIR` / `LLM(engines=DIR)` run a `dflash-trt export --out DIR` directory (nothing goes to
+    the cache); one of other checkpoints or without the widths asked is refused in one line."""
+    from dflash_trt.api.llm import LLM
+    from dflash_trt.api.params import SamplingParams
+    from dflash_trt.cli import main
+
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
+    t, d = os.path.join(MODELS, "target"), os.path.join(MODELS, "drafter")
+    out = str(tmp_path / "exp")
+    assert main(["export", "--model", t, "--drafter", d, "--k", "1,16", "--out", out]) == 0
+    gen = ["generate", "--model", t, "--drafter", d, "--prompt", "def f(x):", "--max-new-tokens", "8"]
+    assert main([*gen, "--backend", "torch"]) == 0
+    ref = capsys.readouterr().out
+    assert main([*gen, "--backend", "ort", "--engines", out]) == 0
+    assert capsys.readouterr().out == ref
+    assert not os.path.exists(tmp_path / "cache") or not any(n.startswith("onnx-") for n in os.listdir(tmp_path / "cache"))
+    llm = LLM(t, d, backend="ort", engines=out)
+    assert llm.generate("def f(x):", SamplingParams(max_tokens=8))[0].outputs[0].text.strip() == ref.strip()
+    assert main([*gen, "--backend", "ort", "--engines", out, "--gamma", "7"]) == 2
+    assert "K [8] not exported" in capsys.readouterr().err
+    assert main([*gen, "--backend", "torch", "--engines", out]) == 2
+    assert "runs on the ort or trt backend" in capsys.readouterr().err

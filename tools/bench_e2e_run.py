@@ -92,7 +92,7 @@ def _backend(a, target, drafter, sizes, dev, dtype: str):
     from dflash_trt.engines.build import ensure_engines
     from dflash_trt.export.onnx_export import ensure_export
     from dflash_trt.runtime.backends import make_backend
-    from dflash_trt.tools.generate import verify_widths
+    from dflash_trt.abi import verify_widths
 
     ks = verify_widths(a.gamma, drafter.cfg.block_size if drafter else None, True)
     man = ensure_engines(ensure_export(a.model, a.drafter, ks=ks, sizes=sizes, dtype=dtype))

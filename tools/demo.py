@@ -46,7 +46,7 @@ def run(args) -> int:
     from dflash_trt.config import DrafterConfig, read_json
     from dflash_trt.runtime.load import UsageError, load_runtime
     from dflash_trt.runtime.runtime import check_gamma
-    from dflash_trt.tools.generate import verify_widths
+    from dflash_trt.abi import verify_widths
 
     if args.max_new_tokens < 1:  # checked before the (possibly slow) export / weight load
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

@@ -3,12 +3,10 @@ print stats."""
 from __future__ import annotations
 
 import argparse
-import os
 
-from dflash_trt.abi import PoolSizes
-from dflash_trt.config import DrafterConfig, read_json
+from dflash_trt.abi import PoolSizes, verify_widths
 from dflash_trt.log import progress
-from dflash_trt.runtime.load import UsageError, check_checkpoint_dir, load_runtime
+from dflash_trt.runtime.load import UsageError, check_checkpoint_dir, drafter_block_size, load_runtime
 from dflash_trt.runtime.runtime import check_gamma
 from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.runtime.sequence import TokenIdError
@@ -33,6 +31,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="torch", choices=["torch", "ort", "trt"],
                    help="trt: TensorRT engines on the GPU (TensorRT-RTX: CC 8.0/8.6/8.9/12.x; full TensorRT: Hopper)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (pools on the GPU, one CUDA graph per step)")
+    p.add_argument("--engines", default=None, metavar="DIR",
+                   help="ort / trt: run this `dflash-trt export --out` directory instead of the cached export")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model / KV dtype on cuda (default float32; CPU runs float32)")
     p.add_argument("--compile", action="store_true",
@@ -40,24 +40,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(faster steps, after a compile per step shape)")
 
 
-def verify_widths(gamma: int | None, block_size: int | None, spec: bool) -> tuple:
-    """The target graphs a run needs: K=1 (prefill tail / plain decode) and K=γ+1 when speculating."""
-    if not spec or block_size is None:
-        return (1,)
-    return tuple(sorted({1, (gamma if gamma is not None else block_size - 1) + 1}))
-
-
 def checked_widths(args) -> tuple:
     """--model / --drafter / --gamma checked before any weight loads (a bad one costs nothing); the verify widths
     the run needs."""
     check_checkpoint_dir(args.model, "--model")
-    block = None
-    if args.drafter:
-        check_checkpoint_dir(args.drafter, "--drafter")
-        p = os.path.join(args.drafter, "config.json")
-        block = DrafterConfig.from_dict(read_json(p), p).block_size
-        if args.gamma is not None and not args.no_spec:
-            check_gamma(args.gamma, block)
+    block = drafter_block_size(args.drafter)
+    if block is not None and args.gamma is not None and not args.no_spec:
+        check_gamma(args.gamma, block)
     return verify_widths(args.gamma, block, not args.no_spec)
 
 
@@ -83,7 +72,7 @@ def run(args) -> int:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.compile and (args.device == "cpu" or args.backend != "torch"):
         raise UsageError("--compile compiles the torch backend's GPU steps: it needs --device cuda --backend torch")
-    sizes = run_sizes(args.max_seq_len)
+    sizes = run_sizes(args.max_seq_len) if args.engines is None or args.max_seq_len is not None else None
     sp = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed).resolved()
     try:
         text = read_prompt(args)
@@ -91,7 +80,7 @@ def run(args) -> int:
         raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason})") from None
     ks = checked_widths(args)
     rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
-                             dtype=args.dtype, compile_steps=args.compile)
+                             dtype=args.dtype, compile_steps=args.compile, export_dir=args.engines)
     ids = codec.encode(text)
     try:
         rt.check_prompt(ids)

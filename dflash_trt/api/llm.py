@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numbers
 
-from dflash_trt.abi import DEFAULT_KS
+from dflash_trt.abi import verify_widths
 from dflash_trt.api.chat import ChatTemplate, ChatTemplateError
 from dflash_trt.api.engine import Engine, Track
 from dflash_trt.api.outputs import CompletionOutput, RequestOutput
 from dflash_trt.api.params import SamplingParams
-from dflash_trt.runtime.load import load_runtime
+from dflash_trt.runtime.load import drafter_block_size, load_runtime
 
 
 def _is_ids(x) -> bool:
@@ -37,10 +37,10 @@ class LLM:
 
     def __init__(self, model: str, drafter: str | None = None, backend: str = "torch", device: str = "cpu",
                  dtype: str | None = None, sizes=None, gamma: int | None = None, spec: bool = True, gate=None,
-                 compile_steps: bool = False, chat_template: str | None = None):
-        ks = DEFAULT_KS if gamma is None else tuple(sorted({1, gamma + 1}))
+                 compile_steps: bool = False, chat_template: str | None = None, engines: str | None = None):
+        ks = verify_widths(gamma, drafter_block_size(drafter), spec)  # the graphs an ort / trt run needs
         self.runtime, self.codec = load_runtime(model, drafter, backend, sizes=sizes, gate=gate, ks=ks, device=device,
-                                                dtype=dtype, compile_steps=compile_steps)
+                                                dtype=dtype, compile_steps=compile_steps, export_dir=engines)
         self.model_dir = model
         self.engine = Engine(self.runtime, self.codec, gamma=gamma, spec=spec)
         self._template = ChatTemplate(chat_template) if chat_template is not None else None
