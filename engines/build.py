@@ -24,8 +24,8 @@ from dflash_trt.hashing import sha256_files
 from dflash_trt.manifest import Manifest, ManifestError, diff_io
 from dflash_trt.owned import claim
 from dflash_trt.plugins import trt_compat as C
-from dflash_trt.engines.network import (BuildError, builder_config, cc_str, local_gpu_cc, network_io,
-                      parse_cc, parse_graph, resolve_ccs)
+from dflash_trt.engines.network import (BuildError, builder_config, cc_str, fp8_weights, local_gpu_cc,
+                                        network_io, parse_cc, parse_graph, resolve_ccs)
 
 ENGINE_DIR = "engines"
 RECORD_VERSION = 1
@@ -119,6 +119,16 @@ def _record(man, name, path, rec_g, onnx_sha256, ccs, info, io, batch, seconds) 
 OPT_LEVELS = range(0, 6)  # TensorRT's builder_optimization_level (IBuilderConfig): 0..5
 
 
+def _first_fp8(man: Manifest, names) -> str | None:
+    """Where the first graph to build with FP8 weights holds them ("target_k1 holds 25 FP8 weights (first 'w')"),
+    or None."""
+    for name in names:
+        found = fp8_weights(man.graph_path(name))
+        if found:
+            return f"{name} holds {len(found)} FP8 weights (first '{found[0]}')"
+    return None
+
+
 def check_build_args(max_batch=None, opt_batch=None, opt_level=None) -> None:
     """Values that cannot be meant, refused in one line (never a silent fall-back to the default)."""
     for flag, v in (("--max-batch", max_batch), ("--opt-batch", opt_batch)):
@@ -139,7 +149,7 @@ def build_engines(manifest_dir: str, *, ks=None, graphs=None, timing_cache_path=
     names = select_graphs(man, ks, graphs)
     claim(man.root, "export", [], BuildError)  # an export we did not write: refused before any build
     gpu = local_gpu_cc()
-    ccs = resolve_ccs(parse_cc(target_cc) if target_cc else None, gpu)
+    ccs = resolve_ccs(parse_cc(target_cc) if target_cc else None, gpu, fp8=_first_fp8(man, names))
     maxb = int(max_batch if max_batch is not None else (man.batch if isinstance(man.batch, int) else man.sizes.max_seqs))
     optb = int(opt_batch if opt_batch is not None else 1)
     if not 1 <= optb <= maxb:

@@ -15,6 +15,7 @@ from collections import Counter
 from dflash_trt.plugins import trt_compat as C
 
 DOMAIN = "dflash"
+FP8_MIN_CC = (8, 9)  # e4m3 tensor types: Ada and later (TensorRT refuses to compile them for sm80/sm86)
 
 
 class BuildError(RuntimeError):
@@ -27,6 +28,15 @@ def dflash_nodes(onnx_path: str) -> Counter:
 
     model = onnx.load(onnx_path, load_external_data=False)
     return Counter(n.op_type for n in model.graph.node if n.domain == DOMAIN)
+
+
+def fp8_weights(onnx_path: str) -> list[str]:
+    """Names of the float8_e4m3fn initializers a DequantizeLinear reads (weights not loaded)."""
+    import onnx
+
+    model = onnx.load(onnx_path, load_external_data=False)
+    fp8 = {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT8E4M3FN}
+    return [n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in fp8]
 
 
 def plugin_layers(network) -> Counter:
@@ -125,9 +135,19 @@ def local_gpu_cc():
         return None
 
 
-def resolve_ccs(requested, gpu_cc) -> list:
-    """The compute capabilities to build for (list of (major, minor) or ['ampere+'])."""
-    kernel_ok = [cc for cc in C.RTX_CCS if cc >= C.MIN_KERNEL_CC]
+def resolve_ccs(requested, gpu_cc, fp8: str | None = None) -> list:
+    """The compute capabilities to build for (list of (major, minor) or ['ampere+']). fp8: where the graphs hold
+    FP8 weights (a phrase naming the graph and a weight), which TensorRT compiles only for CC >= 8.9; None when they hold none."""
+    ccs = _resolve_ccs(requested, gpu_cc, fp8)
+    old = [cc for cc in ccs if cc == "ampere+" or cc < FP8_MIN_CC] if fp8 else []
+    if old:
+        raise BuildError(f"{fp8}; TensorRT builds float8_e4m3fn only for compute capability >= "
+                         f"{cc_str(FP8_MIN_CC)}: drop {', '.join(map(cc_str, old))} from --target-cc")
+    return ccs
+
+
+def _resolve_ccs(requested, gpu_cc, fp8) -> list:
+    kernel_ok = [cc for cc in C.RTX_CCS if cc >= (FP8_MIN_CC if fp8 else C.MIN_KERNEL_CC)]
     if C.IS_RTX:
         if not requested:
             if gpu_cc == (9, 0):

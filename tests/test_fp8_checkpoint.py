@@ -158,6 +158,23 @@ def test_ort_greedy_and_dflash_match_transformers(dense, tmp_path, monkeypatch):
     fp8 = {i.name for i in g.initializer if i.data_type == onnx.TensorProto.FLOAT8E4M3FN}
     dq = [n for n in g.node if n.op_type == "DequantizeLinear"]
     assert fp8 and len(dq) == len(fp8) and {n.input[0] for n in dq} == fp8
+    _check_trt_build(rt.backend.manifest.root)
+
+
+def _check_trt_build(export_dir):
+    """TensorRT-RTX builds the FP8 graph on the CPU for the CCs that have e4m3 (>= 8.9) and refuses an older CC
+    naming the graph and a weight."""
+    from dflash_trt.engines.build import build_engines
+    from dflash_trt.engines.network import BuildError
+    from dflash_trt.plugins import trt_compat as C
+
+    if not (C.HAVE_TRT and C.IS_RTX):
+        return
+    with pytest.raises(BuildError, match=r"target_k1 holds \d+ FP8 weights \(first 'target\.layers\..*drop 8\.6 from"):
+        build_engines(export_dir, graphs=["target_k1"], target_cc="86,89", progress=None)
+    man = build_engines(export_dir, graphs=["target_k1"], progress=None)
+    assert man.data["engine_build"]["compute_capabilities"] == ["8.9", "12.0", "12.1"]
+    assert os.path.getsize(os.path.join(export_dir, man.data["engines"]["target_k1"]["file"])) > 0
 
 
 def test_fused_projections_stack_fp8_groups(dense):

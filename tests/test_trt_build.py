@@ -179,6 +179,10 @@ def test_cc_rules():
             resolve_ccs(None, (9, 0))
         with pytest.raises(BuildError, match="8.0"):
             resolve_ccs([(7, 5)], None)
+        fp8 = "g holds 1 FP8 weights (first 'w')"
+        assert resolve_ccs(None, None, fp8=fp8) == [(8, 9), (12, 0), (12, 1)]
+        with pytest.raises(BuildError, match=r"first 'w'\); TensorRT builds float8_e4m3fn only .* drop 8\.6 from"):
+            resolve_ccs(None, (8, 6), fp8=fp8)
 
 
 def _cli(args, env=None):
