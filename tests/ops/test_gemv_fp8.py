@@ -28,12 +28,14 @@ def fp8_weight(N, K, device="cpu", seed=0):
     return w, s
 
 
-def _check(got, x, w, s):
+def _check(got, x, w, s, w_rounded=False):
+    """The kernels: exact products, fp32 accumulation, one output rounding. w_rounded: the dequantizing path, whose
+    16-bit W (fp8 x fp32 scale rounded to x's dtype, relative 2^-8 for bf16) bounds the error by 2^-8 of sum |x W|."""
     W = reference.dequantize_blockwise(w, s, (128, 128)).double()
     ref = x.double() @ W.T
     mag = x.double().abs() @ W.abs().T
     err = (got.double() - ref).abs()
-    bound = 2.0 ** -7 * ref.abs() + 2.0 ** -16 * mag + 1e-30
+    bound = 2.0 ** -7 * ref.abs() + 2.0 ** (-8 if w_rounded else -16) * mag + 1e-30
     assert bool((err <= bound).all()), f"max err {err.max().item():.3e}, worst ratio {(err / bound).max().item():.2f}"
 
 
@@ -202,7 +204,7 @@ def test_fp8_layers_dispatch_to_the_kernel(monkeypatch):
     with torch.no_grad():
         for M in (1, 16, 40):
             x = torch.randn(M, 512, device="cuda").bfloat16()
-            _check(owner.gate_proj(x), x, owner.gate_proj.weight, owner.gate_proj.weight_scale_inv)
+            _check(owner.gate_proj(x), x, owner.gate_proj.weight, owner.gate_proj.weight_scale_inv, w_rounded=M > 16)
             y = fuse.swiglu(owner, names, x)
             assert y.shape == (M, 256)
     assert len(seen) == 2
