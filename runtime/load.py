@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from dflash_trt import log
 from dflash_trt.abi import DEFAULT_KS, PoolSizes
 from dflash_trt.config import DrafterConfig, read_json
 from dflash_trt.optional import require_torch
@@ -62,7 +63,8 @@ def check_checkpoint_dir(d: str, what: str) -> None:
 def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = "torch",
                  sizes: PoolSizes | None = None, gate=None, ks=DEFAULT_KS, device: str = "cpu",
                  dtype: str | None = None, compile_steps: bool = False,
-                 export_dir: str | None = None) -> tuple[Runtime, object]:
+                 export_dir: str | None = None,
+                 gpu_memory_utilization: float | None = None) -> tuple[Runtime, object]:
     """Build a Runtime over the chosen backend; returns (runtime, codec).
     torch: the reference modules; on device="cpu" in float32 with numpy pools, on device="cuda" (dtype
     float32 / bfloat16 / float16) with pools owned by a CudaDevice and one CUDA graph per step.
@@ -72,7 +74,10 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     export_dir (ort, trt): a `dflash-trt export --out` directory of these checkpoints used instead of the cache
     (checked against the checkpoints' hashes, the widths ks, the sizes when given and the dtype).
     compile_steps (torch on CUDA): the steps through Inductor, faster steps for a compile per step key on first use
-    (runtime/backends/torch_compile.py; figures: docs/PERF.md). A missing GPU fails with one clear line."""
+    (runtime/backends/torch_compile.py; figures: docs/PERF.md). A missing GPU fails with one clear line.
+    gpu_memory_utilization (torch on CUDA): the KV pools take what this fraction of the GPU's memory leaves once
+    the weights are loaded (runtime/memory.py); `sizes` then gives only their shape (max_seq_len, max_seqs, page
+    size, prefill chunk, ctx window)."""
     from dflash_trt.runtime.backends import make_backend
 
     check_checkpoint_dir(model_dir, "target checkpoint")
@@ -98,6 +103,9 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
             raise UsageError(f"device '{device}' runs the torch or trt backend (got backend '{backend}')")
     elif dtype != "float32":
         raise UsageError(f"on CPU the runtime computes in float32 (got dtype '{dtype}'); use --device cuda")
+    if gpu_memory_utilization is not None and not (on_gpu and backend == "torch"):
+        raise UsageError("--gpu-memory-utilization sizes the pools of the torch backend on cuda (ort and trt take "
+                         "the pool sizes their graphs were exported with)")
     codec = load_codec(model_dir)
     if backend == "ort":
         from dflash_trt.export.onnx_export import ensure_export
@@ -137,10 +145,26 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         target.to(dev.device)
         if drafter is not None:
             drafter.to(dev.device)
+        if gpu_memory_utilization is not None:
+            sizes = _sized_for_gpu(target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(),
+                                   gpu_memory_utilization, dev.device, dtype)
     be = make_backend(backend, target=target, drafter=drafter, compile_steps=compile_steps and on_gpu,
                       checkpoint_hashes=hashes)
     return Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(), device=dev,
                    gate=gate), codec
+
+
+def _sized_for_gpu(tcfg, dcfg, shape: PoolSizes, utilization: float, device, dtype: str) -> PoolSizes:
+    import torch
+
+    from dflash_trt.runtime.memory import sized_for_gpu
+
+    free, total = torch.cuda.mem_get_info(device)
+    sizes = sized_for_gpu(tcfg, dcfg, shape, utilization, free, total, dtype)
+    log.progress(f"pools: {sizes.kv_blocks} KV pages of {sizes.page_size} rows ({sizes.kv_blocks * sizes.page_size} "
+                 f"rows) for {sizes.max_seqs} sequences of up to {sizes.max_seq_len} (GPU memory: "
+                 f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free after the weights, {utilization:g} used)")
+    return sizes
 
 
 def checked_export(export_dir: str, model_dir: str, drafter_dir, ks, sizes, dtype: str) -> str:

@@ -35,6 +35,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="ort / trt: run this `dflash-trt export --out` directory instead of the cached export")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model / KV dtype on cuda (default float32; CPU runs float32)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="cuda + torch: KV pools take what this fraction of the GPU's memory leaves after the weights "
+                        "(default: fixed pools)")
     p.add_argument("--compile", action="store_true",
                    help="cuda + torch: prefill/decode/spec steps through Inductor "
                         "(faster steps, after a compile per step shape)")
@@ -50,13 +53,17 @@ def checked_widths(args) -> tuple:
     return verify_widths(args.gamma, block, not args.no_spec)
 
 
-def run_sizes(max_seq_len: int | None) -> PoolSizes:
-    """Default pools, with max_seq_len raised (KV pages to match) when asked; PoolSizes validates the values."""
-    if max_seq_len is None:
-        return PoolSizes()
+def run_sizes(max_seq_len: int | None, max_seqs: int | None = None) -> PoolSizes:
+    """Default pools, with max_seq_len / max_seqs raised (target and drafter KV pages to match) when asked;
+    PoolSizes validates the values. ctx_window: its default (full retention)."""
     d = PoolSizes()
-    pages = max(d.kv_blocks, -(-max_seq_len // d.page_size) * d.max_seqs) if max_seq_len > 0 else d.kv_blocks
-    return PoolSizes(max_seq_len=max_seq_len, kv_blocks=pages)  # ctx_window: its default (full retention)
+    shape = PoolSizes(max_seq_len=d.max_seq_len if max_seq_len is None else max_seq_len,
+                      max_seqs=d.max_seqs if max_seqs is None else max_seqs)  # checks them
+    if (max_seq_len, max_seqs) == (None, None):
+        return d
+    pages = max(d.kv_blocks, shape.max_blocks * shape.max_seqs)
+    ctx_pages = max(d.dkv_blocks, shape.max_ctx_blocks * shape.max_seqs)
+    return PoolSizes(max_seq_len=shape.max_seq_len, max_seqs=shape.max_seqs, kv_blocks=pages, dkv_blocks=ctx_pages)
 
 
 def read_prompt(args) -> str:
@@ -80,7 +87,8 @@ def run(args) -> int:
         raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason})") from None
     ks = checked_widths(args)
     rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
-                             dtype=args.dtype, compile_steps=args.compile, export_dir=args.engines)
+                             dtype=args.dtype, compile_steps=args.compile, export_dir=args.engines,
+                             gpu_memory_utilization=args.gpu_memory_utilization)
     ids = codec.encode(text)
     try:
         rt.check_prompt(ids)

@@ -17,6 +17,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=int, default=None, help="drafts per step (default block_size-1)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no drafter steps)")
     p.add_argument("--max-seq-len", type=int, default=None, help="positions per sequence (prompt + new + verify)")
+    p.add_argument("--max-seqs", type=int, default=None, help="sequences decoded together (state slots; default 4)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="cuda + torch: KV pools take what this fraction of the GPU's memory leaves after the weights")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-queue", type=int, default=64,
@@ -44,8 +47,9 @@ def build_state(args):
     from dflash_trt.runtime.load import load_runtime
 
     ks = checked_widths(args)
-    rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=run_sizes(args.max_seq_len), ks=ks,
-                             device=args.device, dtype=args.dtype)
+    rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=run_sizes(args.max_seq_len, args.max_seqs),
+                             ks=ks, device=args.device, dtype=args.dtype,
+                             gpu_memory_utilization=args.gpu_memory_utilization)
     source = source if source is not None else find_template(args.model)
     template = ChatTemplate(source, special_tokens(args.model)) if source is not None else None
     loop = EngineLoop(Engine(rt, codec, gamma=args.gamma, spec=not args.no_spec), Metrics(), args.max_queue).start()
