@@ -116,3 +116,19 @@ def test_no_logprobs_no_logits(pair, monkeypatch):
 def test_bad_logprobs_refused(k):
     with pytest.raises(SamplingError, match="logprobs"):
         SamplingParams(logprobs=k)
+
+
+def test_llm_logprobs_equal_transformers(hf):
+    from dflash_trt import LLM, SamplingParams as Params
+
+    llm = LLM(TARGET, DRAFTER)
+    prompt = "class Stack:\n    def push(self, item):\n"
+    out = llm.generate(prompt, Params(max_tokens=N, logprobs=3, n=2, temperature=0.7, seed=5))[0]
+    ids = list(out.prompt_token_ids)
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids) and c.finish_reason == "length"
+        ref = reference(hf, ids, list(c.token_ids))
+        want = ref.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor([e.logprob for e in c.logprobs]), want, atol=1e-4)
+        assert [[i for i, _ in e.top] for e in c.logprobs] == ref.topk(3, -1).indices.tolist()
+    assert llm.generate(prompt, Params(max_tokens=4))[0].outputs[0].logprobs is None
