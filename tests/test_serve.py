@@ -242,6 +242,9 @@ def test_client_closing_stream_releases_request(client, server):
     stream = client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=1800, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
+    deadline = time.time() + 10  # /health is the engine's snapshot after its step: the chunk may arrive first
+    while health(server)["running"] != 1 and time.time() < deadline:
+        time.sleep(0.05)
     assert health(server)["running"] == 1
     stream.close()
     deadline = time.time() + 30
