@@ -2,6 +2,7 @@
 completions and chat, streamed and not, equal `LLM.generate` greedy; stop strings; n=2 with a seed; 8 concurrent
 clients x 4 requests; bad parameters (400, the next request fine), a full queue (503); a client that closes its
 stream mid-way has its request released; the pools are full afterwards (/health)."""
+import contextlib
 import json
 import os
 import socket
@@ -34,13 +35,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
-    port = _free_port()
+@contextlib.contextmanager
+def served(args: list, port: int | None = None):
+    """`dflash-trt serve ARGS --port PORT` (a free port by default) in a subprocess; yields its URL once /health
+    answers, stops it after."""
+    port = port or _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", "--model", TARGET, "--drafter", DRAFTER,
-                             "--port", str(port), "--max-queue", str(MAX_QUEUE)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", *args, "--port", str(port)], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
@@ -52,12 +54,20 @@ def server():
                 proc.kill()
                 pytest.fail(f"server did not start:\n{proc.stdout.read()}")
             time.sleep(0.3)
-    yield url
-    proc.terminate()
     try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with served(["--model", TARGET, "--drafter", DRAFTER, "--max-queue", str(MAX_QUEUE)]) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
