@@ -132,3 +132,22 @@ def test_llm_logprobs_equal_transformers(hf):
         assert torch.allclose(torch.tensor([e.logprob for e in c.logprobs]), want, atol=1e-4)
         assert [[i for i, _ in e.top] for e in c.logprobs] == ref.topk(3, -1).indices.tolist()
     assert llm.generate(prompt, Params(max_tokens=4))[0].outputs[0].logprobs is None
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_logprobs_equal_cpu(pair):
+    """The CUDA-graph executor's logprobs keys (captured) report the CPU host executor's values."""
+    from dflash_trt import load_runtime
+
+    codec = pair[2]
+    ids = codec.encode("def fibonacci(n):\n    ")
+    want = run(runtime(pair), [(ids, dict(logprobs=K))])[0]
+    gpu, _ = load_runtime(TARGET, DRAFTER, "torch", device="cuda", dtype="float32")
+    plain = run(gpu, [(ids, {})])[0]
+    assert all(k[-1] != "logprobs" for k in gpu.executor.buffers)  # nothing asked: no logprobs key ran
+    got = run(gpu, [(ids, dict(logprobs=K))])[0]
+    assert got.tokens == want.tokens == plain.tokens and gpu.executor.graphs
+    assert all(gpu.executor.graphs[k] is not None for k in gpu.executor.buffers if k[-1] == "logprobs")
+    # fp32 on both; the GPU's reductions run in another order
+    assert np.allclose([e.logprob for e in got.logprobs], [e.logprob for e in want.logprobs], atol=1e-3)
+    assert [[i for i, _ in e.top] for e in got.logprobs] == [[i for i, _ in e.top] for e in want.logprobs]
