@@ -102,8 +102,10 @@ class StepResult:
     """What comes back from a step, per bucket row: tokens [B,K] (the target argmax: accepted drafts equal it,
     and the bonus is the argmax at the first mismatch, so the emitted tokens are tokens[b, :n[b]]); n [B]
     committed rows (0 for padding); ctx_start / ctx_len [B]: the drafter window the step attended
-    (rows [kv_start, kv_len) of the ctx pages), reported so tests can check it against the host's."""
+    (rows [kv_start, kv_len) of the ctx pages), reported so tests can check it against the host's; logprobs: the
+    tokens' logprobs and top alternatives (runtime/logprobs.py's numpy triple) when a row asked for them, else None."""
     tokens: np.ndarray
     n: np.ndarray
     kv_start: np.ndarray | None = None
     kv_len: np.ndarray | None = None
+    logprobs: tuple | None = None

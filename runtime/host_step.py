@@ -13,6 +13,7 @@ import numpy as np
 from dflash_trt.abi import DRAFTER_CTX, PREFILL, target_graph
 from dflash_trt.runtime.batching import DECODE, SPEC, StepPlan, StepResult, pad_rows, prefill_rows, step_tables
 from dflash_trt.runtime.commit import WriteTables, write
+from dflash_trt.runtime.logprobs import first_tokens, logprobs_k, to_numpy, token_logprobs
 from dflash_trt.runtime.sampling import SamplingError, row_params, samples
 from dflash_trt.runtime.step_recipe import NP, ctx_window, greedy_accept, positions, propose, target_inputs, verify
 
@@ -37,8 +38,8 @@ class HostStepExecutor:
         return x
 
     def _run(self, graph, inputs, logits: bool):
-        """backend.run, with the graph's logits when the step samples (the torch backend emits them while its
-        want_logits is set; exported graphs carry them unless exported with --no-logits)."""
+        """backend.run, with the graph's logits when the step samples or reports logprobs (the torch backend emits
+        them while its want_logits is set; exported graphs carry them unless exported with --no-logits)."""
         be = self.rt.backend
         if not logits:
             return be.run(graph, inputs)
@@ -49,8 +50,9 @@ class HostStepExecutor:
         finally:
             be.want_logits = prev
         if "logits" not in out:
-            raise SamplingError(f"graph {graph} of the {be.name} backend emits no logits, so it "
-                                f"cannot sample; re-export without --no-logits, or use temperature 0")
+            raise SamplingError(f"graph {graph} of the {be.name} backend emits no logits, so it cannot sample "
+                                f"or report logprobs; re-export without --no-logits, or use temperature 0 "
+                                f"without logprobs")
         return out
 
     def _target(self, graph, x, ids, valid=None, logits=False):
@@ -88,14 +90,16 @@ class HostStepExecutor:
         x = self._rows(rows)
         pr = prefill_rows(seqs, chunks, self.rt.sizes.prefill_chunk)
         valid = pr["valid"]
-        sampled = samples(rows)
-        out = self._target(PREFILL, x, pr["ids"], valid, logits=sampled)
+        sampled, lp = samples(rows), logprobs_k(rows) is not None
+        out = self._target(PREFILL, x, pr["ids"], valid, logits=sampled or lp)
         self._commit(x, out, valid)
         last = (np.arange(len(rows)), np.maximum(valid - 1, 0))
         if sampled:  # the first new token, at position seq_len + len(chunk)
             first = self._sampler(rows).first(out["logits"][last], x["seq_len"] + valid)
         else:
             first = out["argmax"][last]
+        if lp:
+            return first_tokens(first[: len(seqs)], _logprobs(out["logits"][last], first))
         return [int(t) for t in first[: len(seqs)]]
 
     def _sampler(self, rows):
@@ -113,8 +117,10 @@ class HostStepExecutor:
         live = plan.live
         bonus = np.array([s.bonus if s else 0 for s in plan.rows], dtype=np.int64)
         smp = self._sampler(plan.rows) if samples(plan.rows) else None  # None: greedy, numpy only
+        lp = logprobs_k(plan.rows) is not None
+        logits = smp is not None or lp
         if plan.kind == DECODE:
-            out = self._target(target_graph(1), x, bonus[:, None], logits=smp is not None)
+            out = self._target(target_graph(1), x, bonus[:, None], logits=logits)
             n = live.copy()
             tokens = out["argmax"] if smp is None else smp.first(out["logits"][:, 0], x["seq_len"] + 1)[:, None]
         elif plan.kind == SPEC:
@@ -125,7 +131,7 @@ class HostStepExecutor:
                 drafts = dout["drafts"][:, :g]
             else:  # drafts drawn from the drafter's per-slot q (slot j predicts position seq_len + j)
                 drafts = smp.drafts(dout["logits"][:, 1:plan.K], x["seq_len"])
-            out = verify(NP, self._run, x, bonus, drafts, pos, rt.pools, smp is not None)
+            out = verify(NP, self._run, x, bonus, drafts, pos, rt.pools, logits)
             if smp is None:
                 n = greedy_accept(NP, drafts, out["argmax"], live)
                 tokens = out["argmax"]
@@ -135,7 +141,9 @@ class HostStepExecutor:
         else:
             raise ValueError(f"unknown step kind {plan.kind!r}")
         self._commit(x, out, n)
-        return StepResult(np.asarray(tokens, dtype=np.int64), n, x.get("kv_start"), x.get("kv_len"))
+        tokens = np.asarray(tokens, dtype=np.int64)
+        return StepResult(tokens, n, x.get("kv_start"), x.get("kv_len"),
+                          _logprobs(out["logits"], tokens) if lp else None)
 
     def collect(self, pending):
         return pending  # already done: launches are synchronous
@@ -157,3 +165,11 @@ class HostStepExecutor:
 
     def adopt(self, seq) -> None:
         """A sequence whose state was put into the pools from outside (restore): nothing to do here."""
+
+
+def _logprobs(logits, tokens) -> tuple:
+    """token_logprobs on graph outputs (numpy or torch) -> the numpy triple."""
+    import torch
+
+    lg = logits if isinstance(logits, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(logits))
+    return to_numpy(token_logprobs(lg, torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=lg.device)))

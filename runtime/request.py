@@ -18,6 +18,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     tokens: list[int] = field(default_factory=list)  # generated so far (first one from the prefill)
+    logprobs: list = field(default_factory=list)  # a runtime.logprobs.TokenLogprob per token when sampling asks
     seq: object = None  # runtime.sequence.Sequence while admitted
     status: str = WAITING
     finish_reason: str | None = None  # "eos" | "length" | "released" | "error"

@@ -327,12 +327,13 @@ class Runtime:
     # ---- continuous batching (one K per batch) -----------------------------------------------
     def add_request(self, prompt, max_new_tokens: int, gamma: int | None = None, spec: bool = True, *,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                    seed: int | None = None, ignore_eos: bool = False):
+                    seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None):
         """Queue a request for batched decoding; step() advances every running request by one step.
         temperature > 0 samples (top_k / top_p / min_p filter, seed reproduces; runtime/sampling.py); greedy and
         sampling requests share batches. Bad sampling parameters raise SamplingError before anything is queued.
-        ignore_eos: the request runs to max_new_tokens through EOS tokens."""
-        sp = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        ignore_eos: the request runs to max_new_tokens through EOS tokens. logprobs k: req.logprobs gets each
+        token's logprob and top k under the target's raw distribution (runtime/logprobs.py)."""
+        sp = SamplingParams(temperature, top_k, top_p, min_p, seed, logprobs)
         use_spec = spec and self.dcfg is not None
         gamma = gamma if gamma is not None else (self.dcfg.block_size - 1 if use_spec else 0)
         if use_spec:

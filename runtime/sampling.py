@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dflash_trt.optional import require_torch
+from dflash_trt.runtime.logprobs import LOGPROBS_MAX
 
 # draw purposes (the third key of uniform): independent streams per position
 TOKEN, DRAFT, ACCEPT, RESIDUAL = 1, 2, 3, 4
@@ -48,15 +49,17 @@ def _real(name, v) -> float:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one sequence picks its tokens. temperature 0 = greedy (the other fields are then ignored);
-    top_k 0 = off; top_p 1 = off; min_p 0 = off; seed None = drawn at random when the request is queued
-    (`resolved()`), so every request has a seed that reproduces it."""
+    """How one sequence picks its tokens, and what it reports of them. temperature 0 = greedy (the other fields are
+    then ignored); top_k 0 = off; top_p 1 = off; min_p 0 = off; seed None = drawn at random when the request is
+    queued (`resolved()`), so every request has a seed that reproduces it. logprobs k (0..LOGPROBS_MAX): each emitted
+    token's logprob and its position's top k under the target's raw distribution (runtime/logprobs.py); None: none."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         t = _real("temperature", self.temperature)
@@ -73,10 +76,16 @@ class SamplingParams:
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s < 2**SEED_BITS):
             raise SamplingError(f"seed must be an integer in [0, 2^{SEED_BITS}), got {s!r}")
+        k = self.logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 0 <= k <= LOGPROBS_MAX):
+            raise SamplingError(f"logprobs must be an integer in [0, {LOGPROBS_MAX}] (alternatives per token), "
+                                f"got {k!r}")
         for f, v in (("temperature", t), ("top_k", int(self.top_k)), ("top_p", p), ("min_p", m)):
             object.__setattr__(self, f, v)
         if s is not None:
             object.__setattr__(self, "seed", int(s))
+        if k is not None:
+            object.__setattr__(self, "logprobs", int(k))
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +96,8 @@ class SamplingParams:
         so a sampling request in an install without torch (the sampling math) is refused before any step runs."""
         if not self.greedy:
             require_torch("sampling (temperature > 0)", SamplingError)
+        if self.logprobs is not None:
+            require_torch("logprobs", SamplingError)
         return self if self.seed is not None or self.greedy else replace(self, seed=secrets.randbits(SEED_BITS))
 
 

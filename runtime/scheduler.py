@@ -39,6 +39,7 @@ from dflash_trt.runtime import commit
 from dflash_trt.runtime.admission import PREFETCH, Admission
 from dflash_trt.runtime.batching import BUCKETS, DECODE, SPEC, StepPlan, pad_rows
 from dflash_trt.runtime.inflight import InFlightQueue, Join
+from dflash_trt.runtime.logprobs import row_entries
 from dflash_trt.runtime.page_budget import PageBudget
 from dflash_trt.runtime.pools import PoolExhausted
 from dflash_trt.runtime.request import FAILED, FINISHED, RUNNING, WAITING, Request
@@ -281,7 +282,7 @@ class Scheduler:
             self._launch_collected(launch.req)
             if launch.req.status == RUNNING:  # else it left while its prefill was in flight
                 launch.req.seq.bonus = int(result)
-                self._emit(launch.req, [launch.req.seq.bonus], touched)
+                self._emit(launch.req, [launch.req.seq.bonus], touched, getattr(result, "logprobs", None), 0)
             return
         self._collect_step(launch, result, touched)
 
@@ -319,14 +320,19 @@ class Scheduler:
             req.accepted.append(n - 1)
         if self.on_step is not None:
             self.on_step(self.rt, req, plan, result, row)
-        self._emit(req, new, touched)
+        self._emit(req, new, touched, result.logprobs, row)
 
-    def _emit(self, req: Request, new: list[int], touched) -> None:
-        """Append tokens, cut at max tokens / the first EOS; a request that is complete leaves."""
-        for token in new:
+    def _emit(self, req: Request, new: list[int], touched, logprobs=None, row: int = 0) -> None:
+        """Append tokens (and, when req asks, their logprobs: row `row` of the launch's numpy triple), cut at max
+        tokens / the first EOS; a request that is complete leaves."""
+        k = req.sampling.logprobs
+        entries = row_entries(logprobs, row, new, k) if k is not None and logprobs is not None else None
+        for j, token in enumerate(new):
             if len(req.tokens) >= req.max_new_tokens:
                 break
             req.tokens.append(token)
+            if entries is not None:
+                req.logprobs.append(entries[j])
             if token in self.rt.eos and not req.ignore_eos:
                 req.finish_reason = "eos"
                 break

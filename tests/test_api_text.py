@@ -18,7 +18,7 @@ TARGET = os.path.join(ROOT, "models", "target")
     ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"seed": -1}, "seed"),
     ({"stop": ""}, "stop"), ({"stop": ["a", 3]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": 5}, "stop_token_ids"), ({"ignore_eos": 1}, "ignore_eos"), ({"n": 0}, "n"),
-    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
 ])
 def test_params_refused_by_name(kwargs, field):
     with pytest.raises(ParamError) as e:

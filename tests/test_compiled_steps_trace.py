@@ -40,18 +40,44 @@ def _runs(rt, prompt):
             ((None, False, {}), (3, True, {}), (3, True, dict(temperature=1.0, top_k=8, seed=11)))]
 
 
-def test_compiled_steps_trace_whole_and_match_uncompiled(pair):
-    prompt = [int(x) for x in np.random.default_rng(2).integers(0, 250, 9)]
-    want = _runs(_runtime(pair), prompt)
+def _traced(pair, runs, prompt, graphs: int):
+    """(compiled runs, uncompiled runs, the compiled runtime) of runs(rt, prompt); every compiled key traced whole."""
+    want = runs(_runtime(pair), prompt)
     rt = _runtime(pair)
     compile_steps(rt.executor.steps, backend="aot_eager")
     counters = torch._dynamo.utils.counters
     counters.clear()
-    got = _runs(rt, prompt)
-    assert got == want
-    # prefill and decode K=1 greedy and sampled, spec K=4 greedy and sampled: one whole graph each (fullgraph)
-    assert counters["stats"]["unique_graphs"] >= 5, dict(counters["stats"])
+    got = runs(rt, prompt)
+    assert counters["stats"]["unique_graphs"] >= graphs, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+    return got, want, rt
+
+
+def test_compiled_steps_trace_whole_and_match_uncompiled(pair):
+    prompt = [int(x) for x in np.random.default_rng(2).integers(0, 250, 9)]
+    # prefill and decode K=1 greedy and sampled, spec K=4 greedy and sampled: one whole graph each (fullgraph)
+    got, want, _ = _traced(pair, _runs, prompt, 5)
+    assert got == want
+
+
+def _logprobs_runs(rt, prompt):
+    """A greedy and a sampled DFlash request asking for logprobs: (tokens, logprobs, top ids)."""
+    out = []
+    for kw in (dict(gamma=3), dict(gamma=3, temperature=1.0, top_k=8, seed=11)):
+        req = rt.add_request(prompt, N_NEW, logprobs=3, **kw)
+        while rt.has_work:
+            rt.step()
+        out.append((req.tokens, [e.logprob for e in req.logprobs], [[i for i, _ in e.top] for e in req.logprobs]))
+    return out
+
+
+def test_compiled_logprobs_steps_trace_whole_and_match_uncompiled(pair):
+    """The logprobs keys (log_softmax + top-k packed into the result rows) trace as one graph each, same values."""
+    prompt = [int(x) for x in np.random.default_rng(4).integers(0, 250, 9)]
+    got, want, rt = _traced(pair, _logprobs_runs, prompt, 4)  # prefill and spec, greedy and sampled
+    for (gt, gl, gi), (wt, wl, wi) in zip(got, want):
+        assert gt == wt and gi == wi and np.allclose(gl, wl, atol=1e-5) and len(gl) == N_NEW
+    assert any(k[-1] == "logprobs" for k in rt.executor.buffers)
 
 
 def test_failed_compile_falls_back_to_eager_with_correct_tokens(pair):

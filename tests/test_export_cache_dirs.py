@@ -2,6 +2,9 @@
 weights) records the caller's folder, so `compare` and rebuilds find the checkpoints."""
 import os
 import shutil
+import time
+
+import pytest
 
 from dflash_trt.export.onnx_export import ensure_export
 from dflash_trt.manifest import Manifest
@@ -93,3 +96,29 @@ def test_a_users_export_dir_runs_instead_of_the_cache(tmp_path, monkeypatch, cap
     assert "K [8] not exported" in capsys.readouterr().err
     assert main([*gen, "--backend", "torch", "--engines", out]) == 2
     assert "runs on the ort or trt backend" in capsys.readouterr().err
+    _serve_engines(out, t, d, ref, capsys)
+
+
+def _serve_engines(out, t, d, ref, capsys):
+    """`serve --engines DIR` loads that directory as generate does (its engine loop answers, refused alike)."""
+    import argparse
+
+    from dflash_trt.api.params import SamplingParams
+    from dflash_trt.cli import main
+    from dflash_trt.serve.command import add_args, build_state
+
+    pytest.importorskip("fastapi")
+    p = argparse.ArgumentParser()
+    add_args(p)
+    state = build_state(p.parse_args(["--model", t, "--drafter", d, "--backend", "ort", "--engines", out]))
+    try:
+        assert state.loop.engine.rt.backend.manifest.root == os.path.abspath(out)
+        tracks = state.loop.submit([state.codec.encode("def f(x):")], SamplingParams(max_tokens=8), None).result(60)
+        deadline = time.time() + 60
+        while not tracks[0].finished and time.time() < deadline:
+            time.sleep(0.05)
+        assert tracks[0].text.strip() == ref.strip()
+    finally:
+        state.loop.close()
+    assert main(["serve", "--model", t, "--drafter", d, "--backend", "ort", "--engines", out, "--gamma", "7"]) == 2
+    assert "K [8] not exported" in capsys.readouterr().err

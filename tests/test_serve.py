@@ -2,6 +2,7 @@
 completions and chat, streamed and not, equal `LLM.generate` greedy; stop strings; n=2 with a seed; 8 concurrent
 clients x 4 requests; bad parameters (400, the next request fine), a full queue (503); a client that closes its
 stream mid-way has its request released; the pools are full afterwards (/health)."""
+import contextlib
 import json
 import os
 import socket
@@ -34,13 +35,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
-    port = _free_port()
+@contextlib.contextmanager
+def served(args: list, port: int | None = None):
+    """`dflash-trt serve ARGS --port PORT` (a free port by default) in a subprocess; yields its URL once /health
+    answers, stops it after."""
+    port = port or _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", "--model", TARGET, "--drafter", DRAFTER,
-                             "--port", str(port), "--max-queue", str(MAX_QUEUE)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", *args, "--port", str(port)], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
@@ -52,12 +54,20 @@ def server():
                 proc.kill()
                 pytest.fail(f"server did not start:\n{proc.stdout.read()}")
             time.sleep(0.3)
-    yield url
-    proc.terminate()
     try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with served(["--model", TARGET, "--drafter", DRAFTER, "--max-queue", str(MAX_QUEUE)]) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +153,38 @@ def test_stop_strings(client, llm):
     assert "".join(c.choices[0].text for c in chunks) == want.text
 
 
+def test_logprobs_equal_llm(client, llm, server):
+    """logprobs (completions: k; chat: logprobs + top_logprobs), streamed and not, are LLM.generate's values (which
+    tests/test_logprobs.py checks against transformers)."""
+    want = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, logprobs=3))[0].outputs[0]
+    lps, tops = [e.logprob for e in want.logprobs], [[llm.codec.decode([i]) for i, _ in e.top] for e in want.logprobs]
+    r = client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [llm.codec.decode([t]) for t in want.token_ids]
+    assert lp.token_logprobs == pytest.approx(lps, abs=1e-5) and [list(d) for d in lp.top_logprobs] == tops
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len(want.text) - len(lp.tokens[-1])
+    chunks = list(client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                            logprobs=3, stream=True))
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    offsets = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.text_offset]
+    assert streamed == pytest.approx(lps, abs=1e-5) and offsets == lp.text_offset
+    messages = [{"role": "user", "content": "Write a stack class."}]
+    want = llm.chat(messages, SamplingParams(max_tokens=12, logprobs=2))[0].outputs[0]
+    r = client.chat.completions.create(model="target", messages=messages, max_tokens=12, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+    assert [len(c.top_logprobs) for c in content] == [2] * len(want.token_ids)
+    assert "".join(c.token for c in content) == want.text  # the shipped tokenizer: whole characters
+    chunks = client.chat.completions.create(model="target", messages=messages, max_tokens=12, temperature=0,
+                                            logprobs=True, stream=True)
+    streamed = [x.logprob for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+    r = client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert r.choices[0].logprobs is None
+    assert_pools_full(server)
+
+
 def test_n_and_seed(client):
     kw = dict(model="target", prompt=PROMPTS[1], max_tokens=20, temperature=0.9, seed=77, n=2)
     a, b = client.completions.create(**kw), client.completions.create(**kw)
@@ -187,8 +229,11 @@ def test_bad_requests_then_fine(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="target", prompt="x", max_tokens=100000)
     assert e.value.body["code"] == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.completions.create(model="target", prompt="x", max_tokens=4, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs") as e:
+        client.completions.create(model="target", prompt="x", max_tokens=4, logprobs=21)
+    assert e.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="target", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="role robot") as e:
         client.chat.completions.create(model="target", messages=[{"role": "robot", "content": "x"}])
     assert e.value.body["param"] == "messages"
@@ -207,6 +252,9 @@ def test_client_closing_stream_releases_request(client, server):
     stream = client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=1800, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
+    deadline = time.time() + 10  # /health is the engine's snapshot after its step: the chunk may arrive first
+    while health(server)["running"] != 1 and time.time() < deadline:
+        time.sleep(0.05)
     assert health(server)["running"] == 1
     stream.close()
     deadline = time.time() + 30

@@ -31,8 +31,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="torch", choices=["torch", "ort", "trt"],
                    help="trt: TensorRT engines on the GPU (TensorRT-RTX: CC 8.0/8.6/8.9/12.x; full TensorRT: Hopper)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (pools on the GPU, one CUDA graph per step)")
-    p.add_argument("--engines", default=None, metavar="DIR",
-                   help="ort / trt: run this `dflash-trt export --out` directory instead of the cached export")
+    add_engines_arg(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model / KV dtype on cuda (default float32; CPU runs float32)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
@@ -41,6 +40,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="cuda + torch: prefill/decode/spec steps through Inductor "
                         "(faster steps, after a compile per step shape)")
+
+
+def add_engines_arg(p) -> None:
+    """--engines DIR, as generate and serve take it."""
+    p.add_argument("--engines", default=None, metavar="DIR",
+                   help="ort / trt: run this `dflash-trt export --out` directory instead of the cached export")
+
+
+def runtime_of(args, compile_steps: bool = False, max_seqs: int | None = None):
+    """(runtime, codec) of a command's --model / --drafter / --gamma / --no-spec / --backend / --device / --dtype /
+    --max-seq-len / --engines / --gpu-memory-utilization, the arguments checked before any weight loads. With
+    --engines and no --max-seq-len, the export's own sizes."""
+    sizes = (run_sizes(args.max_seq_len, max_seqs) if args.engines is None or args.max_seq_len is not None
+             or max_seqs is not None else None)
+    ks = checked_widths(args)
+    return load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
+                        dtype=args.dtype, compile_steps=compile_steps, export_dir=args.engines,
+                        gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def checked_widths(args) -> tuple:
@@ -79,16 +96,12 @@ def run(args) -> int:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.compile and (args.device == "cpu" or args.backend != "torch"):
         raise UsageError("--compile compiles the torch backend's GPU steps: it needs --device cuda --backend torch")
-    sizes = run_sizes(args.max_seq_len) if args.engines is None or args.max_seq_len is not None else None
     sp = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed).resolved()
     try:
         text = read_prompt(args)
     except UnicodeDecodeError as e:
         raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason})") from None
-    ks = checked_widths(args)
-    rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
-                             dtype=args.dtype, compile_steps=args.compile, export_dir=args.engines,
-                             gpu_memory_utilization=args.gpu_memory_utilization)
+    rt, codec = runtime_of(args, args.compile)
     ids = codec.encode(text)
     try:
         rt.check_prompt(ids)

@@ -28,6 +28,7 @@ class Track:
     stops: StopStrings
     submitted: float
     token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # per token of token_ids when params.logprobs is set
     text: str = ""
     sent: int = 0
     sent_tokens: int = 0
@@ -83,7 +84,7 @@ class Engine:
             self.rt.gate.reset()
         req = self.rt.add_request(ids, max_tokens, self.gamma if self.spec else None, self.spec,
                                   temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
-                                  seed=sp.seed, ignore_eos=params.ignore_eos)
+                                  seed=sp.seed, ignore_eos=params.ignore_eos, logprobs=sp.logprobs)
         track = Track(req, params, index, IncrementalDetokenizer(self.codec.decode), StopStrings(params.stop),
                       time.perf_counter())
         self.live.append(track)
@@ -121,6 +122,8 @@ class Engine:
         for tok in new:
             if t.first_token_s is None:
                 t.first_token_s = time.perf_counter() - t.submitted
+            if t.params.logprobs is not None:  # the runtime appends a token's logprobs with it
+                t.logprobs.append(t.req.logprobs[len(t.token_ids)])
             t.token_ids.append(tok)
             if tok in t.params.stop_token_ids:
                 t.stop_reason = tok

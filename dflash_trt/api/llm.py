@@ -109,7 +109,9 @@ class LLM:
         outs = []
         for item, ids, tracks in zip(items, encoded, per_prompt):
             comps = tuple(CompletionOutput(t.index, t.text, tuple(t.token_ids), t.finish_reason, t.stop_reason,
-                                           t.tau, t.req.steps) for t in tracks)
+                                           t.tau, t.req.steps,
+                                           tuple(t.logprobs) if t.params.logprobs is not None else None)
+                          for t in tracks)
             outs.append(RequestOutput(self._next_id, item if isinstance(item, str) else None, tuple(ids), comps,
                                       min(t.first_token_s or 0.0 for t in tracks), max(t.seconds for t in tracks)))
             self._next_id += 1

@@ -10,7 +10,9 @@ class CompletionOutput:
     stop_reason: the stop string or stop token id that ended it (None for EOS and "length").
     token_ids: every generated token, the one that stopped it included (a stop string's tokens too: the text ends
     before the stop string, the tokens are what the model emitted). tau: tokens per speculative step (accepted drafts
-    + 1; 0.0 without spec steps); steps: target launches after the prefill."""
+    + 1; 0.0 without spec steps); steps: target launches after the prefill. logprobs (SamplingParams.logprobs set):
+    one `TokenLogprob(token_id, logprob, top)` per token of token_ids, top = ((token id, logprob), ...) best first
+    (dflash_trt.runtime.logprobs); None when not asked."""
 
     index: int
     text: str
@@ -19,6 +21,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     tau: float = 0.0
     steps: int = 0
+    logprobs: tuple | None = None
 
 
 @dataclass(frozen=True)

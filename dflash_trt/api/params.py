@@ -1,8 +1,8 @@
 """`SamplingParams` of the front door: what a caller asks of one prompt's completions, validated when built.
 
-The token-picking fields (temperature, top_k, top_p, min_p, seed) are checked by the runtime's own
+The token-picking fields (temperature, top_k, top_p, min_p, seed) and logprobs are checked by the runtime's own
 `dflash_trt.runtime.sampling.SamplingParams`, so the front door and `Runtime.add_request` accept exactly the same
-values; the rest (max_tokens, stop, stop_token_ids, ignore_eos, n, logprobs) are the front door's."""
+values; the rest (max_tokens, stop, stop_token_ids, ignore_eos, n) are the front door's."""
 from __future__ import annotations
 
 import hashlib
@@ -48,7 +48,10 @@ class SamplingParams:
     stop_token_ids: tokens that end the completion (kept in token_ids, not in the text), like EOS.
     ignore_eos: EOS does not end the completion.
     n: independent completions of the prompt.
-    logprobs: refused: the runtime's steps return tokens only, not the target's distribution per emitted token."""
+    logprobs: k in 0..20: each completion's `logprobs` holds, per generated token, its logprob and the k most likely
+      tokens at its position (0: the token's own only), under the target's raw distribution (log_softmax of its
+      logits, before temperature / top_k / top_p / min_p, as vLLM reports them); exact under speculation: the same
+      values plain decoding gives. None: not computed (no cost)."""
 
     max_tokens: int | None = 16
     temperature: float = 0.0
@@ -66,10 +69,10 @@ class SamplingParams:
         if self.max_tokens is not None:
             object.__setattr__(self, "max_tokens", _int("max_tokens", self.max_tokens, 1))
         try:
-            tok = TokenSampling(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
+            tok = TokenSampling(self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.logprobs)
         except SamplingError as e:  # its messages start with the field's name
             raise ParamError(str(e).split()[0], str(e)) from None
-        for f in ("temperature", "top_k", "top_p", "min_p", "seed"):
+        for f in ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs"):
             object.__setattr__(self, f, getattr(tok, f))
         object.__setattr__(self, "stop", () if self.stop is None else _strings("stop", self.stop))
         ids = () if self.stop_token_ids is None else self.stop_token_ids
@@ -79,14 +82,11 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ParamError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         object.__setattr__(self, "n", _int("n", self.n, 1))
-        if self.logprobs is not None:
-            raise ParamError("logprobs", "logprobs are not supported: the runtime's steps return the emitted tokens, "
-                                         "not the target's distribution for each of them")
 
     def token_sampling(self, index: int = 0) -> TokenSampling:
         """The runtime's parameters for sample `index` of this prompt."""
         seed = None if self.seed is None else sample_seed(self.seed, index)
-        return TokenSampling(self.temperature, self.top_k, self.top_p, self.min_p, seed)
+        return TokenSampling(self.temperature, self.top_k, self.top_p, self.min_p, seed, self.logprobs)
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -54,8 +54,12 @@ class Submission:
         self.tracks: list = []
 
     def sink(self, track, delta: str, tokens: list) -> None:
-        """Engine thread: the finish reason is read here, with the delta it belongs to (the track moves on)."""
-        self.aio.call_soon_threadsafe(self.queue.put_nowait, (track, delta, track.finish_reason))
+        """Engine thread: the finish reason and the logprobs of the delta's tokens (None: not asked) are read here,
+        with the delta they belong to (the track moves on)."""
+        lps = None
+        if track.params.logprobs is not None:
+            lps = track.logprobs[track.sent_tokens - len(tokens):track.sent_tokens]
+        self.aio.call_soon_threadsafe(self.queue.put_nowait, (track, delta, track.finish_reason, lps))
 
     async def start(self, prompt_ids: list, params) -> None:
         fut = self.state.loop.submit(prompt_ids, params, self.sink)
@@ -138,7 +142,7 @@ class Handlers:
         if any(t.finish_reason == "abort" for t in sub.tracks):
             return JSONResponse(protocol.error_body("client disconnected", "server_error"), status_code=499)
         make = protocol.chat_body if chat else protocol.completion_body
-        return JSONResponse(make(rid, self.state.model_name, sub.tracks, lens))
+        return JSONResponse(make(rid, self.state.model_name, sub.tracks, lens, self.state.codec.decode))
 
     @staticmethod
     async def wait_all(request, sub: Submission) -> None:
@@ -146,7 +150,7 @@ class Handlers:
         left = len(sub.tracks)
         while left:
             try:
-                _, _, finish = await asyncio.wait_for(sub.queue.get(), DISCONNECT_POLL_S)
+                _, _, finish, _ = await asyncio.wait_for(sub.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     return
@@ -156,27 +160,38 @@ class Handlers:
     async def stream(self, sub: Submission, rid: str, chat: bool, lens: list, include_usage: bool):
         """Server-sent events: per track its text deltas, then its finish_reason; `data: [DONE]` at the end."""
         model = self.state.model_name
+        offsets = [0] * len(sub.tracks)  # per track: text_offset of its next token (completions logprobs)
         try:
             if chat:
                 for i in range(len(sub.tracks)):
                     yield sse(protocol.chat_chunk(rid, model, i, {"role": "assistant", "content": ""}, None))
             left = len(sub.tracks)
             while left:
-                track, delta, finish = await sub.queue.get()
+                track, delta, finish, lps = await sub.queue.get()
                 left -= finish is not None
                 if finish == "error":
                     yield sse(classify(track.error)[1])
                     continue
                 i = sub.index[id(track)]
-                if delta or finish:
-                    yield sse(protocol.chat_chunk(rid, model, i, {"content": delta} if delta else {}, finish) if chat
-                              else protocol.completion_chunk(rid, model, i, delta, finish))
+                if delta or finish or lps:
+                    yield sse(self.chunk(rid, chat, i, delta, finish, lps, offsets))
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                            "model": model, "choices": [], "usage": protocol.usage(lens, sub.tracks)})
             yield "data: [DONE]\n\n"
         finally:
             sub.abort()  # the client closed the stream (the generator is cancelled/closed): release its requests
+
+    def chunk(self, rid: str, chat: bool, i: int, delta: str, finish, lps, offsets: list) -> dict:
+        """One stream chunk of track i: its text delta, finish reason and its new tokens' logprobs."""
+        model, decode = self.state.model_name, self.state.codec.decode
+        if chat:
+            return protocol.chat_chunk(rid, model, i, {"content": delta} if delta else {}, finish,
+                                       protocol.chat_logprobs(lps, decode) if lps else None)
+        lp = protocol.completion_logprobs(lps, decode, offsets[i]) if lps else None
+        if lp is not None:
+            offsets[i] += sum(len(t) for t in lp["tokens"])
+        return protocol.completion_chunk(rid, model, i, delta, finish, lp)
 
 
 def build_app(state: ServerState):

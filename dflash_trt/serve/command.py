@@ -5,6 +5,7 @@ import argparse
 import os
 
 from dflash_trt.log import progress
+from dflash_trt.tools.generate import add_engines_arg
 from dflash_trt.runtime.load import UsageError
 
 
@@ -14,6 +15,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="torch", choices=["torch", "ort", "trt"])
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_engines_arg(p)
     p.add_argument("--gamma", type=int, default=None, help="drafts per step (default block_size-1)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no drafter steps)")
     p.add_argument("--max-seq-len", type=int, default=None, help="positions per sequence (prompt + new + verify)")
@@ -36,7 +38,7 @@ def build_state(args):
     from dflash_trt.serve.loop import EngineLoop
     from dflash_trt.serve.metrics import Metrics
     from dflash_trt.serve.protocol import generation_defaults
-    from dflash_trt.tools.generate import checked_widths, run_sizes
+    from dflash_trt.tools.generate import runtime_of
 
     if args.max_queue < 1:
         raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
@@ -44,12 +46,7 @@ def build_state(args):
     if args.chat_template is not None:
         with open(args.chat_template, encoding="utf-8") as f:  # OSError: one line from the CLI
             source = f.read()
-    from dflash_trt.runtime.load import load_runtime
-
-    ks = checked_widths(args)
-    rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=run_sizes(args.max_seq_len, args.max_seqs),
-                             ks=ks, device=args.device, dtype=args.dtype,
-                             gpu_memory_utilization=args.gpu_memory_utilization)
+    rt, codec = runtime_of(args, max_seqs=args.max_seqs)
     source = source if source is not None else find_template(args.model)
     template = ChatTemplate(source, special_tokens(args.model)) if source is not None else None
     loop = EngineLoop(Engine(rt, codec, gamma=args.gamma, spec=not args.no_spec), Metrics(), args.max_queue).start()

@@ -1,7 +1,9 @@
 """OpenAI request bodies -> (prompts, SamplingParams, options), and the response / chunk / error shapes.
 
 A parameter the server cannot honour is refused by name (400), never silently ignored: penalties, logit_bias,
-echo, suffix, best_of != n, tools, logprobs. Unknown fields are ignored, as OpenAI-compatible servers do.
+echo, suffix, best_of != n, tools. Unknown fields are ignored, as OpenAI-compatible servers do.
+logprobs: completions take `logprobs: k` (0..20), chat `logprobs: true` with `top_logprobs: k`; the values are the
+target's raw distribution (SamplingParams.logprobs), in OpenAI's shapes, streamed chunks carrying their tokens' own.
 Non-OpenAI fields accepted as vLLM names them: top_k, min_p, stop_token_ids, ignore_eos, chat_template_kwargs,
 add_generation_prompt."""
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from dflash_trt.api.llm import normalize_prompts
 from dflash_trt.api.params import ParamError, SamplingParams
 from dflash_trt.config import read_json
+from dflash_trt.runtime.logprobs import LOGPROBS_MAX
 
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
@@ -39,13 +42,10 @@ class Parsed:
 def _refuse_unsupported(body: dict) -> None:
     for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
                           ("logit_bias", None), ("echo", False), ("suffix", None), ("tools", None),
-                          ("top_logprobs", None), ("functions", None)):
+                          ("functions", None)):
         v = body.get(name)
         if v not in (None, neutral) and v != {} and v != []:
             raise ParamError(name, f"{name} is not supported by this server")
-    if body.get("logprobs") not in (None, False):
-        raise ParamError("logprobs", "logprobs are not supported: the runtime's steps return the emitted tokens, "
-                                     "not the target's distribution for each of them")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise ParamError("response_format", "response_format other than {'type': 'text'} is not supported")
@@ -60,7 +60,25 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
-def sampling(body: dict, defaults: dict, max_tokens_default: int | None) -> SamplingParams:
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """The k of SamplingParams.logprobs: completions' `logprobs` (an integer), chat's `top_logprobs` under
+    `logprobs: true` (0 when only logprobs is set)."""
+    if not chat:
+        v = body.get("logprobs")
+        if isinstance(v, bool):  # a chat-style flag on the completions endpoint
+            raise ParamError("logprobs", f"logprobs must be an integer (alternatives per token) here, got {v!r}")
+        return v
+    top = body.get("top_logprobs")
+    if not _bool(body, "logprobs", False):
+        if top is not None:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+        return None
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= LOGPROBS_MAX):
+        raise ParamError("top_logprobs", f"top_logprobs must be an integer in [0, {LOGPROBS_MAX}], got {top!r}")
+    return 0 if top is None else top
+
+
+def sampling(body: dict, defaults: dict, max_tokens_default: int | None, chat: bool = False) -> SamplingParams:
     """The body's sampling fields as SamplingParams (missing or null: the defaults); ParamError names a bad one."""
     _refuse_unsupported(body)
     n, best_of = body.get("n"), body.get("best_of")
@@ -78,7 +96,7 @@ def sampling(body: dict, defaults: dict, max_tokens_default: int | None) -> Samp
                           top_k=0 if top_k == -1 else top_k,  # -1: vLLM's "off"
                           min_p=get("min_p", 0.0), seed=body.get("seed"), stop=body.get("stop"),
                           stop_token_ids=body.get("stop_token_ids"), ignore_eos=_bool(body, "ignore_eos", False),
-                          n=get("n", 1))
+                          n=get("n", 1), logprobs=_logprobs(body, chat))
 
 
 def _stream_opts(body: dict) -> tuple[bool, bool]:
@@ -109,7 +127,7 @@ def parse_chat(body: dict, defaults: dict) -> tuple[Parsed, dict]:
     if not isinstance(kwargs, dict):
         raise ParamError("chat_template_kwargs", f"chat_template_kwargs must be an object, got {kwargs!r}")
     kwargs = {**kwargs, "add_generation_prompt": _bool(body, "add_generation_prompt", True)}
-    return Parsed([], sampling(body, defaults, None), *_stream_opts(body)), kwargs
+    return Parsed([], sampling(body, defaults, None, chat=True), *_stream_opts(body)), kwargs
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -122,28 +140,60 @@ def usage(prompt_lens: list, tracks) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def completion_body(rid: str, model: str, tracks, prompt_lens: list) -> dict:
+def completion_logprobs(entries, decode, offset: int = 0) -> dict | None:
+    """OpenAI's completions logprobs of runtime.logprobs.TokenLogprob entries (None: not asked); token strings are
+    each token decoded alone; text_offset counts from `offset` (a stream's text before these tokens)."""
+    if entries is None:
+        return None
+    tokens = [decode([e.token_id]) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{decode([i]): lp for i, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def chat_logprobs(entries, decode) -> dict | None:
+    """OpenAI's chat logprobs ({"content": [...]}) of TokenLogprob entries; None: not asked."""
+    if entries is None:
+        return None
+
+    def item(tid, lp):
+        text = decode([tid])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def _entries(t):
+    return t.logprobs if t.params.logprobs is not None else None
+
+
+def completion_body(rid: str, model: str, tracks, prompt_lens: list, decode) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": t.text, "logprobs": None, "finish_reason": t.finish_reason}
-                        for i, t in enumerate(tracks)],
-            "usage": usage(prompt_lens, tracks)}
-
-
-def chat_body(rid: str, model: str, tracks, prompt_lens: list) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": t.text}, "logprobs": None,
+            "choices": [{"index": i, "text": t.text, "logprobs": completion_logprobs(_entries(t), decode),
                          "finish_reason": t.finish_reason} for i, t in enumerate(tracks)],
             "usage": usage(prompt_lens, tracks)}
 
 
-def completion_chunk(rid: str, model: str, index: int, text: str, finish: str | None) -> dict:
+def chat_body(rid: str, model: str, tracks, prompt_lens: list, decode) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": t.text},
+                         "logprobs": chat_logprobs(_entries(t), decode), "finish_reason": t.finish_reason}
+                        for i, t in enumerate(tracks)],
+            "usage": usage(prompt_lens, tracks)}
+
+
+def completion_chunk(rid: str, model: str, index: int, text: str, finish: str | None, logprobs=None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def chat_chunk(rid: str, model: str, index: int, delta: dict, finish: str | None) -> dict:
+def chat_chunk(rid: str, model: str, index: int, delta: dict, finish: str | None, logprobs=None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

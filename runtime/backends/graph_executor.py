@@ -9,7 +9,9 @@ seq_len / bonus itself), then collects step t.
 
 A step with a sampling sequence runs the key (kind, K, B, "sampled"): the same step with per-row sampling
 fields in its input buffer (floats as float64 bits, so one int64 copy still fills it) and the logits path;
-greedy steps keep their keys (kind, K, B) and graphs unchanged.
+greedy steps keep their keys (kind, K, B) and graphs unchanged. A step with a row that asks for logprobs runs the key
+(..., "logprobs"): a per-row `logprobs` field, and result rows that carry the tokens' packed logprobs
+(runtime/logprobs.py); the read-back grows only for those keys.
 
 Prefills run on a second stream (the device's side_stream, when the backend's kernels follow torch's current stream:
 `concurrent_prefill`): a joining request's prefill then runs beside the steps in flight instead of between them
@@ -33,6 +35,7 @@ import torch
 from dflash_trt.runtime.batching import (DECODE, PREFILL_STEP, SPEC, StepPlan, StepResult, pad_rows, prefill_rows,
                                          prefill_width, step_tables)
 from dflash_trt.runtime.backends.torch_fused_step import RESULT_EXTRA, SAMPLING_FIELDS
+from dflash_trt.runtime.logprobs import LOGPROBS_MAX, first_tokens, logprobs_k, packed_width, unpack
 from dflash_trt.runtime.sampling import row_params, samples
 
 STAGING_COPIES = 2  # a step's staging/readback pair is reused only after the step before last has landed
@@ -75,6 +78,7 @@ class StepBuffers:
         self.sets = [[dev.staging(total), dev.staging(int(np.prod(result_shape))), dev.new_event(), False]
                      for _ in range(STAGING_COPIES)]
         self.turn = 0
+        self.K, self.lp = None, False  # the key's token columns and whether it reports logprobs (set by entry)
         self.unread = [None] * STAGING_COPIES  # per set: the Pending whose result is only there
 
     def _cut(self, flat, name):
@@ -147,18 +151,25 @@ class GraphStepExecutor:
         self.on_capture = None  # progress callback(key) while graphs are captured
 
     # ---- buffers and graphs per key ----------------------------------------------------------
-    def _fields(self, kind, K, B, sampled=False):
+    @property
+    def top_width(self) -> int:
+        """Top alternatives a logprobs key computes per token (the host cuts each row to its own k)."""
+        return min(LOGPROBS_MAX, self.rt.tcfg.vocab_size)
+
+    def _fields(self, kind, K, B, sampled=False, lp=False):
         s = self.rt.sizes
         f = {"slot": (B,), "srow": (B,), "block_table": (B, s.max_blocks)}
         if sampled:
             f.update({k: (B,) for k in SAMPLING_FIELDS})
+        if lp:
+            f["logprobs"] = (B,)
         if self.rt.dcfg is not None:
             f.update(ctx_table=(B, self.rt.ctx_blocks), ctx_base=(B,))
         if kind == PREFILL_STEP:
             f.update(ids=(B, K), start=(B,), valid=(B,))
-            return f, (B, 2)
+            return f, (B, 2 + (packed_width(1, self.top_width) if lp else 0))
         f["live"] = (B,)
-        return f, (B, K + RESULT_EXTRA)
+        return f, (B, K + RESULT_EXTRA + (packed_width(K, self.top_width) if lp else 0))
 
     def _fn(self, kind, K):
         st = self.steps
@@ -168,15 +179,16 @@ class GraphStepExecutor:
             return st.decode
         return lambda b: st.spec(b, K - 1)
 
-    def entry(self, kind: str, K: int, B: int, sampled: bool = False):
+    def entry(self, kind: str, K: int, B: int, sampled: bool = False, lp: bool = False):
         """(buffers, run) of one key; builds the buffers and captures its graph on first use."""
-        key = (kind, K, B, "sampled") if sampled else (kind, K, B)
+        key = (kind, K, B) + (("sampled",) if sampled else ()) + (("logprobs",) if lp else ())
         buf = self.buffers.get(key)
         if buf is None:
-            fields, rshape = self._fields(kind, K, B, sampled)
+            fields, rshape = self._fields(kind, K, B, sampled, lp)
             dev = self.side if kind == PREFILL_STEP else self.dev
             buf = self.buffers[key] = StepBuffers(dev, fields, rshape)
-            self._fill_padding(buf, kind, B, sampled)
+            buf.K, buf.lp = K, lp  # what collect reads the result rows by
+            self._fill_padding(buf, kind, B, sampled, lp)
             fn = self._fn(kind, K)
             self.graphs[key] = None
             if self.use_graphs:
@@ -190,18 +202,19 @@ class GraphStepExecutor:
         graph = self.graphs[key]
         return buf, (graph if graph is not None else (lambda: fn(buf.views)))
 
-    def _fill_padding(self, buf, kind, B, sampled=False):
+    def _fill_padding(self, buf, kind, B, sampled=False, lp=False):
         """All-padding inputs (live 0 -> n 0, dummy state row): what warm-up and capture run on."""
-        vals = self._tables([None] * B, sampled)
+        vals = self._tables([None] * B, sampled, lp)
         if kind == PREFILL_STEP:
             vals.update(ids=np.zeros(buf.shapes["ids"]), start=np.zeros(B), valid=np.zeros(B))  # valid 0: n 0
         with buf.dev.on_stream():
             buf.fill(vals)
         buf.dev.synchronize()
 
-    def run_key(self, kind, K, B, values: dict, eager: bool = False, sampled: bool = False) -> np.ndarray:
+    def run_key(self, kind, K, B, values: dict, eager: bool = False, sampled: bool = False,
+                lp: bool = False) -> np.ndarray:
         """Run one key on explicit inputs and wait (tests: replay vs eager, bit for bit)."""
-        buf, run = self.entry(kind, K, B, sampled)
+        buf, run = self.entry(kind, K, B, sampled, lp)
         with buf.dev.on_stream():
             i = buf.fill(values)
             if eager:
@@ -249,11 +262,14 @@ class GraphStepExecutor:
             st.bonus[seq.slot] = int(seq.bonus if seq.bonus is not None else 0)
         self.dev.synchronize()
 
-    def _tables(self, rows, sampled=False):
+    def _tables(self, rows, sampled=False, lp=False):
         s = self.rt.sizes
         t = step_tables(rows, s.max_blocks, self.rt.ctx_blocks if self.rt.dcfg is not None else None, s.max_seqs)
         if sampled:  # floats travel as their float64 bits in the int64 buffer (fused step views them back)
             t.update({k: (v.view(np.int64) if v.dtype == np.float64 else v) for k, v in row_params(rows).items()})
+        if lp:  # each row's k (-1: none); the device computes top_width for every row, the host cuts
+            t["logprobs"] = np.array([-1 if q is None or q.sampling is None or q.sampling.logprobs is None
+                                      else q.sampling.logprobs for q in rows], dtype=np.int64)
         return t
 
     def launch_prefill(self, seqs, chunks: list[list[int]]) -> list:
@@ -264,10 +280,10 @@ class GraphStepExecutor:
         if self.rt.backend.any_prefill_width:
             C = prefill_width(max(map(len, chunks)), C)
         rows = pad_rows(seqs)
-        sampled = samples(rows)
-        vals = self._tables(rows, sampled)
+        sampled, lp = samples(rows), logprobs_k(rows) is not None
+        vals = self._tables(rows, sampled, lp)
         vals.update(prefill_rows(seqs, chunks, C))
-        buf, run = self.entry(PREFILL_STEP, C, len(rows), sampled)
+        buf, run = self.entry(PREFILL_STEP, C, len(rows), sampled, lp)
         with self.side.on_stream():
             t0 = self._mark(self.side)
             i = buf.fill(vals)
@@ -281,9 +297,9 @@ class GraphStepExecutor:
     def launch(self, plan: StepPlan):
         if plan.kind not in (SPEC, DECODE):
             raise ValueError(f"unknown step kind {plan.kind!r}")
-        sampled = samples(plan.rows)
-        buf, run = self.entry(plan.kind, plan.K, plan.bucket, sampled)
-        tables = self._tables(plan.rows, sampled)
+        sampled, lp = samples(plan.rows), logprobs_k(plan.rows) is not None
+        buf, run = self.entry(plan.kind, plan.K, plan.bucket, sampled, lp)
+        tables = self._tables(plan.rows, sampled, lp)
         self._after_prefills(plan.rows)
         with self.dev.on_stream():
             t0 = self._mark(self.dev)
@@ -310,7 +326,12 @@ class GraphStepExecutor:
     def collect(self, pending):
         if isinstance(pending, PrefillRow):
             self._unlanded.discard(pending.slot)  # its sequence's last chunk: the earlier ones ran before it
-            return int(pending.p.buf.take(pending.p)[pending.row, 0])
+            r = pending.p.buf.take(pending.p)[pending.row:pending.row + 1]
+            if not pending.p.buf.lp:
+                return int(r[0, 0])
+            lp, ids, tlp = unpack(r[:, 2:], 1, self.top_width)
+            return first_tokens(r[:, 0], (lp[:, 0], ids[:, 0], tlp[:, 0]))[0]
         r = pending.buf.take(pending)
-        K = r.shape[1] - RESULT_EXTRA
-        return StepResult(r[:, :K], r[:, K], r[:, K + 2], r[:, K + 3])  # r: this launch's own copy (take)
+        K = pending.buf.K
+        lp = unpack(r[:, K + RESULT_EXTRA:], K, self.top_width) if pending.buf.lp else None
+        return StepResult(r[:, :K], r[:, K], r[:, K + 2], r[:, K + 3], lp)  # r: this launch's own copy (take)

@@ -12,8 +12,13 @@ their logits and picks tokens with runtime/sampling.py (drafts from the drafter'
 sampling against the target's p, counter-based uniforms: all inside the graph); its temperature-0 rows come out
 exactly as greedy. Greedy keys run the argmax path unchanged.
 
+A step whose buffers carry the `logprobs` field (a key with a row that asks for logprobs) asks for the logits too and
+appends the emitted tokens' logprobs and top LOGPROBS_MAX (runtime/logprobs.py, packed as int64) to its result rows;
+other keys compute none of it.
+
 Result row per sequence (int64): tokens[0:K] (the emitted tokens are its first n; greedy: the target argmax),
-n, seq_len before the step, kv_start, kv_len (the drafter window attended).
+n, seq_len before the step, kv_start, kv_len (the drafter window attended)[, logprobs.pack of the K tokens].
+Prefill: first token, valid[, logprobs.pack of the first token].
 """
 from __future__ import annotations
 
@@ -22,12 +27,18 @@ import torch
 from dflash_trt.abi import DRAFTER_CTX, PREFILL, target_graph
 from dflash_trt.runtime.backends.opaque_ops import as_int32
 from dflash_trt.runtime.commit import WriteTables, write
+from dflash_trt.runtime.logprobs import pack, token_logprobs
 from dflash_trt.runtime.step_recipe import ctx_window, greedy_accept, positions, propose, target_inputs, verify
 from dflash_trt.runtime.sampling import (TOKEN, draft_tokens, row_tensors, sample, speculative_accept, token_probs,
                                          uniform)
 
 RESULT_EXTRA = 4  # n, seq_len, kv_start, kv_len after the K token columns
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")  # per row; floats as float64 bits
+
+
+def _logprobs(b, logits, tokens):
+    """The packed logprobs of tokens [B, T] under logits [B, T, V] when the key reports them, else None."""
+    return pack(token_logprobs(logits, tokens)) if "logprobs" in b else None
 
 
 def _sampling(b):
@@ -129,9 +140,9 @@ class FusedSteps:
             return torch.zeros_like(seq_len), torch.zeros_like(seq_len)
         return ctx_window(TORCH, seq_len, b["ctx_base"], self.window)
 
-    def _advance(self, b, am, n, seq_len, bonus, kv):
+    def _advance(self, b, am, n, seq_len, bonus, kv, lp=None):
         """Per-slot state after the step (padding rows: n = 0, so their dummy row keeps its zeros); am: the
-        emitted tokens [B, K] (their first n)."""
+        emitted tokens [B, K] (their first n); lp: their packed logprobs, or None."""
         live = b["live"] > 0
         new_bonus = am.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
         self.state.seq_len.index_copy_(0, b["srow"], seq_len + n)
@@ -142,6 +153,8 @@ class FusedSteps:
         r[:, K] = n
         r[:, K + 1] = seq_len
         r[:, K + 2], r[:, K + 3] = kv
+        if lp is not None:
+            r[:, K + RESULT_EXTRA:] = lp
 
     # ---- steps ----------------------------------------------------------------------------------
     def prefill(self, b) -> None:
@@ -150,19 +163,22 @@ class FusedSteps:
         rp = _sampling(b)
         pos = positions(TORCH, start, ids.shape[1])
         ix, gi = self._index(b, start)
-        out = self._target(PREFILL, ids, pos, gi, valid, logits=rp is not None)
+        out = self._target(PREFILL, ids, pos, gi, valid, logits=rp is not None or "logprobs" in b)
         self._commit(out, valid, b, ix, start, pos)
         last = (valid - 1).clamp(min=0)
+        lg = None if "logits" not in out else out["logits"][torch.arange(ids.shape[0], device=ids.device), last]
         if rp is None:
             first = out["argmax"].gather(1, last[:, None])[:, 0]
         else:  # the first new token, at position start + valid
-            lg = out["logits"][torch.arange(ids.shape[0], device=ids.device), last]
             first = sample(token_probs(lg, rp), uniform(rp["seed"], start + valid, TOKEN))
+        lp = _logprobs(b, lg, first)
         first = torch.where(valid > 0, first, self.state.bonus[b["srow"]])  # valid 0 (warm-up): inert
         self.state.seq_len.index_copy_(0, b["srow"], start + valid)
         self.state.bonus.index_copy_(0, b["srow"], first)
         b["result"][:, 0] = first
         b["result"][:, 1] = valid
+        if lp is not None:
+            b["result"][:, 2:] = lp
 
     def decode(self, b) -> None:
         """Plain K=1 step on the bonus token (also the gated-off path: ctx rows still appended)."""
@@ -170,13 +186,13 @@ class FusedSteps:
         pos = seq_len[:, None]
         rp = _sampling(b)
         ix, gi = self._index(b, seq_len)
-        out = self._target(target_graph(1), bonus[:, None], pos, gi, logits=rp is not None)
+        out = self._target(target_graph(1), bonus[:, None], pos, gi, logits=rp is not None or "logprobs" in b)
         n = b["live"].clone()
         self._commit(out, n, b, ix, seq_len, pos)
         tok = out["argmax"]
         if rp is not None:
             tok = sample(token_probs(out["logits"][:, 0], rp), uniform(rp["seed"], seq_len + 1, TOKEN))[:, None]
-        self._advance(b, tok, n, seq_len, bonus, self._window(b, seq_len))
+        self._advance(b, tok, n, seq_len, bonus, self._window(b, seq_len), _logprobs(b, out.get("logits"), tok))
 
     def spec(self, b, gamma: int) -> None:
         """drafter_block -> target_k{γ+1} -> accept on the device (greedy, or rejection sampling) -> commit
@@ -194,7 +210,7 @@ class FusedSteps:
             q = token_probs(dout["logits"][:, 1:], rp)
             drafts = draft_tokens(q, rp["seed"], bpos[:, 1:])
         pos = bpos
-        out = verify(TORCH, run, gi, bonus, drafts, pos, self.pools, rp is not None)
+        out = verify(TORCH, run, gi, bonus, drafts, pos, self.pools, rp is not None or "logprobs" in b)
         if rp is None:
             am = out["argmax"]
             n = greedy_accept(TORCH, drafts, am, b["live"])
@@ -202,4 +218,4 @@ class FusedSteps:
             am, n = speculative_accept(token_probs(out["logits"], rp), q, drafts, rp["seed"], bpos + 1)
             n = n * b["live"]
         self._commit(out, n, b, ix, seq_len, pos)
-        self._advance(b, am, n, seq_len, bonus, (kv_start, kv_len))
+        self._advance(b, am, n, seq_len, bonus, (kv_start, kv_len), _logprobs(b, out.get("logits"), am))
