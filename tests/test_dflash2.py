@@ -1,8 +1,9 @@
 """DFlash2 drafters against z-lab's reference (`dflash` 0.1.0: DFlash2DraftModel, dflash_generate): a reference
 drafter with random weights trained a few steps on a tiny transformers target and saved with save_pretrained
 loads here; its block logits and selector scores agree within fp32 noise, and greedy decoding emits the
-reference's tokens with the same accepted-draft count at every step, on torch and on the exported ONNX graphs.
-Config parsing and checkpoint key names without the oracle."""
+reference's tokens with the same accepted-draft count at every step, on torch and on the exported ONNX graphs
+(whose drafter_block TensorRT builds, where installed). Config parsing and checkpoint key names without the
+oracle. Sampling with a DFlash2 drafter: tests/test_sampling_runtime.py."""
 import json
 import os
 import shutil
@@ -190,6 +191,7 @@ def test_greedy_equals_reference_torch(ref, ours, monkeypatch):
     _check_runs(TorchBackend(t, d), (t.cfg, d.cfg), ref, _reference_runs(ref, monkeypatch))
 
 
+@pytest.mark.slow  # the ONNX export of five graphs takes most of a minute on a loaded CPU
 def test_greedy_equals_reference_ort(ref, ours, monkeypatch, tmp_path):
     pytest.importorskip("onnxscript")
     from dflash_trt.export.onnx_export import export_graphs
@@ -199,6 +201,12 @@ def test_greedy_equals_reference_ort(ref, ours, monkeypatch, tmp_path):
     export_graphs(ref[2], ref[3], out, (1, BS), SIZES, progress=None)
     t, d = ours
     _check_runs(make_backend("ort", manifest=out), (t.cfg, d.cfg), ref, _reference_runs(ref, monkeypatch))
+    from dflash_trt.plugins import trt_compat
+
+    if trt_compat.HAVE_TRT:  # TensorRT(-RTX) builds the DFlash2 block graph (convs and selector as standard ops)
+        from dflash_trt.engines.build import main
+
+        assert main(["--manifest", out, "--graphs", "drafter_block", "--opt-level", "0"]) == 0
 
 
 def test_saved_config_is_the_reference_format(ref):

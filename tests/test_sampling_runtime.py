@@ -73,8 +73,27 @@ def sample_first3(rt, n, seed0=0, **kw):
     return np.array([r.tokens for r in reqs]), [a for r in reqs for a in r.accepted]
 
 
+@pytest.fixture(scope="module")
+def pair2(tmp_path_factory):
+    """The same with a DFlash2 drafter: its candidate selector draws the drafts from q over its top 3."""
+    td, dd = make_tiny_pair(str(tmp_path_factory.mktemp("s2")), seed=11, target_over=dict(vocab=VOCAB),
+                            drafter_over=dict(block_size=4, conv_kernel_size=2, conv_group_size=16, selector_rank=4,
+                                              selector_top_k=3))
+    t = load_target(td, torch.float32)
+    return t, load_drafter(dd, t, torch.float32)
+
+
 @pytest.mark.parametrize("fused,n", [(False, 1600), (True, 1000)], ids=["host", "fused"])
 def test_dflash_sampling_first_three_tokens_exact(pair, fused, n):
+    _check_first3_exact(pair, fused, n)
+
+
+@pytest.mark.parametrize("fused,n", [(False, 1600), (True, 1000)], ids=["host", "fused"])
+def test_dflash2_sampling_first_three_tokens_exact(pair2, fused, n):
+    _check_first3_exact(pair2, fused, n)
+
+
+def _check_first3_exact(pair, fused, n):
     exact = exact_first3(pair[0], PROMPT)
     toks, accepted = sample_first3(runtime(pair, fused), n, **SAMPLE)
     c = np.bincount((toks[:, 0] * VOCAB + toks[:, 1]) * VOCAB + toks[:, 2], minlength=VOCAB ** 3)
