@@ -39,45 +39,34 @@ def ref_config(block_size=BS, **over):
 
 
 def greedy_sequences(target, prompts, n):
-    """The target's greedy continuation of each prompt (n new tokens), full token lists."""
-    out = []
+    """The target's greedy continuation of each prompt (n new tokens; prompts of one length), full token lists."""
     with torch.no_grad():
-        for p in prompts:
-            ids = target.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-            out.append(ids[0].tolist())
-    return out
+        ids = torch.tensor(prompts)
+        return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                               min_new_tokens=n).tolist()
 
 
-def _train_batch(dm, target, seqs, gen):
-    """One block per sequence at a random anchor a: ctx = target features of rows [0, a), the block
-    [tok_a, MASK...] predicts tok_{a+1..}. Loss: the drafter's logits, and the selector's scores along the
-    true path (teacher forcing) whenever the true token is among the candidates."""
-    mdl = dflash_model()
-    losses = []
-    head = target.lm_head
-    for s in seqs:
-        a = int(torch.randint(4, len(s) - BS, (1,), generator=gen))
-        ids = torch.tensor([s])
-        with torch.no_grad():
-            hs = target(ids[:, :a], output_hidden_states=True).hidden_states
-        ctx = mdl.extract_context_feature(hs, dm.target_layer_ids)
-        block = torch.tensor([[s[a]] + [dm.mask_token_id] * (BS - 1)])
-        noise = target.get_input_embeddings()(block)
-        h = dm(target_hidden=ctx, noise_embedding=noise, position_ids=torch.arange(a + BS)[None])[:, 1:]
-        logits = dm.compute_logits(h, head)
-        labels = torch.tensor([s[a + 1:a + BS]])
-        losses.append(torch.nn.functional.cross_entropy(logits[0], labels[0]))
-        sel = dm.candidate_selector
-        unary, cand = torch.topk(logits, sel.top_k, dim=-1)
-        hp = sel.hidden_projection(h)
-        prev = torch.tensor([s[a:a + BS - 1]])  # teacher forcing: the true predecessor of each slot
-        scores = unary + torch.einsum("bjr,bjkr->bjk", sel.predecessor_codebook(prev) * hp,
-                                      sel.successor_codebook(cand))
-        hit = cand == labels[..., None]
-        rows = hit.any(-1)
-        if rows.any():
-            losses.append(torch.nn.functional.cross_entropy(scores[rows], hit[rows].float().argmax(-1)))
-    return torch.stack(losses).mean()
+def _train_step(dm, target, seqs, feats, gen):
+    """One batch of blocks, one per sequence at a common random anchor a: ctx = the target features of rows
+    [0, a), the block [tok_a, MASK...] predicts tok_{a+1..}. Loss: the drafter's logits, and the selector's scores
+    along the true path (teacher forcing) wherever the true token is among the candidates."""
+    a = int(torch.randint(4, seqs.shape[1] - BS, (1,), generator=gen))
+    block = torch.cat([seqs[:, a:a + 1], torch.full((len(seqs), BS - 1), dm.mask_token_id)], 1)
+    h = dm(target_hidden=feats[:, :a], noise_embedding=target.get_input_embeddings()(block),
+           position_ids=torch.arange(a + BS)[None])[:, 1:]
+    logits = dm.compute_logits(h, target.lm_head)
+    labels = seqs[:, a + 1:a + BS]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    sel = dm.candidate_selector
+    unary, cand = torch.topk(logits, sel.top_k, dim=-1)
+    prev = seqs[:, a:a + BS - 1]  # teacher forcing: the true predecessor of each slot
+    scores = unary + torch.einsum("bjr,bjkr->bjk", sel.predecessor_codebook(prev) * sel.hidden_projection(h),
+                                  sel.successor_codebook(cand))
+    hit = cand == labels[..., None]
+    rows = hit.any(-1)
+    if rows.any():
+        loss = loss + torch.nn.functional.cross_entropy(scores[rows], hit[rows].float().argmax(-1))
+    return loss
 
 
 def trained_reference(target, seqs, steps=60, seed=0, **over):
@@ -97,10 +86,14 @@ def trained_reference(target, seqs, steps=60, seed=0, **over):
                 p.copy_(0.7 * torch.randn(p.shape, generator=gen))
             elif "norm" in n:
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    seqs = torch.tensor(seqs)
+    with torch.no_grad():  # causal target: the features of rows [0, a) are those of the full sequences
+        feats = mdl.extract_context_feature(target(seqs, output_hidden_states=True).hidden_states,
+                                            dm.target_layer_ids)
     opt = torch.optim.Adam(dm.parameters(), lr=3e-3)
     dm.train()
     for _ in range(steps):
         opt.zero_grad()
-        _train_batch(dm, target, seqs, gen).backward()
+        _train_step(dm, target, seqs, feats, gen).backward()
         opt.step()
     return dm.eval()

@@ -82,7 +82,7 @@ def ref(tmp_path_factory):
     target = make_hf_model("qwen3_5", 2, tdir, seed=0)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB - 1, (7,), generator=g).tolist() for _ in range(N_PROMPTS)]
-    dm = trained_reference(target, greedy_sequences(target, prompts, N_NEW), steps=40)
+    dm = trained_reference(target, greedy_sequences(target, prompts, N_NEW), steps=100)
     dm.save_pretrained(ddir)
     return target, dm, tdir, ddir, prompts
 
@@ -200,7 +200,12 @@ def test_greedy_equals_reference_ort(ref, ours, monkeypatch, tmp_path):
     out = str(tmp_path / "export")
     export_graphs(ref[2], ref[3], out, (1, BS), SIZES, progress=None)
     t, d = ours
-    _check_runs(make_backend("ort", manifest=out), (t.cfg, d.cfg), ref, _reference_runs(ref, monkeypatch))
+    ort = make_backend("ort", manifest=out)
+    _check_runs(ort, (t.cfg, d.cfg), ref, _reference_runs(ref, monkeypatch))
+    for p in ref[4][:2]:  # sampling: the selector's draws and q from the graph, the same keys: the same tokens
+        got = [Runtime(be, t.cfg, d.cfg, SIZES, gate=Gate(min_rate=0.0)).generate(
+            p, N_NEW, gamma=BS - 1, temperature=0.8, seed=7)[0] for be in (ort, TorchBackend(t, d))]
+        assert got[0] == got[1]
     from dflash_trt.plugins import trt_compat
 
     if trt_compat.HAVE_TRT:  # TensorRT(-RTX) builds the DFlash2 block graph (convs and selector as standard ops)

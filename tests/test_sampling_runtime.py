@@ -1,7 +1,8 @@
 """Sampling through the Runtime (tiny real target + DFlash drafter, vocab 16): the first 3 tokens of DFlash
 sampling on the host executor and on the fused device step (TorchCpuDevice: the CUDA-graph code, eagerly) are
 distributed as the exact target distribution computed by enumeration with the target's dense forward; same seed ->
-same tokens; temperature-0 requests in a batch with sampling ones == greedy; bad parameters -> one error (API and
+same tokens; temperature-0 requests in a batch with sampling ones == greedy (all of it also with a DFlash2
+drafter, whose candidate selector draws the drafts); bad parameters -> one error (API and
 CLI); a backend without logits refused. GPU: the same on the CUDA graphs."""
 import numpy as np
 import pytest
@@ -102,7 +103,9 @@ def _check_first3_exact(pair, fused, n):
     assert 0 in accepted and max(accepted) > 0  # both the residual and the accept path ran
 
 
-def test_same_seed_same_tokens_and_executors_agree(pair):
+@pytest.mark.parametrize("which", ["pair", "pair2"], ids=["dflash", "dflash2"])
+def test_same_seed_same_tokens_and_executors_agree(which, request):
+    pair = request.getfixturevalue(which)
     rt, rf = runtime(pair), runtime(pair, fused=True)
     a = rt.generate(PROMPT, 24, temperature=0.9, top_p=0.9, seed=5)[0]
     assert a == rt.generate(PROMPT, 24, temperature=0.9, top_p=0.9, seed=5)[0]
@@ -112,9 +115,10 @@ def test_same_seed_same_tokens_and_executors_agree(pair):
     assert plain == rt.generate(PROMPT, 24, spec=False, temperature=0.9, seed=5)[0]
 
 
+@pytest.mark.parametrize("which", ["pair", "pair2"], ids=["dflash", "dflash2"])
 @pytest.mark.parametrize("fused", [False, True], ids=["host", "fused"])
-def test_greedy_requests_in_a_sampling_batch_are_greedy(pair, fused):
-    rt = runtime(pair, fused)
+def test_greedy_requests_in_a_sampling_batch_are_greedy(fused, which, request):
+    rt = runtime(request.getfixturevalue(which), fused)
     greedy = rt.generate(PROMPT, 20)[0]
     assert greedy == rt.generate(PROMPT, 20, temperature=0.0, seed=3)[0]
     reqs = [rt.add_request(PROMPT, 20, temperature=0.0 if i % 2 == 0 else 1.0, seed=i) for i in range(6)]
