@@ -118,6 +118,8 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False)
         if cfg.dflash2:  # the codebooks are [vocab, rank]: the target's vocabulary (check_against)
+            if not (vocab or cfg.draft_vocab_size):
+                raise ValueError("a DFlash2 drafter needs the vocabulary size: Drafter(cfg, target_hidden, vocab)")
             self.candidate_selector = CandidateSelector(cfg, vocab or cfg.draft_vocab_size)
         self._target = ()  # the target's embed_tokens, lm_head: a tuple keeps them out of state_dict
 
