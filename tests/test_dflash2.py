@@ -137,6 +137,7 @@ def test_block_logits_and_selector_equal_reference(ref, ours, monkeypatch):
         torch.testing.assert_close(out["logits"][:, 1:], ref_logits, rtol=1e-5, atol=1e-5)
         ref_path, ref_cand, _ = dm.candidate_selector.select(h, ref_logits, block[:, 0], 0.0)
         assert torch.equal(greedy["drafts"], ref_path)
+        assert (ref_path != ref_logits.argmax(-1)).any()  # the selector's path is not the slots' argmax
         assert torch.equal(out["cand"].sort(-1).values, ref_cand.sort(-1).values)
         # at T > 0 the reference draws our picks: its q rows along the same path are ours
         picks = iter(range(BS - 1))
