@@ -13,6 +13,9 @@ target_k{K} / target_prefill (T = K, or the prefill chunk):
 drafter_ctx (R rows):  in: ctx_hidden[B,R,n_taps*H], positions[B,R]  out: dkv_rows[Ld,2,B,R,Hkv_d,hd_d]
 drafter_block:         in: block_ids[B,Bs], positions[B,Bs], block_table[B,MBd], kv_start[B], kv_len[B], dkv_pool
                        out: drafts[B,Bs-1] i64 (+ logits[B,Bs,V])          Bs = the drafter's block_size
+                       DFlash2 (selector top-k k): + in temperature[B] f32, draft_u[B,Bs-1] f32 (the selector's
+                       draws; 0: argmax); with logits + out cand[B,Bs-1,k] i64, cand_q[B,Bs-1,k] f32 (the drafts'
+                       distributions over their candidates, one-hot on greedy rows)
 drafter_block_b{Bs}:   the same for a shorter block of Bs = γ+1 slots (γ drafts, 2 <= Bs < block_size): the
                        reference runs a block of γ+1 slots for γ drafts, and with a non-causal block those drafts
                        differ from the first γ of a full block. One per verify width K = Bs of the manifest.
@@ -187,7 +190,12 @@ def graph_io(name: str, t: TargetConfig, d: DrafterConfig | None, s: PoolSizes, 
                ("block_table", (B, s.max_ctx_blocks), "int64"), ("kv_start", (B,), "int64"),
                ("kv_len", (B,), "int64"), ("dkv_pool", *pools["dkv_pool"])]
         outs = [("drafts", (B, Bs - 1), "int64")]
+        if d.dflash2:
+            ins += [("temperature", (B,), "float32"), ("draft_u", (B, Bs - 1), "float32")]
         if want_logits:
             outs.append(("logits", (B, Bs, t.vocab_size), "float32"))
+            if d.dflash2:
+                k = d.selector_top_k
+                outs += [("cand", (B, Bs - 1, k), "int64"), ("cand_q", (B, Bs - 1, k), "float32")]
         return ins, outs
     raise ValueError(f"unknown graph '{name}' (expected target_k<K>, {PREFILL}, {DRAFTER_CTX}, {DRAFTER_BLOCK})")

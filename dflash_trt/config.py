@@ -217,8 +217,25 @@ class TargetConfig:
 
 
 # DFlash2-era fields of a drafter architecture we do not implement: refused by name, never ignored
-_DRAFTER_UNSUPPORTED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                        "mask_embedding")
+_DRAFTER_UNSUPPORTED = ("mask_embedding",)
+# DFlash2: a grouped dynamic causal conv around each layer's attention and MLP, and a candidate selector over the
+# drafter's top-k; all four or none (DFlash1)
+_DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def _dflash2_fields(merged: dict, path: str, hidden: int) -> dict:
+    """The DFlash2 sizes: all four fields or none; the conv groups must tile hidden_size."""
+    given = [k for k in _DFLASH2_FIELDS if merged.get(k) is not None]
+    if not given:
+        return {}
+    missing = [k for k in _DFLASH2_FIELDS if k not in given]
+    if missing:
+        raise ConfigError(f"{path}: DFlash2 field(s) {given} given without {missing} (a DFlash2 drafter needs all of "
+                          f"{list(_DFLASH2_FIELDS)})")
+    out = {k: _int(merged, k, path, minimum=1) for k in _DFLASH2_FIELDS}
+    if hidden % out["conv_group_size"]:
+        raise ConfigError(f"{path}: conv_group_size {out['conv_group_size']} does not divide hidden_size {hidden}")
+    return out
 
 
 @dataclass
@@ -244,6 +261,15 @@ class DrafterConfig:
     final_logit_softcapping: float = 0.0  # c > 0: logits = c * tanh(logits / c)
     draft_vocab_size: int | None = None  # checked against the target's vocab in check_against
     vocab_field: str = "draft_vocab_size"  # which config field draft_vocab_size came from (for the message)
+    conv_kernel_size: int = 0  # DFlash2 (all four > 0) or DFlash1 (all four 0)
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    @property
+    def dflash2(self) -> bool:
+        """Grouped dynamic convs around attention and MLP, and the candidate selector picking the drafts."""
+        return self.selector_top_k > 0
 
     def layer_causal(self, i: int) -> bool:
         """Causal within the block for drafter layer i: is_causal when set, else sliding layers only."""
@@ -268,8 +294,8 @@ class DrafterConfig:
         merged = {**raw, **{k: v for k, v in dc.items() if v is not None}}
         for key in _DRAFTER_UNSUPPORTED:
             if merged.get(key) is not None:
-                raise ConfigError(f"{path}: field '{key}' is not supported (DFlash2 conv/selector layers, own "
-                                  "embeddings and mask_embedding overrides are not implemented)")
+                raise ConfigError(f"{path}: field '{key}' is not supported (a learned mask embedding in place of "
+                                  "the target's embedding of mask_token_id is not implemented)")
         fields.refuse_unsupported(merged, path)
         taps = fields.int_list(merged, "target_layer_ids", path)
         if taps is None:
@@ -318,6 +344,7 @@ class DrafterConfig:
             final_logit_softcapping=fields.number(merged, "final_logit_softcapping", path, 0.0, minimum=0),
             draft_vocab_size=_int(merged, dvs_field, path, None),
             vocab_field=dvs_field,
+            **_dflash2_fields(merged, path, hidden),
         )
         if c.num_heads % c.num_kv_heads:
             raise ConfigError(f"{path}: num_attention_heads not a multiple of num_key_value_heads")
@@ -340,6 +367,8 @@ class DrafterConfig:
             raise ConfigError(
                 f"{path}: num_target_layers {self.num_target_layers} != target num_hidden_layers {target.num_layers}"
             )
+        if self.selector_top_k > target.vocab_size:
+            raise ConfigError(f"{path}: selector_top_k {self.selector_top_k} > target vocab {target.vocab_size}")
         if self.draft_vocab_size is not None and self.draft_vocab_size != target.vocab_size:
             raise ConfigError(f"{path}: field '{self.vocab_field}' {self.draft_vocab_size} != target vocab "
                               f"{target.vocab_size} is not supported (no draft-to-target token map)")

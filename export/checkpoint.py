@@ -325,6 +325,17 @@ def load_target(d: str, dtype=None) -> TargetModel:
     return model.eval()
 
 
+def _drafter_key(src: WeightSource):
+    """Parameter name -> checkpoint key: DFlash2 releases store the selector's codebooks without '.weight'; either
+    spelling is read as stored (both present: the other is left over and refused)."""
+    def name_of(n: str) -> str:
+        bare = n[: -len(".weight")]
+        if n.endswith("_codebook.weight") and n not in src.where and bare in src.where:
+            return bare
+        return n
+    return name_of
+
+
 def load_drafter(d: str, target: TargetModel, dtype=None) -> Drafter:
     """dtype: a torch dtype (default float32)."""
     import torch
@@ -352,9 +363,10 @@ def load_drafter(d: str, target: TargetModel, dtype=None) -> Drafter:
     if own:
         raise ConfigError(f"{src.where[own[0]]}: drafter tensor '{own[0]}' is not supported (own embeddings, "
                           "lm_head, mask_embedding and biases are not implemented; the target's are used)")
-    drafter = Drafter(cfg, target.cfg.hidden_size)
-    used = {n for n, _ in drafter.named_parameters()}
-    _bind(drafter, src, lambda n: n, dtype, "drafter",
+    drafter = Drafter(cfg, target.cfg.hidden_size, target.cfg.vocab_size)
+    name_of = _drafter_key(src)
+    used = {name_of(n) for n, _ in drafter.named_parameters()}
+    _bind(drafter, src, name_of, dtype, "drafter",
           unused=lambda: _refuse_unused(src, used, "drafter", "", cfg.num_layers))
     return drafter.eval().bind_target(target)
 

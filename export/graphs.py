@@ -20,5 +20,6 @@ def run_graph(name: str, target, drafter, x: dict, want_logits: bool = False) ->
         if x["block_ids"].shape[1] != bs:
             raise ValueError(f"graph '{name}' runs blocks of {bs} slots, got block_ids {tuple(x['block_ids'].shape)}")
         return drafter.block(x["block_ids"], x["positions"], x["block_table"], x["kv_start"], x["kv_len"],
-                             x["dkv_pool"], want_logits=want_logits)
+                             x["dkv_pool"], want_logits=want_logits, temperature=x.get("temperature"),
+                             draft_u=x.get("draft_u"))
     raise ValueError(f"unknown graph '{name}' (expected target_k<K>, {PREFILL}, {DRAFTER_CTX}, {DRAFTER_BLOCK})")

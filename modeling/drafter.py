@@ -11,6 +11,8 @@ Two graphs (DESIGN §4):
       block and a window (p - key < sliding_window); output slot j predicts the token at slot j;
       logits = target_lm_head(norm(h)) × output_multiplier, then c·tanh(·/c) softcapping;
       drafts = argmax(logits)[1:]. One forward, no denoising.
+DFlash2 (cfg.dflash2; modeling/dflash2.py): a grouped dynamic causal conv around each layer's attention and MLP,
+and the drafts picked by the candidate selector from the top-k of logits[1:], starting at the bonus token.
 RMSNorms here are plain Qwen3 (x̂·w), not zero-centred.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import DrafterConfig
+from dflash_trt.modeling.dflash2 import CandidateSelector, GroupedConv
 from dflash_trt.modeling.fuse import Linear, fuse_linears, linears
 from dflash_trt.plugins import ops
 from dflash_trt.modeling.target import MLP, RMSNorm, apply_rope, argmax_last, rope_cos_sin
@@ -68,12 +71,45 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        if cfg.dflash2:
+            self.attention_conv = GroupedConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = GroupedConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def attn_in(self, h, n_blocks: int = 1):
+        """The attention input of h [B,N,H] (N = n_blocks blocks side by side), and the taps attn_out needs."""
+        x = self.input_layernorm(h)
+        return _conv_prepare(getattr(self, "attention_conv", None), x, n_blocks)
+
+    def attn_out(self, h, a, taps, n_blocks: int = 1):
+        """h + the attention output a (through the DFlash2 conv)."""
+        return h + _conv_finish(getattr(self, "attention_conv", None), a, taps, n_blocks)
+
+    def mlp_residual(self, h, n_blocks: int = 1):
+        conv = getattr(self, "mlp_conv", None)
+        x, taps = _conv_prepare(conv, self.post_attention_layernorm(h), n_blocks)
+        return h + _conv_finish(conv, self.mlp(x), taps, n_blocks)
+
+
+def _blocks(x, n_blocks: int):
+    """[B,N,H] -> [B,n_blocks,N/n_blocks,H]: the convs run per block (causal from each block's first slot)."""
+    return x.view(x.shape[0], n_blocks, x.shape[1] // n_blocks, x.shape[2])
+
+
+def _conv_prepare(conv, x, n_blocks):
+    if conv is None:
+        return x, None
+    y, taps = conv.prepare(_blocks(x, n_blocks))
+    return y.reshape(x.shape), taps
+
+
+def _conv_finish(conv, y, taps, n_blocks):
+    return y if conv is None else conv.finish(_blocks(y, n_blocks), taps).reshape(y.shape)
 
 
 class Drafter(nn.Module):
     """Parameter names match the z-lab checkpoint exactly (fc, hidden_norm, norm, layers.N.*)."""
 
-    def __init__(self, cfg: DrafterConfig, target_hidden: int):
+    def __init__(self, cfg: DrafterConfig, target_hidden: int, vocab: int | None = None):
         super().__init__()
         self.cfg = cfg
         n_taps = len(cfg.target_layer_ids)
@@ -81,6 +117,10 @@ class Drafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False)
+        if cfg.dflash2:  # the codebooks are [vocab, rank]: the target's vocabulary (check_against)
+            if not (vocab or cfg.draft_vocab_size):
+                raise ValueError("a DFlash2 drafter needs the vocabulary size: Drafter(cfg, target_hidden, vocab)")
+            self.candidate_selector = CandidateSelector(cfg, vocab or cfg.draft_vocab_size)
         self._target = ()  # the target's embed_tokens, lm_head: a tuple keeps them out of state_dict
 
     def bind_target(self, target) -> "Drafter":
@@ -106,10 +146,13 @@ class Drafter(nn.Module):
         rows = [torch.stack(layer.self_attn.kv(c, cos, sin)) for layer in self.layers]
         return {"dkv_rows": torch.stack(rows)}
 
-    def block(self, block_ids, positions, block_table, kv_start, kv_len, dkv_pool, want_logits=False):
+    def block(self, block_ids, positions, block_table, kv_start, kv_len, dkv_pool, want_logits=False,
+              temperature=None, draft_u=None):
         """block_ids/positions [B,Bs] (Bs = γ+1 <= block_size); the ctx rows [kv_start, kv_len) of each
         sequence's drafter pages, at the contiguous positions just before the block (the sliding windows count
-        keys by that). Returns {'drafts': [B,Bs-1] int64} (+ 'logits' [B,Bs,V])."""
+        keys by that). Returns {'drafts': [B,Bs-1] int64} (+ 'logits' [B,Bs,V]). DFlash2: with want_logits,
+        temperature [B] and draft_u [B,Bs-1] draw the selector's drafts (T > 0), + 'cand' / 'cand_q' [B,Bs-1,k]
+        (the candidates and the draft distributions over them)."""
         if not self._target:
             raise RuntimeError("Drafter.block needs the target's embedding and lm_head: call bind_target(target)")
         embed, lm_head = self._target
@@ -119,15 +162,23 @@ class Drafter(nn.Module):
         cos, sin = self._rope(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             att = layer.self_attn
-            x = layer.input_layernorm(h)
+            x, taps = layer.attn_in(h)
             q = apply_rope(att.q_norm(att.q_proj(x).view(B, Bs, cfg.num_heads, cfg.head_dim)), cos, sin)
             k, v = att.kv(x, cos, sin)
             o = ops.paged_attention(q, k, v, dkv_pool, i, block_table, kv_start, kv_len, cfg.layer_causal(i),
                                     cfg.head_dim**-0.5, cfg.layer_window(i))
-            h = h + att.o_proj(o.reshape(B, Bs, cfg.num_heads * cfg.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = final_logits(cfg, lm_head.fp32(self.norm(h).to(lm_head.weight.dtype)))
-        out = {"drafts": argmax_last(logits[:, 1:])}
+            h = layer.attn_out(h, att.o_proj(o.reshape(B, Bs, cfg.num_heads * cfg.head_dim)), taps)
+            h = layer.mlp_residual(h)
+        hn = self.norm(h)
+        logits = final_logits(cfg, lm_head.fp32(hn.to(lm_head.weight.dtype)))
+        if not cfg.dflash2:
+            out = {"drafts": argmax_last(logits[:, 1:])}
+        else:  # the selector picks the drafts (temperature / draft_u: the per-row draw inputs of the ABI)
+            drafts, cand, q = self.candidate_selector(hn[:, 1:], logits[:, 1:], block_ids[:, 0], temperature,
+                                                      draft_u if want_logits else None)
+            out = {"drafts": drafts}
+            if want_logits:
+                out["cand"], out["cand_q"] = cand, q
         if want_logits:
             out["logits"] = logits
         return out
@@ -166,7 +217,7 @@ class Drafter(nn.Module):
         for i, layer in enumerate(self.layers):
             mask = layer_mask(i)
             att = layer.self_attn
-            x = layer.input_layernorm(h)
+            x, taps = layer.attn_in(h, n_blocks)
             q = apply_rope(att.q_norm(att.q_proj(x).view(B, N, cfg.num_heads, cfg.head_dim)), cos, sin)
             kc, vc = att.kv(c, ccos, csin)
             kb, vb = att.kv(x, cos, sin)
@@ -175,6 +226,6 @@ class Drafter(nn.Module):
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads
             )
-            h = h + att.o_proj(o.transpose(1, 2).reshape(B, N, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer.attn_out(h, att.o_proj(o.transpose(1, 2).reshape(B, N, -1)), taps, n_blocks)
+            h = layer.mlp_residual(h, n_blocks)
         return final_logits(cfg, lm_head.fp32(self.norm(h)))

@@ -125,10 +125,13 @@ class HostStepExecutor:
             tokens = out["argmax"] if smp is None else smp.first(out["logits"][:, 0], x["seq_len"] + 1)[:, None]
         elif plan.kind == SPEC:
             g = plan.gamma
+            dflash2 = smp is not None and rt.dcfg.dflash2
             dout, pos = propose(NP, self._run, x, bonus, x["seq_len"], plan.K, rt.dcfg, rt.pools["dkv_pool"],
-                                smp is not None)
+                                smp is not None, smp.draws(x["seq_len"], g) if dflash2 else None)
             if smp is None:
                 drafts = dout["drafts"][:, :g]
+            elif dflash2:  # the selector drew the drafts in the graph, from q over its candidates
+                drafts = smp.selected(dout)
             else:  # drafts drawn from the drafter's per-slot q (slot j predicts position seq_len + j)
                 drafts = smp.drafts(dout["logits"][:, 1:plan.K], x["seq_len"])
             out = verify(NP, self._run, x, bonus, drafts, pos, rt.pools, logits)

@@ -202,6 +202,31 @@ def draft_tokens(q, seed, positions):
     return sample(q, uniform(seed[:, None], positions, DRAFT))
 
 
+def draft_positions(seq_len, g: int):
+    """[B, g]: the absolute positions of a step's γ = g drafts (slot j of the block predicts seq_len + j)."""
+    import torch
+
+    return seq_len[:, None] + 1 + torch.arange(g, device=seq_len.device)
+
+
+def selector_draws(rp: dict, seq_len, g: int):
+    """A DFlash2 drafter draws its drafts inside drafter_block: (temperature [B], u [B, γ]) float32, u from the
+    same DRAFT stream draft_tokens uses."""
+    import torch
+
+    return rp["temperature"].to(torch.float32), uniform(rp["seed"][:, None], draft_positions(seq_len, g), DRAFT)
+
+
+def selector_q(dout: dict):
+    """The DFlash2 drafts' q [B, γ, V]: the selector's distributions cand_q over its candidates cand (distinct
+    ids per slot), zero elsewhere, so speculative_accept's residual max(0, p - q) is the reference's."""
+    import torch
+
+    cand, cq = dout["cand"], dout["cand_q"].float()
+    q = torch.zeros(*cand.shape[:2], dout["logits"].shape[-1], dtype=cq.dtype, device=cq.device)
+    return q.scatter(-1, cand, cq)
+
+
 def speculative_accept(p, q, drafts, seed, positions):
     """Rejection sampling of γ drafts. p [B, γ+1, V]: the target's probabilities at the verify rows (row j
     predicts the token at positions[:, j]); q [B, γ, V]: the distributions the drafts [B, γ] were drawn from;
@@ -274,9 +299,27 @@ class HostSampler:
         lg = self._t(dlogits)
         rp = self._rp(lg)
         self.q = token_probs(lg, rp)
-        g = lg.shape[1]
-        pos = torch.as_tensor(np.asarray(seq_len), device=lg.device)[:, None] + 1 + torch.arange(g, device=lg.device)
+        pos = draft_positions(torch.as_tensor(np.asarray(seq_len), device=lg.device), lg.shape[1])
         return draft_tokens(self.q, rp["seed"], pos).cpu().numpy()
+
+    def draws(self, seq_len, g: int) -> tuple:
+        """selector_draws as numpy (the DFlash2 drafter_block inputs temperature, draft_u)."""
+        import torch
+
+        sl = torch.as_tensor(np.asarray(seq_len, dtype=np.int64))
+        t, u = selector_draws(self._rp(sl), sl, g)
+        return t.numpy(), u.numpy()
+
+    def selected(self, dout) -> np.ndarray:
+        """The DFlash2 drafts the graph's selector drew; keeps their q (selector_q) for accept()."""
+        self.q = selector_q({k: self._t(dout[k]) if k != "cand" else self._ids(dout[k]) for k in
+                             ("cand", "cand_q", "logits")})
+        return np.asarray(self._ids(dout["drafts"]).cpu().numpy())
+
+    def _ids(self, x):
+        import torch
+
+        return x.long() if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x)).long()
 
     def accept(self, logits, drafts, seq_len):
         """speculative_accept on the verify logits [B, γ+1, V] -> (tokens [B, γ+1], n [B]) numpy."""

@@ -43,6 +43,10 @@ class NumpyOps:
     def clamp_max(x, hi: int):
         return np.minimum(x, hi)
 
+    @staticmethod
+    def zeros_f32(shape, like):
+        return np.zeros(shape, dtype=np.float32)
+
 
 NP = NumpyOps()
 
@@ -70,17 +74,20 @@ def target_inputs(ids, pos, index: dict, pools: dict, valid=None) -> dict:
     return x
 
 
-def propose(xp, run, index: dict, bonus, seq_len, K: int, dcfg, dkv_pool, want_logits: bool):
+def propose(xp, run, index: dict, bonus, seq_len, K: int, dcfg, dkv_pool, want_logits: bool, draw=None):
     """drafter_block on a block of K = γ+1 slots (the bonus token, then mask tokens) at positions seq_len..;
     returns (its outputs: drafts [B, γ], logits when asked; the block's positions [B, K]). γ drafts come from a
-    block of γ+1 slots, as the reference runs them."""
-    block = xp.full((bonus.shape[0], K), dcfg.mask_token_id, bonus)
+    block of γ+1 slots, as the reference runs them. DFlash2: draw = (temperature [B], u [B, γ]) float32 for the
+    selector, which draws the drafts inside the graph (None: argmax on every row)."""
+    B = bonus.shape[0]
+    block = xp.full((B, K), dcfg.mask_token_id, bonus)
     block[:, 0] = bonus
     bpos = positions(xp, seq_len, K)
-    dout = run(drafter_block_graph(K, dcfg.block_size), {
-        "block_ids": block, "positions": bpos, "block_table": index["ctx_table"], "kv_start": index["kv_start"],
-        "kv_len": index["kv_len"], "dkv_pool": dkv_pool}, want_logits)
-    return dout, bpos
+    x = {"block_ids": block, "positions": bpos, "block_table": index["ctx_table"], "kv_start": index["kv_start"],
+         "kv_len": index["kv_len"], "dkv_pool": dkv_pool}
+    if dcfg.dflash2:
+        x["temperature"], x["draft_u"] = draw or (xp.zeros_f32((B,), bonus), xp.zeros_f32((B, K - 1), bonus))
+    return run(drafter_block_graph(K, dcfg.block_size), x, want_logits), bpos
 
 
 def verify(xp, run, index: dict, bonus, drafts, pos, pools: dict, want_logits: bool) -> dict:

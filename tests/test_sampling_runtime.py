@@ -1,7 +1,8 @@
 """Sampling through the Runtime (tiny real target + DFlash drafter, vocab 16): the first 3 tokens of DFlash
 sampling on the host executor and on the fused device step (TorchCpuDevice: the CUDA-graph code, eagerly) are
 distributed as the exact target distribution computed by enumeration with the target's dense forward; same seed ->
-same tokens; temperature-0 requests in a batch with sampling ones == greedy; bad parameters -> one error (API and
+same tokens; temperature-0 requests in a batch with sampling ones == greedy (all of it also with a DFlash2
+drafter, whose candidate selector draws the drafts); bad parameters -> one error (API and
 CLI); a backend without logits refused. GPU: the same on the CUDA graphs."""
 import numpy as np
 import pytest
@@ -73,8 +74,27 @@ def sample_first3(rt, n, seed0=0, **kw):
     return np.array([r.tokens for r in reqs]), [a for r in reqs for a in r.accepted]
 
 
+@pytest.fixture(scope="module")
+def pair2(tmp_path_factory):
+    """The same with a DFlash2 drafter: its candidate selector draws the drafts from q over its top 3."""
+    td, dd = make_tiny_pair(str(tmp_path_factory.mktemp("s2")), seed=11, target_over=dict(vocab=VOCAB),
+                            drafter_over=dict(block_size=4, conv_kernel_size=2, conv_group_size=16, selector_rank=4,
+                                              selector_top_k=3))
+    t = load_target(td, torch.float32)
+    return t, load_drafter(dd, t, torch.float32)
+
+
 @pytest.mark.parametrize("fused,n", [(False, 1600), (True, 1000)], ids=["host", "fused"])
 def test_dflash_sampling_first_three_tokens_exact(pair, fused, n):
+    _check_first3_exact(pair, fused, n)
+
+
+@pytest.mark.parametrize("fused,n", [(False, 1600), (True, 1000)], ids=["host", "fused"])
+def test_dflash2_sampling_first_three_tokens_exact(pair2, fused, n):
+    _check_first3_exact(pair2, fused, n)
+
+
+def _check_first3_exact(pair, fused, n):
     exact = exact_first3(pair[0], PROMPT)
     toks, accepted = sample_first3(runtime(pair, fused), n, **SAMPLE)
     c = np.bincount((toks[:, 0] * VOCAB + toks[:, 1]) * VOCAB + toks[:, 2], minlength=VOCAB ** 3)
@@ -83,7 +103,9 @@ def test_dflash_sampling_first_three_tokens_exact(pair, fused, n):
     assert 0 in accepted and max(accepted) > 0  # both the residual and the accept path ran
 
 
-def test_same_seed_same_tokens_and_executors_agree(pair):
+@pytest.mark.parametrize("which", ["pair", "pair2"], ids=["dflash", "dflash2"])
+def test_same_seed_same_tokens_and_executors_agree(which, request):
+    pair = request.getfixturevalue(which)
     rt, rf = runtime(pair), runtime(pair, fused=True)
     a = rt.generate(PROMPT, 24, temperature=0.9, top_p=0.9, seed=5)[0]
     assert a == rt.generate(PROMPT, 24, temperature=0.9, top_p=0.9, seed=5)[0]
@@ -93,9 +115,10 @@ def test_same_seed_same_tokens_and_executors_agree(pair):
     assert plain == rt.generate(PROMPT, 24, spec=False, temperature=0.9, seed=5)[0]
 
 
+@pytest.mark.parametrize("which", ["pair", "pair2"], ids=["dflash", "dflash2"])
 @pytest.mark.parametrize("fused", [False, True], ids=["host", "fused"])
-def test_greedy_requests_in_a_sampling_batch_are_greedy(pair, fused):
-    rt = runtime(pair, fused)
+def test_greedy_requests_in_a_sampling_batch_are_greedy(fused, which, request):
+    rt = runtime(request.getfixturevalue(which), fused)
     greedy = rt.generate(PROMPT, 20)[0]
     assert greedy == rt.generate(PROMPT, 20, temperature=0.0, seed=3)[0]
     reqs = [rt.add_request(PROMPT, 20, temperature=0.0 if i % 2 == 0 else 1.0, seed=i) for i in range(6)]

@@ -36,9 +36,11 @@ def test_greedy_accept_running_product_equals_first_miss_on_every_pattern(gamma)
     assert (want[live == 0] == 0).all()
 
 
-def test_propose_and_verify_same_inputs_in_numpy_and_torch():
+@pytest.mark.parametrize("dflash2", [False, True])
+def test_propose_and_verify_same_inputs_in_numpy_and_torch(dflash2):
     class Cfg:
         mask_token_id, block_size = 7, 16
+    Cfg.dflash2 = dflash2  # + the selector's draws, zeros (argmax) when none are given
 
     seen = {}
 
@@ -60,6 +62,9 @@ def test_propose_and_verify_same_inputs_in_numpy_and_torch():
         verify(xp, run_as(kind), ix, conv(bonus), conv(drafts), pos, pools, True)
     for (ga, xa, la), (gb, xb, lb) in zip(seen["np"], seen["torch"]):
         assert (ga, la) == (gb, lb) and sorted(xa) == sorted(xb)
+        assert ("draft_u" in xa) == (dflash2 and ga.startswith("drafter"))
+        if "draft_u" in xa:
+            assert xa["draft_u"].shape == (2, 3) and xa["draft_u"].dtype == np.float32 and not xa["draft_u"].any()
         assert all(np.array_equal(xa[k], xb[k]) for k in xa), ga
     (g, x, _), (g2, y, _) = seen["np"]
     assert g == "drafter_block_b4" and x["block_ids"].tolist() == [[11, 7, 7, 7], [12, 7, 7, 7]]

@@ -57,6 +57,9 @@ def _randomize(module: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(torch.empty(p.shape).uniform_(-1, 1, generator=gen))
             elif "norm" in name:  # zero-centred norms: small offsets; plain norms: around 1
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("base_kernel"):  # DFlash2 convs: near the identity (tap 0), so signal passes
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+                p[:, 0] += 1.0
             elif name.endswith("mlp.gate.weight"):  # router: logits far enough apart that top-k is not a tie
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             else:
@@ -77,7 +80,7 @@ def make_tiny_pair(out_dir: str, seed: int = 0, target_over: dict | None = None,
     dcfg_d = tiny_drafter_config(tcfg_d, **(drafter_over or {}))
     target = TargetModel(TargetConfig.from_dict(tcfg_d))
     _randomize(target, gen)
-    drafter = Drafter(DrafterConfig.from_dict(dcfg_d), tcfg_d["hidden_size"])
+    drafter = Drafter(DrafterConfig.from_dict(dcfg_d), tcfg_d["hidden_size"], tcfg_d["vocab_size"])
     _randomize(drafter, gen)
     tdir, ddir = os.path.join(out_dir, "target"), os.path.join(out_dir, "drafter")
     save_checkpoint(target, tcfg_d, tdir, prefix="model.")

@@ -29,8 +29,8 @@ from dflash_trt.runtime.backends.opaque_ops import as_int32
 from dflash_trt.runtime.commit import WriteTables, write
 from dflash_trt.runtime.logprobs import pack, token_logprobs
 from dflash_trt.runtime.step_recipe import ctx_window, greedy_accept, positions, propose, target_inputs, verify
-from dflash_trt.runtime.sampling import (TOKEN, draft_tokens, row_tensors, sample, speculative_accept, token_probs,
-                                         uniform)
+from dflash_trt.runtime.sampling import (TOKEN, draft_tokens, row_tensors, sample, selector_draws, selector_q,
+                                         speculative_accept, token_probs, uniform)
 
 RESULT_EXTRA = 4  # n, seq_len, kv_start, kv_len after the K token columns
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")  # per row; floats as float64 bits
@@ -70,6 +70,10 @@ class TorchOps:
     @staticmethod
     def clamp_max(x, hi: int):
         return torch.clamp(x, max=hi)
+
+    @staticmethod
+    def zeros_f32(shape, like):
+        return torch.zeros(shape, dtype=torch.float32, device=like.device)
 
 
 TORCH = TorchOps()
@@ -202,10 +206,13 @@ class FusedSteps:
         kv_start, kv_len = self._window(b, seq_len)
         ix, gi = self._index(b, seq_len, (kv_start, kv_len))
         run = self.graphs.run
+        dflash2 = rp is not None and self.dcfg.dflash2
         dout, bpos = propose(TORCH, run, gi, bonus, seq_len, gamma + 1, self.dcfg, self.pools["dkv_pool"],
-                             rp is not None)
+                             rp is not None, selector_draws(rp, seq_len, gamma) if dflash2 else None)
         if rp is None:
             drafts = dout["drafts"]
+        elif dflash2:  # the selector drew the drafts in the graph; q: its distributions over the candidates
+            drafts, q = dout["drafts"], selector_q(dout)
         else:  # slot j of the block predicts the token at position seq_len + j
             q = token_probs(dout["logits"][:, 1:], rp)
             drafts = draft_tokens(q, rp["seed"], bpos[:, 1:])
