@@ -95,14 +95,16 @@ def test_serve_command_and_client_snippet_run():
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     pytest.importorskip("openai")
-    from test_serve import _free_port, served
+    from test_serve import served
+
+    from dflash_trt.tools.bench_serve import free_port
 
     text = section("Serve")
     argv = shlex.split(blocks(text, "bash")[0].strip())
     assert argv[:2] == ["dflash-trt", "serve"] and argv[-2:] == ["--port", "8000"]
     snippet = blocks(text, "python")[0]
     assert "127.0.0.1:8000" in snippet
-    port = _free_port()
+    port = free_port()
     with served(argv[2:-2], port):
         out = _run_snippet(snippet.replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
     assert out.strip() and "[" in out  # the last line prints the token logprobs

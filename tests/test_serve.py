@@ -3,9 +3,9 @@ completions and chat, streamed and not, equal `LLM.generate` greedy; stop string
 clients x 4 requests; bad parameters (400, the next request fine), a full queue (503); a client that closes its
 stream mid-way has its request released; the pools are full afterwards (/health)."""
 import contextlib
+import tempfile
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,47 +21,33 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 from dflash_trt import LLM, SamplingParams  # noqa: E402
+from dflash_trt.runtime.load import UsageError  # noqa: E402
+from dflash_trt.tools.bench_serve import PROMPTS, start_server  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET, DRAFTER = os.path.join(ROOT, "models", "target"), os.path.join(ROOT, "models", "drafter")
 MAX_QUEUE = 8
-PROMPTS = ["def fibonacci(n):\n    ", "import os\n", "class Stack:\n    def push(self, item):\n", "for i in range(",
-           "# parse the header\n", "    return self._data[", "def main():\n", "if __name__ == "]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def served(args: list, port: int | None = None):
     """`dflash-trt serve ARGS --port PORT` (a free port by default) in a subprocess; yields its URL once /health
     answers, stops it after."""
-    port = port or _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", *args, "--port", str(port)], env=env,
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
+    with tempfile.TemporaryFile("w+") as log:
         try:
-            urllib.request.urlopen(url + "/health", timeout=2).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
+            proc, url = start_server(args, timeout=120, port=port, output=log, cwd=ROOT,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        except UsageError:
+            log.seek(0)
+            pytest.fail(f"server did not start:\n{log.read()}")
+        try:
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                pytest.fail(f"server did not start:\n{proc.stdout.read()}")
-            time.sleep(0.3)
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

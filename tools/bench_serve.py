@@ -24,17 +24,20 @@ PROMPTS = ["def fibonacci(n):\n    ", "import os\n", "class Stack:\n    def push
            "# parse the header\n", "    return self._data[", "def main():\n", "if __name__ == "]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_server(serve_args: list[str], timeout: float = 600.0):
-    """(process, base url) of `dflash-trt serve` with these options on a free port, once /health answers."""
-    port = _free_port()
+def start_server(serve_args: list[str], timeout: float = 600.0, port: int | None = None, output=None, env=None,
+                 cwd=None):
+    """(process, base url) of `dflash-trt serve` with these options on `port` (default: a free one), once /health
+    answers; UsageError if it exits or does not answer in `timeout` s. output: where its stdout and stderr go
+    (default: its stderr to ours)."""
+    port = port or free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dflash_trt.cli", "serve", *serve_args, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=sys.stderr)
+                            stdout=output or subprocess.DEVNULL, stderr=output or sys.stderr, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while True:
