@@ -60,10 +60,11 @@ def check_checkpoint_dir(d: str, what: str) -> None:
 
 
 def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = "torch",
-                 sizes: PoolSizes | None = None, gate=None, ks=DEFAULT_KS, device: str = "cpu",
+                 sizes: PoolSizes | None = None, step_costs=None, ks=DEFAULT_KS, device: str = "cpu",
                  dtype: str | None = None, compile_steps: bool = False,
                  export_dir: str | None = None) -> tuple[Runtime, object]:
-    """Build a Runtime over the chosen backend; returns (runtime, codec).
+    """Build a Runtime over the chosen backend; returns (runtime, codec). step_costs: as for Runtime (the step times
+    auto draft length weighs; None: the default cost model).
     torch: the reference modules; on device="cpu" in float32 with numpy pools, on device="cuda" (dtype
     float32 / bfloat16 / float16) with pools owned by a CudaDevice and one CUDA graph per step.
     ort: the ONNX graphs for verify widths `ks` (CPU), exported once into the cache (keyed by both checkpoint
@@ -105,7 +106,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         be = make_backend("ort", manifest=export_dir and checked_export(export_dir, model_dir, drafter_dir, ks, sizes,
                                                                          dtype)
                           or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes()))
-        return Runtime(be, be.tcfg, be.dcfg, be.sizes, gate=gate), codec
+        return Runtime(be, be.tcfg, be.dcfg, be.sizes, step_costs=step_costs), codec
     if backend == "trt":  # the ONNX export (cached) -> its engines (built once) -> a runtime on the GPU pools
         from dflash_trt.engines.build import ensure_engines
         from dflash_trt.export.onnx_export import ensure_export
@@ -115,7 +116,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
                              or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes(), dtype=dtype))
         dev = CudaDevice(int(device.split(":")[1]) if ":" in device else 0)
         be = make_backend("trt", manifest=man, device=dev)
-        return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=gate), codec
+        return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, step_costs=step_costs), codec
     if export_dir is not None:
         raise UsageError(f"an export directory ({export_dir}) runs on the ort or trt backend, not '{backend}'")
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
@@ -140,7 +141,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     be = make_backend(backend, target=target, drafter=drafter, compile_steps=compile_steps and on_gpu,
                       checkpoint_hashes=hashes)
     return Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(), device=dev,
-                   gate=gate), codec
+                   step_costs=step_costs), codec
 
 
 def checked_export(export_dir: str, model_dir: str, drafter_dir, ks, sizes, dtype: str) -> str:

@@ -218,7 +218,7 @@ def spec_vs_plain(rt, prompt, max_new: int, gamma: int, step1_ms: float) -> dict
 
 def random_bench_runtime(a, build, sizes):
     """(rt, dev, target, compiled) over the random pair build(dtype, device) on a CudaDevice (steps compiled unless
-    --no-compile, the gate off, so every spec step speculates), or None with one line said where CUDA is missing."""
+    --no-compile), or None with one line said where CUDA is missing, or None with one line said where CUDA is missing."""
     from dflash_trt.runtime.devices.cuda import CudaUnavailable, require_cuda
 
     try:
@@ -230,14 +230,12 @@ def random_bench_runtime(a, build, sizes):
 
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
     from dflash_trt.runtime.devices.cuda import CudaDevice
-    from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.runtime import Runtime
 
     dev = CudaDevice()
     target, drafter = build(getattr(torch, a.dtype or "bfloat16"), dev.device)
     compiled = not a.no_compile
-    rt = Runtime(TorchBackend(target, drafter, compile_steps=compiled), target.cfg, drafter.cfg, sizes, device=dev,
-                 gate=Gate(min_rate=0.0))
+    rt = Runtime(TorchBackend(target, drafter, compile_steps=compiled), target.cfg, drafter.cfg, sizes, device=dev)
     return rt, dev, target, compiled
 
 

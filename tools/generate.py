@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dflash_trt.abi import PoolSizes, verify_widths
+from dflash_trt.args import GAMMA_HELP, gamma_arg
 from dflash_trt.log import progress
 from dflash_trt.runtime.load import UsageError, check_checkpoint_dir, drafter_block_size, load_runtime
 from dflash_trt.runtime.runtime import check_gamma
@@ -21,7 +22,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"positions per sequence: prompt + new tokens + verify width (default {PoolSizes().max_seq_len})")
-    p.add_argument("--gamma", type=int, default=None, help="drafts per step (default block_size-1)")
+    p.add_argument("--gamma", type=gamma_arg, default="auto", help=GAMMA_HELP)
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no drafter steps)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
