@@ -158,7 +158,7 @@ class DraftLength:
         """Plain steps between probes: a probe's extra time over a plain step, spread so that it is at most
         probe_budget of the plain steps' time."""
         extra = self.costs.seconds(self.widths[1], bucket) / self.costs.seconds(1, bucket) - 1.0
-        return max(1, math.ceil(extra / self.probe_budget))
+        return max(1, math.ceil(extra / self.probe_budget - 1e-9))  # not one more for a rounding error
 
     def record(self, K: int, accepted) -> None:
         """A collected spec step of width K: the accepted drafts of each of its live rows."""

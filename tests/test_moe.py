@@ -14,7 +14,6 @@ from dflash_trt.abi import PoolSizes
 from dflash_trt.export.checkpoint import CheckpointError, load_drafter, load_target
 from dflash_trt.modeling.mlp import SparseMoE
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.tools.tiny import TINY_MOE, make_tiny_pair
 
@@ -136,7 +135,7 @@ def test_lossless_spec_on_torch(moe_pair, gamma):
     plain, _ = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES).generate(prompt, 48, spec=False)
     be = ScriptedDrafter(TorchBackend(target, drafter), list(prompt) + plain, target.cfg.vocab_size,
                          lambda s, g: (s * 7) % (g + 1))
-    out, st = Runtime(be, target.cfg, drafter.cfg, SIZES, gate=Gate(min_rate=0.0)).generate(prompt, 48, gamma=gamma)
+    out, st = Runtime(be, target.cfg, drafter.cfg, SIZES).generate(prompt, 48, gamma=gamma)
     assert st.spec_steps > 0 and out == plain
 
 
@@ -176,7 +175,7 @@ def test_ort_graphs_and_lossless_on_ort(moe_pair, tmp_path):
     plain, _ = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, sizes).generate(prompt, 32, spec=False)
     assert Runtime(ort, target.cfg, drafter.cfg, sizes).generate(prompt, 32, spec=False)[0] == plain
     be = ScriptedDrafter(ort, list(prompt) + plain, target.cfg.vocab_size, lambda s, g: (s * 7) % (g + 1))
-    spec, st = Runtime(be, target.cfg, drafter.cfg, sizes, gate=Gate(min_rate=0.0)).generate(prompt, 32, gamma=3)
+    spec, st = Runtime(be, target.cfg, drafter.cfg, sizes).generate(prompt, 32, gamma=3)
     assert st.spec_steps > 0 and spec == plain
 
 
@@ -191,7 +190,7 @@ def test_gpu_lossless_moe_target(tmp_path, gamma):
     dirs = make_tiny_pair(str(tmp_path), seed=5, target_over=dict(TINY_MOE, **KERNEL_SHAPES["target_over"]),
                           drafter_over=KERNEL_SHAPES["drafter_over"])
     cpu, _ = load_runtime(*dirs, sizes=SIZES)
-    gpu, _ = load_runtime(*dirs, sizes=SIZES, device="cuda", gate=Gate(min_rate=0.0))
+    gpu, _ = load_runtime(*dirs, sizes=SIZES, device="cuda")
     prompt = list(np.random.default_rng(0).integers(0, 250, 23))
     plain, _ = cpu.generate(prompt, 48, spec=False)
     assert gpu.generate(prompt, 48, spec=False)[0] == plain

@@ -13,7 +13,6 @@ from dflash_trt.export.checkpoint import load_drafter, load_target
 from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.interfaces import BackendDefaults
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.runtime.sampling import SamplingError
@@ -40,7 +39,7 @@ def pair(tmp_path_factory):
 def runtime(pair, fused=False, sizes=SIZES):
     t, d = pair
     kw = dict(device=TorchCpuDevice(), executor=lambda rt: GraphStepExecutor(rt, inflight=1)) if fused else {}
-    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, gate=Gate(min_rate=0.0), **kw)
+    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, **kw)
 
 
 def exact_first3(target, prompt, t=1.0, k=4):
@@ -140,7 +139,7 @@ class NoLogits(BackendDefaults):
 
 def test_backend_without_logits_refused_pools_consistent(pair):
     t, d = pair
-    rt = Runtime(NoLogits(TorchBackend(t, d)), t.cfg, d.cfg, SIZES, gate=Gate(min_rate=0.0))
+    rt = Runtime(NoLogits(TorchBackend(t, d)), t.cfg, d.cfg, SIZES)
     with pytest.raises(SamplingError, match="emits no logits"):
         rt.generate(PROMPT, 4, temperature=1.0, seed=1)
     assert rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.slots.num_free == rt.sizes.max_seqs
@@ -152,7 +151,7 @@ def test_sampling_joiner_refused_alone_in_a_shared_prefill(pair):
     refused, each row is retried alone, and only the sampling request fails; the greedy one's tokens are those
     it gets alone, and every pool comes back full."""
     t, d = pair
-    rt = Runtime(NoLogits(TorchBackend(t, d)), t.cfg, d.cfg, SIZES, gate=Gate(min_rate=0.0))
+    rt = Runtime(NoLogits(TorchBackend(t, d)), t.cfg, d.cfg, SIZES)
     greedy = rt.add_request(PROMPT, 6, spec=False)
     sampled = rt.add_request(PROMPT[::-1], 6, spec=False, temperature=1.0, seed=1)
     while rt.scheduler.has_work:
@@ -180,8 +179,8 @@ def test_gpu_sampling_in_cuda_graphs(kernel_pair):
     tc = load_target(kernel_pair[0], torch.float32).cuda()
     dc = load_drafter(kernel_pair[1], tc, torch.float32).cuda()
     sizes = PoolSizes(kv_blocks=256, page_size=16, max_seq_len=256, max_seqs=8, dkv_blocks=256, prefill_chunk=16)
-    cpu = Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, gate=Gate(min_rate=0.0))
-    rt = Runtime(TorchBackend(tc, dc), tc.cfg, dc.cfg, sizes, device=CudaDevice(), gate=Gate(min_rate=0.0))
+    cpu = Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes)
+    rt = Runtime(TorchBackend(tc, dc), tc.cfg, dc.cfg, sizes, device=CudaDevice())
     prompt = [int(x) for x in np.random.default_rng(2).integers(0, 250, 19)]
     greedy = cpu.generate(prompt, 32)[0]
     a = rt.generate(prompt, 32, temperature=0.8, top_k=50, seed=7)[0]

@@ -8,7 +8,6 @@ from spec_helpers import ScriptedDrafter
 from dflash_trt.abi import PoolSizes
 from dflash_trt.export.checkpoint import load_drafter, load_target
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.tools.tiny import make_tiny_pair
 
