@@ -317,8 +317,7 @@ class Runtime:
     def verify_widths(self) -> list[int]:
         """The step widths K this runtime can run: the exported ones for a backend of an export, else the default
         widths (each a compiled / captured graph per batch bucket on a device); at most the drafter's block."""
-        manifest = getattr(self.backend, "manifest", None)
-        ks = manifest.data["ks"] if manifest is not None else DEFAULT_KS
+        ks = self.backend.step_widths() or DEFAULT_KS
         top = self.dcfg.block_size if self.dcfg is not None else 1
         return sorted({1} | {int(k) for k in ks if int(k) <= top})
 
