@@ -18,7 +18,8 @@ small pieces):
                    pages) -> tokens appended; EOS / max tokens -> the request leaves
 
 Its parts: who joins (runtime.admission), the step's width (runtime.draft_length), the worst-case page sums
-(runtime.page_budget), the launches in flight and which is due (runtime.inflight); this module holds the requests, the phases' order and the faults.
+(runtime.page_budget), the launches in flight and which is due (runtime.inflight); this module holds the requests,
+the phases' order and the faults.
 
 Faults: a refusal a request meets in normal serving (PoolExhausted, ValueError: out of pages, a bad sampling row)
 fails that request alone and is recorded on it. Any other exception raised by a phase of a step is a fault: the

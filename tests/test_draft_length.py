@@ -8,7 +8,7 @@ import pytest
 from dflash_trt.abi import DEFAULT_KS
 from dflash_trt.runtime.draft_length import (AUTO, Acceptance, CostModel, CostTable, DraftLength, GammaError,
                                              check_gamma, expected_tokens)
-from dflash_trt.tools.scripted import fixed_and_auto, simulate
+from dflash_trt.tools.scripted import bench_scripted, fixed_and_auto, print_scripted, simulate
 
 # step ms per width at one batch bucket: an MoE target at batch 1 (experts touched grow with the rows), a dense one at
 # batch 1 (memory bound: wide steps nearly free) and at batch 16 (compute starts to show)
@@ -88,3 +88,21 @@ def test_cost_table_and_gamma_refusals():
     for bad in (0, 16, 2.0, "7", True):
         with pytest.raises(GammaError):
             check_gamma(bad, 16)
+
+
+def test_bench_lines_from_measured_steps(capsys):
+    """The benches' scripted lines: the measured step(K) + the spec step's drafter time as the cost table, one line
+    per script and the three checks in the bench's targets; skipped in a line when gamma + 1 was not measured."""
+    ms = TABLES["moe b1"][1]
+    res = {"steps": {k: {"ms": v - (0.2 if k > 1 else 0.0)} for k, v in ms.items()},
+           "decode": {"gamma": 15, "plain_step_ms": ms[1], "spec_step_ms": ms[16]}, "targets": {"other": (1, 1, True)}}
+    bench_scripted(res)
+    assert res["scripted"]["rows"]["stationary"]["K=1"] == pytest.approx(1e3 / ms[1])  # tok/s: one token a step
+    assert [k for k in res["targets"] if k.startswith("batch 1 auto K")]
+    assert all(hit for _, _, hit in res["targets"].values())
+    print_scripted(res["scripted"])
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" (")[0] for line in out] == ["scripted random", "scripted stationary", "scripted phased"]
+    res = {"steps": {1: {"ms": 1.0}, 16: {"ms": 2.0}}, "decode": {"gamma": 7, "plain_step_ms": 1, "spec_step_ms": 2}}
+    bench_scripted(res)
+    assert "targets" not in res and "K = gamma + 1 = 8" in res["scripted"]["skipped"]

@@ -60,22 +60,28 @@ def exact_first3(target, prompt, t=1.0, k=4):
     return out
 
 
-def sample_first3(rt, n, seed0=0, **kw):
-    """n requests of 3 new tokens each, seeds seed0.., batched 16 at a time by the scheduler."""
-    reqs = []
+def sample_first3(rt, n, seed0=0, gamma=None, **kw):
+    """n requests of 3 new tokens each, seeds seed0.., batched 16 at a time by the scheduler; also the step widths
+    it ran (gamma None: chosen per step)."""
+    reqs, widths = [], set()
     for i in range(n):
-        reqs.append(rt.add_request(PROMPT, 3, temperature=kw.get("temperature", 1.0), top_k=kw.get("top_k", 0),
-                                   seed=seed0 + i))
+        reqs.append(rt.add_request(PROMPT, 3, gamma=gamma, temperature=kw.get("temperature", 1.0),
+                                   top_k=kw.get("top_k", 0), seed=seed0 + i))
+    rt.scheduler.on_step = lambda rt, req, plan, res, row: widths.add(plan.K)
     while rt.has_work:
         rt.step()
     assert rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.slots.num_free == rt.sizes.max_seqs
-    return np.array([r.tokens for r in reqs]), [a for r in reqs for a in r.accepted]
+    return np.array([r.tokens for r in reqs]), [a for r in reqs for a in r.accepted], widths
 
 
-@pytest.mark.parametrize("fused,n", [(False, 1600), (True, 1000)], ids=["host", "fused"])
-def test_dflash_sampling_first_three_tokens_exact(pair, fused, n):
+@pytest.mark.parametrize("fused,n,gamma", [(False, 1600, None), (True, 1000, None), (False, 1600, 3)],
+                         ids=["host-auto", "fused-auto", "host-gamma3"])
+def test_dflash_sampling_first_three_tokens_exact(pair, fused, n, gamma):
+    """Exact with the width chosen per step (auto: plain and spec steps of several widths mixed in one run) and with
+    a fixed gamma (every step drafts 3)."""
     exact = exact_first3(pair[0], PROMPT)
-    toks, accepted = sample_first3(runtime(pair, fused), n, **SAMPLE)
+    toks, accepted, widths = sample_first3(runtime(pair, fused), n, gamma=gamma, **SAMPLE)
+    assert 1 in widths and max(widths) > 1 if gamma is None else widths == {gamma + 1}
     c = np.bincount((toks[:, 0] * VOCAB + toks[:, 1]) * VOCAB + toks[:, 2], minlength=VOCAB ** 3)
     tv, bound, pv = 0.5 * np.abs(c / n - exact).sum(), 1.5 * tv_noise(exact, n), chi2_pvalue(c, exact * n)
     assert tv < bound and pv > 1e-4, (tv, bound, pv)
