@@ -11,11 +11,12 @@ from dflash_trt.runtime.draft_length import (AUTO, Acceptance, CostModel, CostTa
 from dflash_trt.tools.scripted import bench_scripted, fixed_and_auto, print_scripted, simulate
 
 # step ms per width at one batch bucket: an MoE target at batch 1 (experts touched grow with the rows), a dense one at
-# batch 1 (memory bound: wide steps nearly free) and at batch 16 (compute starts to show)
+# batch 1 (memory bound: wide steps nearly free), both at batch 16 (compute starts to show)
 TABLES = {
     "moe b1": (1, {1: 0.864, 2: 1.10, 3: 1.30, 4: 1.50, 8: 2.20, 16: 2.995}),
     "dense b1": (1, {1: 1.00, 2: 1.12, 3: 1.13, 4: 1.14, 8: 1.18, 16: 1.30}),
     "dense b16": (16, {1: 1.30, 2: 1.60, 3: 1.80, 4: 2.00, 8: 2.80, 16: 4.20}),
+    "moe b16": (16, {1: 2.00, 2: 2.60, 3: 3.00, 4: 3.40, 8: 4.50, 16: 6.50}),
 }
 TOKENS = 4096
 
