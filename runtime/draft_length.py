@@ -69,7 +69,7 @@ class CostModel:
 
 class CostTable:
     """Measured step times {(K, bucket): seconds} (from start-up timings or captured graphs); a bucket not measured
-    takes the nearest measured one scaled by nothing (the choice needs ratios between widths, not absolute times)."""
+    takes the nearest measured one's (the choice weighs widths against each other at one bucket)."""
 
     def __init__(self, table: dict):
         if not table or any(v <= 0 for v in table.values()):
