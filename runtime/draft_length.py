@@ -13,9 +13,13 @@ row still appended by the same commit path), chosen per step for the whole batch
           One estimate per batch (per scheduler): the K is one per launch anyway, a pooled count over the rows is
           exactly the batch's per-position rate, and it gets `rows` observations a step, carried across the
           requests that come and go (a joiner does not re-learn).
-  probes  while K = 1 is chosen nothing is observed, so a return of high acceptance would go unseen: every so many
-          plain steps one step runs the narrowest spec width. The interval spends at most PROBE_BUDGET of the
-          time on probes: (seconds(K_probe) / seconds(1) - 1) / interval <= PROBE_BUDGET.
+  lag     the acceptance of step s is weighed from choice s + 2 on, whenever it lands: an executor that keeps a step
+          in flight chooses step s + 1 before step s lands, and one lag for every executor makes the choices (and
+          so a seeded sampling run's tokens) the same on all of them.
+  probes  a step of width K observes drafts 1..K-1 only: while K = 1 is chosen nothing is observed (a return of high
+          acceptance would go unseen), and at K the estimates past K - 1 go stale (an unlucky low one would keep K
+          narrow for good). So every so many steps at the chosen K one step runs the next wider width. The interval
+          spends at most PROBE_BUDGET of the time on probes: (seconds(wider) / seconds(K) - 1) / interval <= budget.
 
 Lossless by construction: any K verifies its drafts with the same accept (greedy or rejection sampling), so only the
 speed depends on the choice. Step costs come from a `StepCosts` (seconds(K, bucket)): a measured table, or the default
@@ -130,7 +134,9 @@ class DraftLength:
         self.costs = costs or CostModel()
         self.probe_budget = probe_budget
         self.acceptance = Acceptance(self.widths[-1] - 1)
-        self.plain_run = 0  # plain steps chosen since the last spec step
+        self.since_probe = 0  # steps chosen since the last probe
+        self.chosen = 0  # steps chosen so far (step s is the s-th choice, from 0)
+        self.landed: list = []  # (step, gamma, accepted) recorded but not weighed yet
 
     @property
     def widest(self) -> int:
@@ -143,24 +149,31 @@ class DraftLength:
 
     def choose(self, bucket: int) -> int:
         """The width of the next step over `bucket` rows."""
+        self.chosen += 1
         if self.fixed is not None:
             return self.fixed
+        due = [obs for obs in self.landed if obs[0] <= self.chosen - 3]  # this is choice chosen - 1
+        self.landed = [obs for obs in self.landed if obs[0] > self.chosen - 3]
+        for _, gamma, accepted in sorted(due, key=lambda obs: obs[0]):
+            self.acceptance.record(gamma, accepted)
         K = max(self.widths, key=lambda k: (self.rate(k, bucket), -k))
-        if K == 1 and len(self.widths) > 1:
-            self.plain_run += 1
-            if self.plain_run > self.probe_interval(bucket):
-                K = self.widths[1]
-        if K > 1:
-            self.plain_run = 0
+        if K == self.widths[-1]:
+            return K
+        self.since_probe += 1
+        if self.since_probe > self.probe_interval(K, bucket):
+            self.since_probe = 0
+            return self.widths[self.widths.index(K) + 1]
         return K
 
-    def probe_interval(self, bucket: int) -> int:
-        """Plain steps between probes: a probe's extra time over a plain step, spread so that it is at most
-        probe_budget of the plain steps' time."""
-        extra = self.costs.seconds(self.widths[1], bucket) / self.costs.seconds(1, bucket) - 1.0
+    def probe_interval(self, K: int, bucket: int) -> int:
+        """Steps at width K between probes of the next wider width: a probe's extra time over a step of K, spread
+        so that it is at most probe_budget of their time."""
+        wider = self.widths[self.widths.index(K) + 1]
+        extra = self.costs.seconds(wider, bucket) / self.costs.seconds(K, bucket) - 1.0
         return max(1, math.ceil(extra / self.probe_budget - 1e-9))  # not one more for a rounding error
 
-    def record(self, K: int, accepted) -> None:
-        """A collected spec step of width K: the accepted drafts of each of its live rows."""
-        if K > 1 and accepted:
-            self.acceptance.record(K - 1, accepted)
+    def record(self, K: int, accepted, step: int | None = None) -> None:
+        """A collected spec step of width K: the accepted drafts of each of its live rows; step: its number (None:
+        the latest chosen)."""
+        if K > 1 and accepted and self.fixed is None:
+            self.landed.append((self.chosen - 1 if step is None else step, K - 1, list(accepted)))

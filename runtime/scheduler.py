@@ -249,7 +249,8 @@ class Scheduler:
             return None
         K = self.draft_length.choose(bucket_for(len(rows))) if self.spec else 1
         live = [req for req in rows if self._reserve(req, K, touched)]
-        return StepPlan(SPEC if K > 1 else DECODE, K, pad_rows([r.seq for r in live]), reqs=live) if live else None
+        index = self.draft_length.chosen - 1 if self.spec else None
+        return StepPlan(SPEC if K > 1 else DECODE, K, pad_rows([r.seq for r in live]), live, index) if live else None
 
     def _reserve(self, req: Request, K: int, touched) -> bool:
         """Pages for one more step of K rows of req, past its rows in flight; False: it failed instead."""
@@ -309,7 +310,7 @@ class Scheduler:
             if plan.kind == SPEC:
                 accepted.append(committed[row] - 1)
         if plan.kind == SPEC:
-            self.draft_length.record(plan.K, accepted)
+            self.draft_length.record(plan.K, accepted, plan.index)
 
     def _finish_row(self, req: Request, plan: StepPlan, result, row: int, n: int, tokens: list, touched) -> None:
         """Row `row` of a collected step: commit.finish of its n rows, then its new tokens."""

@@ -76,7 +76,7 @@ def test_plain_decode_is_probed_within_its_budget():
         dl.record(K, [0])  # never right
     plain = widths[20:]
     assert set(plain) == {1, 2} and 1 / 6 <= plain.count(2) / len(plain) <= 0.2  # interval 5: 5 plain, one probe
-    assert dl.probe_interval(1) == 5
+    assert dl.probe_interval(1, 1) == 5
 
 
 def test_cost_table_and_gamma_refusals():
@@ -107,3 +107,16 @@ def test_bench_lines_from_measured_steps(capsys):
     res = {"steps": {1: {"ms": 1.0}, 16: {"ms": 2.0}}, "decode": {"gamma": 7, "plain_step_ms": 1, "spec_step_ms": 2}}
     bench_scripted(res)
     assert "targets" not in res and "K = gamma + 1 = 8" in res["scripted"]["skipped"]
+
+
+def test_acceptance_weighed_from_the_choice_after_next():
+    """An executor that keeps a step in flight chooses step s + 1 before step s lands: every executor weighs step s
+    from choice s + 2, so their choices agree."""
+    dl = DraftLength([1, 4], CostModel())
+    assert dl.choose(1) == 4  # step 0
+    dl.record(4, [3], step=0)
+    before = dl.acceptance.rates()
+    dl.choose(1)  # step 1
+    assert dl.acceptance.rates() == before
+    dl.choose(1)  # step 2
+    assert dl.acceptance.rates()[:3] > before[:3]
