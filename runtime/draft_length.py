@@ -33,7 +33,7 @@ from typing import Protocol
 
 DISCOUNT = 0.93  # weight of a position's past observations per step that observes it again
 PRIOR = (0.5, 1.0)  # (acceptance, weight in trials) before anything is observed: one coin flip per position
-PROBE_BUDGET = 0.01  # at most this share of the time goes to probe steps while plain decoding is chosen
+PROBE_BUDGET = 0.01  # at most this share of the time at a chosen width goes to probes of the next wider one
 
 
 class GammaError(ValueError):

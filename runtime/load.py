@@ -67,15 +67,18 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     auto draft length weighs; None: the default cost model).
     torch: the reference modules; on device="cpu" in float32 with numpy pools, on device="cuda" (dtype
     float32 / bfloat16 / float16) with pools owned by a CudaDevice and one CUDA graph per step.
-    ort: the ONNX graphs for verify widths `ks` (CPU), exported once into the cache (keyed by both checkpoint
+    ort: the ONNX graphs for verify widths `ks` (CPU; None: the default widths), exported once into the cache (keyed by both checkpoint
     hashes, sizes and exporter version) and reused after. trt: that export's TensorRT engines (built once into the
     cache entry) on a CudaDevice's pools, one CUDA graph per step; refused in one line where engines cannot run.
     export_dir (ort, trt): a `dflash-trt export --out` directory of these checkpoints used instead of the cache
-    (checked against the checkpoints' hashes, the widths ks, the sizes when given and the dtype).
+    (checked against the checkpoints' hashes, the widths ks (None: K=1, the run takes the widths it holds), the
+    sizes when given and the dtype).
     compile_steps (torch on CUDA): the steps through Inductor, faster steps for a compile per step key on first use
     (runtime/backends/torch_compile.py; figures: docs/PERF.md). A missing GPU fails with one clear line."""
     from dflash_trt.runtime.backends import make_backend
 
+    need = (1,) if ks is None else ks  # what a user's export must hold
+    ks = DEFAULT_KS if ks is None else ks  # what the cache's export gets
     check_checkpoint_dir(model_dir, "target checkpoint")
     if drafter_dir:
         check_checkpoint_dir(drafter_dir, "drafter checkpoint")
@@ -103,7 +106,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     if backend == "ort":
         from dflash_trt.export.onnx_export import ensure_export
 
-        be = make_backend("ort", manifest=export_dir and checked_export(export_dir, model_dir, drafter_dir, ks, sizes,
+        be = make_backend("ort", manifest=export_dir and checked_export(export_dir, model_dir, drafter_dir, need, sizes,
                                                                          dtype)
                           or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes()))
         return Runtime(be, be.tcfg, be.dcfg, be.sizes, step_costs=step_costs), codec
@@ -112,7 +115,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         from dflash_trt.export.onnx_export import ensure_export
         from dflash_trt.runtime.devices.cuda import CudaDevice
 
-        man = ensure_engines(export_dir and checked_export(export_dir, model_dir, drafter_dir, ks, sizes, dtype)
+        man = ensure_engines(export_dir and checked_export(export_dir, model_dir, drafter_dir, need, sizes, dtype)
                              or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes(), dtype=dtype))
         dev = CudaDevice(int(device.split(":")[1]) if ":" in device else 0)
         be = make_backend("trt", manifest=man, device=dev)

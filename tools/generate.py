@@ -41,14 +41,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(faster steps, after a compile per step shape)")
 
 
-def checked_widths(args) -> tuple:
+def checked_widths(args, user_export: bool = False) -> tuple | None:
     """--model / --drafter / --gamma checked before any weight loads (a bad one costs nothing); the verify widths
     the run needs."""
     check_checkpoint_dir(args.model, "--model")
     block = drafter_block_size(args.drafter)
     if block is not None and args.gamma is not None and not args.no_spec:
         check_gamma(args.gamma, block)
-    return verify_widths(args.gamma, block, not args.no_spec)
+    return verify_widths(args.gamma, block, not args.no_spec, user_export=user_export)
 
 
 def run_sizes(max_seq_len: int | None) -> PoolSizes:
@@ -79,7 +79,7 @@ def run(args) -> int:
         text = read_prompt(args)
     except UnicodeDecodeError as e:
         raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason})") from None
-    ks = checked_widths(args)
+    ks = checked_widths(args, user_export=args.engines is not None)
     rt, codec = load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
                              dtype=args.dtype, compile_steps=args.compile, export_dir=args.engines)
     ids = codec.encode(text)

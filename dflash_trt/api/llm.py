@@ -40,7 +40,8 @@ class LLM:
                  dtype: str | None = None, sizes=None, gamma: int | str | None = None, spec: bool = True,
                  step_costs=None, compile_steps: bool = False, chat_template: str | None = None,
                  engines: str | None = None):
-        ks = verify_widths(gamma, drafter_block_size(drafter), spec)  # the graphs an ort / trt run needs
+        # the graphs an ort / trt run needs
+        ks = verify_widths(gamma, drafter_block_size(drafter), spec, user_export=engines is not None)
         self.runtime, self.codec = load_runtime(model, drafter, backend, sizes=sizes, step_costs=step_costs, ks=ks,
                                                 device=device, dtype=dtype, compile_steps=compile_steps,
                                                 export_dir=engines)
