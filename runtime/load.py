@@ -67,8 +67,8 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     auto draft length weighs; None: the default cost model).
     torch: the reference modules; on device="cpu" in float32 with numpy pools, on device="cuda" (dtype
     float32 / bfloat16 / float16) with pools owned by a CudaDevice and one CUDA graph per step.
-    ort: the ONNX graphs for verify widths `ks` (CPU; None: the default widths), exported once into the cache (keyed by both checkpoint
-    hashes, sizes and exporter version) and reused after. trt: that export's TensorRT engines (built once into the
+    ort: the ONNX graphs for verify widths `ks` (CPU; None: the default widths), exported once into the cache (keyed
+    by both checkpoint hashes, sizes and exporter version) and reused after. trt: that export's TensorRT engines (built once into the
     cache entry) on a CudaDevice's pools, one CUDA graph per step; refused in one line where engines cannot run.
     export_dir (ort, trt): a `dflash-trt export --out` directory of these checkpoints used instead of the cache
     (checked against the checkpoints' hashes, the widths ks (None: K=1, the run takes the widths it holds), the
