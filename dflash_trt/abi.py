@@ -77,11 +77,15 @@ def parse_drafter_block(name: str, block_size: int) -> int | None:
     return None
 
 
-def verify_widths(gamma: int | None, block_size: int | None, spec: bool) -> tuple:
-    """The target graphs a run needs: K=1 (prefill tail / plain decode) and K=γ+1 when speculating."""
+def verify_widths(gamma, block_size: int | None, spec: bool, user_export: bool = False) -> tuple | None:
+    """The target graphs a run needs: K=1 (prefill tail / plain decode) and, when speculating, K=γ+1 for a fixed γ,
+    or for γ None / "auto" (chosen per step) every default width up to the drafter's block — on a user's export
+    (user_export) None instead: auto runs among the widths it holds."""
     if not spec or block_size is None:
         return (1,)
-    return tuple(sorted({1, (gamma if gamma is not None else block_size - 1) + 1}))
+    if gamma is None or gamma == "auto":
+        return None if user_export else tuple(sorted({1, block_size} | {k for k in DEFAULT_KS if k <= block_size}))
+    return tuple(sorted({1, gamma + 1}))
 
 
 def drafter_block_lens(ks, block_size: int) -> list[int]:

@@ -8,3 +8,16 @@ import argparse
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+GAMMA_HELP = "drafts per step, or auto (default): the width of most tokens per second, chosen per step"
+
+
+def gamma_arg(text: str) -> int | None:
+    """--gamma: "auto" -> None (chosen per step), else an integer (checked against the drafter where it is read)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gamma wants an integer or auto, got {text!r}") from None

@@ -299,6 +299,10 @@ class ManifestBacked:
     def sizes(self):
         return self.manifest.sizes
 
+    def step_widths(self) -> tuple:
+        """The exported verify widths (Backend.step_widths)."""
+        return tuple(self.manifest.data["ks"])
+
     def weights_id(self, which: str):
         """'checkpoint:<hash>' of the checkpoint the export was made from (Backend.weights_id)."""
         h = (self.manifest.data.get(which) or {}).get("hash")

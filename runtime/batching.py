@@ -38,11 +38,13 @@ def bucket_for(n: int) -> int:
 @dataclass
 class StepPlan:
     """kind: SPEC (drafter_block -> target_k{K} -> accept) or DECODE (target_k1 on the bonus token);
-    rows: the bucket's rows, a Sequence or None (padding); reqs: whatever the caller tracks per live row."""
+    rows: the bucket's rows, a Sequence or None (padding); reqs: whatever the caller tracks per live row;
+    index: its number among the scheduler's steps (runtime.draft_length weighs its acceptance by it)."""
     kind: str
     K: int
     rows: list
     reqs: list | None = None
+    index: int | None = None
 
     @property
     def bucket(self) -> int:

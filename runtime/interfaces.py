@@ -34,6 +34,9 @@ class Backend(Protocol):
     def run(self, graph: str, inputs: dict) -> dict:
         """Run ABI graph `graph` on `inputs` (ABI name -> array); returns its outputs by ABI name (numpy on the host)."""
 
+    def step_widths(self) -> Optional[tuple]:
+        """The verify widths K its graphs run (an export's), or None: any width (the runtime runs its default ones)."""
+
     def weights_id(self, which: str) -> Optional[str]:
         """The identity of the 'target' / 'drafter' weights in snapshots: 'checkpoint:<hash>', the same on every
         backend for one checkpoint ('params:<hash>' for modules not loaded from one); None where there are none."""
@@ -179,3 +182,6 @@ class BackendDefaults:
 
     def weights_id(self, which: str):
         return self.inner.weights_id(which) if self.inner is not None else None
+
+    def step_widths(self):
+        return self.inner.step_widths() if self.inner is not None else None

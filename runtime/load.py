@@ -61,18 +61,20 @@ def check_checkpoint_dir(d: str, what: str) -> None:
 
 
 def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = "torch",
-                 sizes: PoolSizes | None = None, gate=None, ks=DEFAULT_KS, device: str = "cpu",
+                 sizes: PoolSizes | None = None, step_costs=None, ks=DEFAULT_KS, device: str = "cpu",
                  dtype: str | None = None, compile_steps: bool = False,
                  export_dir: str | None = None,
                  gpu_memory_utilization: float | None = None) -> tuple[Runtime, object]:
-    """Build a Runtime over the chosen backend; returns (runtime, codec).
+    """Build a Runtime over the chosen backend; returns (runtime, codec). step_costs: as for Runtime (the step times
+    auto draft length weighs; None: the default cost model).
     torch: the reference modules; on device="cpu" in float32 with numpy pools, on device="cuda" (dtype
     float32 / bfloat16 / float16) with pools owned by a CudaDevice and one CUDA graph per step.
-    ort: the ONNX graphs for verify widths `ks` (CPU), exported once into the cache (keyed by both checkpoint
-    hashes, sizes and exporter version) and reused after. trt: that export's TensorRT engines (built once into the
+    ort: the ONNX graphs for verify widths `ks` (CPU; None: the default widths), exported once into the cache (keyed
+    by both checkpoint hashes, sizes and exporter version) and reused after. trt: that export's TensorRT engines (built once into the
     cache entry) on a CudaDevice's pools, one CUDA graph per step; refused in one line where engines cannot run.
     export_dir (ort, trt): a `dflash-trt export --out` directory of these checkpoints used instead of the cache
-    (checked against the checkpoints' hashes, the widths ks, the sizes when given and the dtype).
+    (checked against the checkpoints' hashes, the widths ks (None: K=1, the run takes the widths it holds), the
+    sizes when given and the dtype).
     compile_steps (torch on CUDA): the steps through Inductor, faster steps for a compile per step key on first use
     (runtime/backends/torch_compile.py; figures: docs/PERF.md). A missing GPU fails with one clear line.
     gpu_memory_utilization (torch on CUDA): the KV pools take what this fraction of the GPU's memory leaves once
@@ -80,6 +82,8 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     size, prefill chunk, ctx window)."""
     from dflash_trt.runtime.backends import make_backend
 
+    need = (1,) if ks is None else ks  # what a user's export must hold
+    ks = DEFAULT_KS if ks is None else ks  # what the cache's export gets
     check_checkpoint_dir(model_dir, "target checkpoint")
     if drafter_dir:
         check_checkpoint_dir(drafter_dir, "drafter checkpoint")
@@ -110,20 +114,20 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     if backend == "ort":
         from dflash_trt.export.onnx_export import ensure_export
 
-        be = make_backend("ort", manifest=export_dir and checked_export(export_dir, model_dir, drafter_dir, ks, sizes,
+        be = make_backend("ort", manifest=export_dir and checked_export(export_dir, model_dir, drafter_dir, need, sizes,
                                                                          dtype)
                           or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes()))
-        return Runtime(be, be.tcfg, be.dcfg, be.sizes, gate=gate), codec
+        return Runtime(be, be.tcfg, be.dcfg, be.sizes, step_costs=step_costs), codec
     if backend == "trt":  # the ONNX export (cached) -> its engines (built once) -> a runtime on the GPU pools
         from dflash_trt.engines.build import ensure_engines
         from dflash_trt.export.onnx_export import ensure_export
         from dflash_trt.runtime.devices.cuda import CudaDevice
 
-        man = ensure_engines(export_dir and checked_export(export_dir, model_dir, drafter_dir, ks, sizes, dtype)
+        man = ensure_engines(export_dir and checked_export(export_dir, model_dir, drafter_dir, need, sizes, dtype)
                              or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes(), dtype=dtype))
         dev = CudaDevice(int(device.split(":")[1]) if ":" in device else 0)
         be = make_backend("trt", manifest=man, device=dev)
-        return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=gate), codec
+        return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, step_costs=step_costs), codec
     if export_dir is not None:
         raise UsageError(f"an export directory ({export_dir}) runs on the ort or trt backend, not '{backend}'")
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
@@ -151,7 +155,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     be = make_backend(backend, target=target, drafter=drafter, compile_steps=compile_steps and on_gpu,
                       checkpoint_hashes=hashes)
     return Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(), device=dev,
-                   gate=gate), codec
+                   step_costs=step_costs), codec
 
 
 def _sized_for_gpu(tcfg, dcfg, shape: PoolSizes, utilization: float, device, dtype: str) -> PoolSizes:

@@ -4,7 +4,8 @@ or tensorrt here (the GPU executor is imported lazily from runtime/backends/).
 
 Step kinds (all end in a commit of n rows):
   prefill  target_prefill over chunks of the prompt (n = valid rows of the chunk)
-  decode   target_k1 on the bonus token (n = 1) — also the gated-off path, ctx still appended
+  decode   target_k1 on the bonus token (n = 1) — also a step whose chosen width is 1 (runtime.draft_length), ctx
+           still appended
   spec     drafter_block -> target_k{γ+1} -> greedy accept (T > 0: rejection sampling) -> n = accepted + 1
 
 Executors (runtime/executors.py picks one): `HostStepExecutor` (graphs through backend.run, accept on the host;
@@ -18,12 +19,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash_trt.abi import MAX_K, PoolSizes, ctx_block_table_width, pool_specs
+from dflash_trt.abi import DEFAULT_KS, MAX_K, PoolSizes, ctx_block_table_width, pool_specs
 from dflash_trt.runtime import commit, snapshot
 from dflash_trt.runtime.batching import BUCKETS, DECODE, PREFILL_BATCH, SPEC, StepPlan, pad_rows
 from dflash_trt.runtime.ctx import CtxWindow
 from dflash_trt.runtime.devices.host import HostDevice
-from dflash_trt.runtime.gating import Gate
+from dflash_trt.runtime.draft_length import CostModel, DraftLength, GammaError, StepCosts, check_gamma  # noqa: F401
 from dflash_trt.runtime.executors import choose_executor
 from dflash_trt.runtime.pools import BlockAllocator, PoolExhausted, SlotPool
 from dflash_trt.runtime.sampling import SamplingParams
@@ -35,20 +36,6 @@ LOOKAHEAD_ROWS = MAX_K  # the widest verify step: the extra ctx rows reserved wh
 
 class CapacityError(ValueError):
     """A request does not fit the runtime's sizes (prompt + new tokens over max_seq_len, ...)."""
-
-
-class GammaError(ValueError):
-    """gamma (drafts per spec step) is not an integer in 1..block_size-1 of the drafter."""
-
-
-def check_gamma(gamma, block_size: int) -> int:
-    """gamma (drafts per step) against the drafter's block size: 1..block_size-1. Callers check it before
-    loading weights or exporting graphs, so a bad --gamma costs nothing."""
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)):
-        raise GammaError(f"gamma must be an integer, got {gamma!r}")
-    if not 1 <= gamma <= block_size - 1:
-        raise GammaError(f"gamma {gamma} outside [1, block_size-1={block_size - 1}] of this drafter")
-    return int(gamma)
 
 
 @dataclass
@@ -72,8 +59,10 @@ class GenStats:
 
 class Runtime:
     def __init__(self, backend, target_cfg, drafter_cfg=None, sizes: PoolSizes = PoolSizes(),
-                 device=None, gate: Gate | None = None, executor=None):
-        """executor: a factory taking the runtime (e.g. HostStepExecutor), or None: executors.choose_executor."""
+                 device=None, step_costs: StepCosts | None = None, executor=None):
+        """executor: a factory taking the runtime (e.g. HostStepExecutor), or None: executors.choose_executor.
+        step_costs: the time of a step per (width, batch bucket) that auto draft length weighs (None: the default
+        cost model; a device path feeds measured times)."""
         self.backend = backend
         self.tcfg, self.dcfg, self.sizes = target_cfg, drafter_cfg, sizes
         self.device = device or HostDevice()
@@ -84,7 +73,7 @@ class Runtime:
         self.kv_alloc = BlockAllocator(sizes.kv_blocks, "target kv pages")
         self.dkv_alloc = BlockAllocator(sizes.dkv_blocks, "drafter ctx pages")
         self.slots = SlotPool(sizes.max_seqs, "sequence state slots")
-        self.gate = gate or Gate()
+        self.step_costs = step_costs or CostModel()
         self._next_id = 0
         self.eos = set(target_cfg.eos_token_ids)
         self.executor = (executor or choose_executor)(self)
@@ -317,15 +306,27 @@ class Runtime:
         if self.dcfg is None:
             raise SequenceError("spec_step: this runtime has no drafter; use decode_step")
         seqs = self._check_batch(seqs, "spec_step")
-        self._check_gamma(gamma)
+        if self._check_gamma(gamma) is None:
+            raise GammaError("spec_step runs one width: gamma must be an integer, not auto")
         new, res = self._run_step(SPEC, seqs, gamma + 1)
         return new, [int(n) - 1 for n in res.n[: len(seqs)]]
 
-    def _check_gamma(self, gamma: int) -> None:
-        check_gamma(gamma, self.dcfg.block_size)
+    def _check_gamma(self, gamma) -> int | None:
+        return check_gamma(gamma, self.dcfg.block_size)
+
+    def verify_widths(self) -> list[int]:
+        """The step widths K this runtime can run: the exported ones for a backend of an export, else the default
+        widths (each a compiled / captured graph per batch bucket on a device); at most the drafter's block."""
+        ks = self.backend.step_widths() or DEFAULT_KS
+        top = self.dcfg.block_size if self.dcfg is not None else 1
+        return sorted({1} | {int(k) for k in ks if int(k) <= top})
+
+    def draft_length(self, gamma: int | None) -> DraftLength:
+        """A batch's step width policy: gamma fixed (K = gamma + 1), or None: auto over verify_widths()."""
+        return DraftLength(self.verify_widths(), self.step_costs, fixed=None if gamma is None else gamma + 1)
 
     # ---- continuous batching (one K per batch) -----------------------------------------------
-    def add_request(self, prompt, max_new_tokens: int, gamma: int | None = None, spec: bool = True, *,
+    def add_request(self, prompt, max_new_tokens: int, gamma: int | str | None = None, spec: bool = True, *,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                     seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None):
         """Queue a request for batched decoding; step() advances every running request by one step.
@@ -335,9 +336,7 @@ class Runtime:
         token's logprob and top k under the target's raw distribution (runtime/logprobs.py)."""
         sp = SamplingParams(temperature, top_k, top_p, min_p, seed, logprobs)
         use_spec = spec and self.dcfg is not None
-        gamma = gamma if gamma is not None else (self.dcfg.block_size - 1 if use_spec else 0)
-        if use_spec:
-            self._check_gamma(gamma)
+        gamma = self._check_gamma(gamma) if use_spec else 0
         sch = self.scheduler
         if sch is None or not sch.has_work:
             sch = self.scheduler = Scheduler(self, gamma, use_spec)
@@ -366,7 +365,7 @@ class Runtime:
             self.scheduler.release(req)
 
     # ---- one request ------------------------------------------------------------------------
-    def generate(self, prompt: list[int], max_new_tokens: int, gamma: int | None = None,
+    def generate(self, prompt: list[int], max_new_tokens: int, gamma: int | str | None = None,
                  spec: bool = True, on_step=None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, seed: int | None = None) -> tuple[list[int], GenStats]:
         """Generation of one sequence; spec decoding when a drafter is present and spec=True. temperature 0:
@@ -375,14 +374,11 @@ class Runtime:
         given back, also when a step raises. on_step(rt, seq) runs after each finished step."""
         sp = SamplingParams(temperature, top_k, top_p, min_p, seed)
         use_spec = spec and self.dcfg is not None
-        gamma = gamma if gamma is not None else (self.dcfg.block_size - 1 if use_spec else 0)
-        if use_spec:
-            self._check_gamma(gamma)
+        gamma = self._check_gamma(gamma) if use_spec else 0
         sch = Scheduler(self, gamma, use_spec, max_batch=1)
         if on_step is not None:
             sch.on_step = lambda rt, req, plan, res, b: on_step(rt, req.seq)
         req = sch.add(prompt, max_new_tokens, sp)
-        self.gate.reset()
         t0 = time.perf_counter()
         try:
             while sch.has_work:

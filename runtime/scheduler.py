@@ -1,4 +1,5 @@
-"""Continuous batching at one verify width K (the shape of nano-vllm's LLMEngine.step, small pieces):
+"""Continuous batching, one verify width K per step for the whole batch (the shape of nano-vllm's LLMEngine.step,
+small pieces):
 
   step():  admit   waiting requests join: their prefills are launched together (chunked, the joiners' chunks
                    sharing launches, on the executor's device) and each first token collected once its prefill has
@@ -7,7 +8,8 @@
                    with steps in flight, PREFETCH more than the batch holds join to wait for a row, prefilled
                    (into pages no running request may need)
            plan    the running requests that still need tokens (a joiner whose prefill is in flight sits out
-                   while others run), in the smallest batch bucket; pages for each one's worst case reserved (a
+                   while others run), in the smallest batch bucket, and the step's width K (runtime.draft_length:
+                   fixed, or the one of most committed tokens per second); pages for each one's worst case reserved (a
                    request that cannot get them fails alone and is freed; one that leaves frees its pages once its
                    launches in flight land)
            launch  one step for the whole bucket (executor: host numpy path, or the device's CUDA graphs)
@@ -15,8 +17,9 @@
                    tokens per row -> commit.finish (a request that steps again keeps its next step's worst case of
                    pages) -> tokens appended; EOS / max tokens -> the request leaves
 
-Its parts: who joins (runtime.admission), the worst-case page sums (runtime.page_budget), the launches in flight
-and which is due (runtime.inflight); this module holds the requests, the phases' order and the faults.
+Its parts: who joins (runtime.admission), the step's width (runtime.draft_length), the worst-case page sums
+(runtime.page_budget), the launches in flight and which is due (runtime.inflight); this module holds the requests,
+the phases' order and the faults.
 
 Faults: a refusal a request meets in normal serving (PoolExhausted, ValueError: out of pages, a bad sampling row)
 fails that request alone and is recorded on it. Any other exception raised by a phase of a step is a fault: the
@@ -37,7 +40,7 @@ from collections import deque
 
 from dflash_trt.runtime import commit
 from dflash_trt.runtime.admission import PREFETCH, Admission
-from dflash_trt.runtime.batching import BUCKETS, DECODE, SPEC, StepPlan, pad_rows
+from dflash_trt.runtime.batching import BUCKETS, DECODE, SPEC, StepPlan, bucket_for, pad_rows
 from dflash_trt.runtime.inflight import InFlightQueue, Join
 from dflash_trt.runtime.logprobs import row_entries
 from dflash_trt.runtime.page_budget import PageBudget
@@ -51,15 +54,17 @@ REFUSALS = (PoolExhausted, ValueError)  # what a request can meet in normal serv
 
 
 class Scheduler:
-    """Continuous batching of one runtime's requests at verify width K (see the module docstring for a step)."""
+    """Continuous batching of one runtime's requests (see the module docstring for a step). gamma: drafts per step,
+    or None: chosen per step; spec False (or no drafter): plain decoding."""
 
-    def __init__(self, rt, gamma: int, spec: bool, max_batch: int = BUCKETS[-1]):
+    def __init__(self, rt, gamma: int | None, spec: bool, max_batch: int = BUCKETS[-1]):
         if not 1 <= max_batch <= BUCKETS[-1]:
             raise ValueError(f"max_batch {max_batch} outside [1, {BUCKETS[-1]}]")
         self.rt, self.ex = rt, rt.executor
         self.spec = bool(spec and rt.dcfg is not None)
-        self.gamma = int(gamma) if self.spec else 0
-        self.K = self.gamma + 1
+        self.gamma = (None if gamma is None else int(gamma)) if self.spec else 0
+        self.draft_length = rt.draft_length(self.gamma) if self.spec else None
+        self.K = self.draft_length.widest if self.spec else 1  # the widest step: what a request reserves for
         self.max_batch = max_batch
         self.budget = PageBudget(rt.sizes.page_size, self.K, rt.sizes.ctx_window if rt.dcfg is not None else None,
                                  rt.ctx_blocks)
@@ -237,13 +242,16 @@ class Scheduler:
     def _plan(self, touched) -> StepPlan | None:
         """The running requests that want a step (at most max_batch), each with its step's worst case reserved; one
         that cannot get its pages fails alone. None: no row to launch."""
-        kind = SPEC if self.spec and self.rt.gate.spec_on() else DECODE
-        K = self.K if kind == SPEC else 1
         wanting = [r for r in self.running if r.wants_step][: self.max_batch]
         # a joiner whose first token is not collected sits out while others run: its prefill then overlaps two steps
         ready = [r for r in wanting if r.seq.bonus is not None]
-        live = [req for req in (ready if ready and self.ex.runs_ahead else wanting) if self._reserve(req, K, touched)]
-        return StepPlan(kind, K, pad_rows([r.seq for r in live]), reqs=live) if live else None
+        rows = ready if ready and self.ex.runs_ahead else wanting
+        if not rows:
+            return None
+        K = self.draft_length.choose(bucket_for(len(rows))) if self.spec else 1
+        live = [req for req in rows if self._reserve(req, K, touched)]
+        index = self.draft_length.chosen - 1 if self.spec else None
+        return StepPlan(SPEC if K > 1 else DECODE, K, pad_rows([r.seq for r in live]), live, index) if live else None
 
     def _reserve(self, req: Request, K: int, touched) -> bool:
         """Pages for one more step of K rows of req, past its rows in flight; False: it failed instead."""
@@ -287,7 +295,7 @@ class Scheduler:
         self._collect_step(launch, result, touched)
 
     def _collect_step(self, plan: StepPlan, result, touched) -> None:
-        """Each row of a collected step finished (a row that fails fails alone), then the spec gate told."""
+        """Each row of a collected step finished (a row that fails fails alone), then the draft length told."""
         accepted = []
         committed, tokens = result.n.tolist(), result.tokens.tolist()  # Python ints at once, not numpy scalars
         for row, req in enumerate(plan.reqs):
@@ -302,10 +310,8 @@ class Scheduler:
                 continue
             if plan.kind == SPEC:
                 accepted.append(committed[row] - 1)
-        if plan.kind == SPEC and accepted:
-            self.rt.gate.record(sum(accepted) / len(accepted), plan.gamma)
-        elif plan.kind == DECODE:
-            self.rt.gate.tick()
+        if plan.kind == SPEC:
+            self.draft_length.record(plan.K, accepted, plan.index)
 
     def _finish_row(self, req: Request, plan: StepPlan, result, row: int, n: int, tokens: list, touched) -> None:
         """Row `row` of a collected step: commit.finish of its n rows, then its new tokens."""

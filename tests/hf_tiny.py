@@ -84,10 +84,20 @@ def cached_greedy_vs_hf(hf, model_dir: str, new_tokens: int):
     ours = load_target(model_dir)
     rt = Runtime(TorchBackend(ours), ours.cfg, None,
                  PoolSizes(kv_blocks=16, page_size=8, max_seq_len=96, max_seqs=2, prefill_chunk=16))
-    prompt = torch.randint(0, hf.config.vocab_size, (36,), generator=torch.Generator().manual_seed(2)).tolist()
+    prompt = hf_prompt(hf)
     new, _ = rt.generate(prompt, new_tokens, spec=False)
+    return new, hf_greedy(hf, prompt, new_tokens), rt
+
+
+def hf_prompt(hf) -> list[int]:
+    """The 36-token prompt the oracle checks start from."""
+    return torch.randint(0, hf.config.vocab_size, (36,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    """HF greedy, recomputed on the full sequence for each new token (no cache: the plainest oracle)."""
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(new_tokens):
             seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    return new, seq[len(prompt):], rt
+    return seq[len(prompt):]

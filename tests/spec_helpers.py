@@ -8,7 +8,8 @@ from dflash_trt.runtime.interfaces import BackendDefaults
 class ScriptedDrafter(BackendDefaults):
     """Wraps a backend; drafter_block proposes the target's own greedy continuation `greedy` (token at
     absolute position p is greedy[p]; or a list of such lists, one per batch row) for the first
-    j(step, gamma_max, row) drafts and a guaranteed-wrong token after."""
+    j(step, gamma_max, row) drafts and a guaranteed-wrong token after. `at` holds the positions of the block being
+    drafted (per row: the bonus token's first), for a j that depends on where in the text the step is."""
 
     def __init__(self, inner, greedy, vocab, right_count=lambda step, gamma_max: gamma_max):
         self.inner, self.greedy, self.vocab, self.right_count = inner, greedy, vocab, right_count
@@ -21,6 +22,7 @@ class ScriptedDrafter(BackendDefaults):
         self.inner.run(graph, inputs)  # still exercise the real drafter graph on the real ctx
         pos = inputs["positions"]
         B, Bs = pos.shape
+        self.at = pos[:, 0].tolist()
         drafts = np.zeros((B, Bs - 1), dtype=np.int64)
         for b in range(B):
             seq = self.greedy[b] if isinstance(self.greedy[0], list) else self.greedy

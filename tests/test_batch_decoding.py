@@ -15,7 +15,6 @@ from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.batching import bucket_for, pad_rows, step_tables
 from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.pools import BlockAllocator, PoolExhausted
 from dflash_trt.runtime.runtime import CapacityError, Runtime
 from dflash_trt.tools.tiny import make_tiny_pair
@@ -51,7 +50,7 @@ def graph_runtime(target, drafter, prompts, greedy, inflight=1, sizes=SIZES):
     d = TableDrafter(drafter, [list(p) + g for p, g in zip(prompts, greedy)], target.cfg.vocab_size,
                      sizes.max_seq_len)
     return Runtime(TorchBackend(target, d), target.cfg, drafter.cfg, sizes, device=TorchCpuDevice(),
-                   gate=Gate(min_rate=0.0), executor=lambda rt: GraphStepExecutor(rt, inflight=inflight))
+                   executor=lambda rt: GraphStepExecutor(rt, inflight=inflight))
 
 
 def full(rt):
@@ -124,7 +123,7 @@ def test_ctx_window_ahead_mode_slides_only_when_asked():
 def test_host_path_batch_joins_and_leaves(pair, alone, spec):
     target, drafter, prompts = pair
     toks, rows = alone
-    rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES, gate=Gate(min_rate=0.0))
+    rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES)
     log = []
     got, reqs = run_batch(rt, prompts, N_NEW, JOINS, gamma=3, spec=spec,
                           check=make_invariant_check(rt, rows, log))
@@ -186,7 +185,7 @@ def test_joiners_share_prefill_launches(pair, alone, path):
     target, drafter, prompts = pair
     toks, rows = alone
     if path == "host":
-        rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES, gate=Gate(min_rate=0.0))
+        rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES)
     else:
         rt = graph_runtime(target, drafter, prompts, toks)
     sizes, fn = [], rt.executor.launch_prefill

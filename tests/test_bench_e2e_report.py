@@ -127,7 +127,6 @@ def _tiny_runtime(tmp_path, device):
     from dflash_trt.export.checkpoint import load_drafter, load_target
     from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
-    from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.runtime import Runtime
     from dflash_trt.tools.tiny import make_tiny_pair
 
@@ -135,7 +134,7 @@ def _tiny_runtime(tmp_path, device):
     t = load_target(tdir)
     d = load_drafter(ddir, t)
     sizes = PoolSizes(kv_blocks=96, page_size=4, max_seq_len=96, max_seqs=2, dkv_blocks=96, prefill_chunk=16)
-    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, device=device, gate=Gate(min_rate=0.0),
+    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, device=device,
                    executor=lambda rt: GraphStepExecutor(rt, inflight=1))
 
 

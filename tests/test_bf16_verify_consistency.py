@@ -54,7 +54,6 @@ def test_bf16_verify_logits_match_decode_logits():
     from dflash_trt.export.checkpoint import load_drafter, load_target
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
     from dflash_trt.runtime.devices.torch_device import TorchDevice
-    from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.host_step import HostStepExecutor
     from dflash_trt.runtime.load import load_codec
     from dflash_trt.runtime.runtime import Runtime
@@ -65,7 +64,7 @@ def test_bf16_verify_logits_match_decode_logits():
     codec = load_codec(os.path.join(MODELS, "target"))
     rec = Recorder(TorchBackend(t, d, want_logits=True))
     rt = Runtime(rec, t.cfg, d.cfg, PoolSizes(max_seq_len=512, kv_blocks=64, dkv_blocks=96), device=TorchDevice("cuda"),
-                 gate=Gate(min_rate=0.0), executor=HostStepExecutor)
+                 executor=HostStepExecutor)
     prompts = [json.loads(x) for x in open(os.path.join(ROOT, "tests", "prompts_heldout.txt"))
                if x.strip() and not x.startswith("#")]
     kls, differ = [], 0

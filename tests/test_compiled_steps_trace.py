@@ -13,7 +13,6 @@ from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.backends.torch_compile import compile_steps
 from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.tools.tiny import make_tiny_pair
 
@@ -31,7 +30,7 @@ def pair(tmp_path_factory):
 
 def _runtime(pair):
     t, d = pair
-    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, SIZES, device=TorchCpuDevice(), gate=Gate(min_rate=0.0),
+    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, SIZES, device=TorchCpuDevice(),
                    executor=lambda rt: GraphStepExecutor(rt, inflight=1))
 
 

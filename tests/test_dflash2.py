@@ -20,7 +20,6 @@ from dflash_trt.export.checkpoint import CheckpointError, load_drafter, load_tar
 from dflash_trt.modeling.drafter import Drafter
 from dflash_trt.plugins.paged_attention.reference import kv_write
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.tools.tiny import tiny_drafter_config, tiny_target_config
 
@@ -180,7 +179,7 @@ def _reference_runs(ref, monkeypatch):
 def _check_runs(backend, cfgs, ref, runs):
     total = 0
     for p, (tokens, accepted) in zip(ref[4], runs):
-        got, st = Runtime(backend, *cfgs, SIZES, gate=Gate(min_rate=0.0)).generate(p, N_NEW, gamma=BS - 1)
+        got, st = Runtime(backend, *cfgs, SIZES).generate(p, N_NEW, gamma=BS - 1)
         assert got == tokens
         assert st.accepted[:len(accepted)] == accepted
         total += sum(accepted)
@@ -204,7 +203,7 @@ def test_greedy_equals_reference_ort(ref, ours, monkeypatch, tmp_path):
     ort = make_backend("ort", manifest=out)
     _check_runs(ort, (t.cfg, d.cfg), ref, _reference_runs(ref, monkeypatch))
     for p in ref[4][:2]:  # sampling: the selector's draws and q from the graph, the same keys: the same tokens
-        got = [Runtime(be, t.cfg, d.cfg, SIZES, gate=Gate(min_rate=0.0)).generate(
+        got = [Runtime(be, t.cfg, d.cfg, SIZES).generate(
             p, N_NEW, gamma=BS - 1, temperature=0.8, seed=7)[0] for be in (ort, TorchBackend(t, d))]
         assert got[0] == got[1]
     from dflash_trt.plugins import trt_compat

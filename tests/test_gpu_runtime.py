@@ -41,13 +41,12 @@ def gpu_runtime(modules, sizes=None, compile_steps=False, **kw):
     from dflash_trt.abi import PoolSizes
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
     from dflash_trt.runtime.devices.cuda import CudaDevice
-    from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.runtime import Runtime
 
     t, d = modules
     sizes = sizes or PoolSizes(max_seq_len=512, kv_blocks=1024, dkv_blocks=1024, max_seqs=16, ctx_window=256)
     return Runtime(TorchBackend(t, d, compile_steps=compile_steps), t.cfg, d.cfg, sizes, device=CudaDevice(),
-                   gate=Gate(min_rate=0.0), **kw)
+                   **kw)
 
 
 @pytest.fixture(scope="module")

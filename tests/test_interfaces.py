@@ -54,7 +54,7 @@ def test_protocol_members_are_the_contract():
     assert {"runs_ahead", "max_inflight", "launch", "launch_prefill", "collect", "landed", "settle", "quiesce",
             "zero_slot", "adopt"} <= members(I.Executor)
     assert {"name", "kv_dtype", "want_logits", "concurrent_prefill", "any_prefill_width", "fused_steps",
-            "run"} <= members(I.Backend)
+            "run", "step_widths"} <= members(I.Backend)
     assert {"graph_steps", "on_stream", "zero_slot", "kv_write"} <= members(I.Device)
     assert HostStepExecutor.runs_ahead is False and GraphStepExecutor.runs_ahead is True
 

@@ -15,7 +15,6 @@ from dflash_trt.export.checkpoint import load_drafter, load_target  # noqa: E402
 from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor  # noqa: E402
 from dflash_trt.runtime.backends.torch_backend import TorchBackend  # noqa: E402
 from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice  # noqa: E402
-from dflash_trt.runtime.gating import Gate  # noqa: E402
 from dflash_trt.runtime.load import load_codec  # noqa: E402
 from dflash_trt.runtime.runtime import Runtime  # noqa: E402
 from dflash_trt.runtime.sampling import SamplingError, SamplingParams  # noqa: E402
@@ -42,7 +41,7 @@ def runtime(pair, fused=False):
     from dflash_trt.abi import PoolSizes
 
     sizes = PoolSizes(kv_blocks=128, page_size=16, max_seq_len=256, max_seqs=4, dkv_blocks=128, prefill_chunk=32)
-    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, gate=Gate(min_rate=0.0), **kw)
+    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, **kw)
 
 
 def run(rt, reqs):

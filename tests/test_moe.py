@@ -6,17 +6,18 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from hf_tiny import cached_greedy_vs_hf, make_hf_model
+from hf_tiny import cached_greedy_vs_hf, hf_greedy, hf_prompt, make_hf_model
 from safetensors.torch import load_file, save_file
 from spec_helpers import ScriptedDrafter
 
 from dflash_trt.abi import PoolSizes
-from dflash_trt.export.checkpoint import CheckpointError, load_drafter, load_target
+from dflash_trt.config import DrafterConfig, read_json
+from dflash_trt.export.checkpoint import CheckpointError, load_drafter, load_target, save_checkpoint
+from dflash_trt.modeling.drafter import Drafter
 from dflash_trt.modeling.mlp import SparseMoE
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.runtime import Runtime
-from dflash_trt.tools.tiny import TINY_MOE, make_tiny_pair
+from dflash_trt.tools.tiny import TINY_MOE, make_tiny_pair, tiny_drafter_config
 
 KINDS = ["qwen3_next_moe", "qwen3_5_moe"]
 
@@ -129,15 +130,30 @@ def moe_pair(tmp_path_factory):
     return tdir, ddir, target, load_drafter(ddir, target)
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 15])
+@pytest.mark.parametrize("gamma", [1, 3, 15, "auto"])
 def test_lossless_spec_on_torch(moe_pair, gamma):
     _, _, target, drafter = moe_pair
     prompt = list(np.random.default_rng(0).integers(0, 250, 23))
     plain, _ = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES).generate(prompt, 48, spec=False)
     be = ScriptedDrafter(TorchBackend(target, drafter), list(prompt) + plain, target.cfg.vocab_size,
                          lambda s, g: (s * 7) % (g + 1))
-    out, st = Runtime(be, target.cfg, drafter.cfg, SIZES, gate=Gate(min_rate=0.0)).generate(prompt, 48, gamma=gamma)
+    out, st = Runtime(be, target.cfg, drafter.cfg, SIZES).generate(prompt, 48, gamma=gamma)
     assert st.spec_steps > 0 and out == plain
+
+
+def test_auto_spec_matches_transformers(hf_pair, tmp_path):
+    """gamma auto (the width chosen per step) on each sparse-MoE target == transformers' greedy: the drafter proposes
+    HF's own greedy tokens for a varying number of drafts, then wrong ones, so some steps accept and some do not."""
+    hf, d = hf_pair
+    prompt, n_new = hf_prompt(hf), 24
+    ref = hf_greedy(hf, prompt, n_new)
+    target, dcfg = load_target(d), tiny_drafter_config(read_json(os.path.join(d, "config.json")), block_size=8)
+    save_checkpoint(Drafter(DrafterConfig.from_dict(dcfg), target.cfg.hidden_size), dcfg, str(tmp_path))
+    drafter = load_drafter(str(tmp_path), target)  # its taps wired into the target
+    be = ScriptedDrafter(TorchBackend(target, drafter), prompt + ref, target.cfg.vocab_size,
+                         lambda s, g: (s * 5) % (g + 1))
+    out, st = Runtime(be, target.cfg, drafter.cfg, SIZES).generate(prompt, n_new)
+    assert out == ref and st.spec_steps > 0
 
 
 def test_ort_graphs_and_lossless_on_ort(moe_pair, tmp_path):
@@ -176,8 +192,11 @@ def test_ort_graphs_and_lossless_on_ort(moe_pair, tmp_path):
     plain, _ = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, sizes).generate(prompt, 32, spec=False)
     assert Runtime(ort, target.cfg, drafter.cfg, sizes).generate(prompt, 32, spec=False)[0] == plain
     be = ScriptedDrafter(ort, list(prompt) + plain, target.cfg.vocab_size, lambda s, g: (s * 7) % (g + 1))
-    spec, st = Runtime(be, target.cfg, drafter.cfg, sizes, gate=Gate(min_rate=0.0)).generate(prompt, 32, gamma=3)
+    spec, st = Runtime(be, target.cfg, drafter.cfg, sizes).generate(prompt, 32, gamma=3)
     assert st.spec_steps > 0 and spec == plain
+    auto = Runtime(be, target.cfg, drafter.cfg, sizes)
+    assert auto.verify_widths() == [1, 4]  # auto chooses among the exported widths
+    assert auto.generate(prompt, 32)[0] == plain
 
 
 @pytest.mark.gpu
@@ -191,7 +210,7 @@ def test_gpu_lossless_moe_target(tmp_path, gamma):
     dirs = make_tiny_pair(str(tmp_path), seed=5, target_over=dict(TINY_MOE, **KERNEL_SHAPES["target_over"]),
                           drafter_over=KERNEL_SHAPES["drafter_over"])
     cpu, _ = load_runtime(*dirs, sizes=SIZES)
-    gpu, _ = load_runtime(*dirs, sizes=SIZES, device="cuda", gate=Gate(min_rate=0.0))
+    gpu, _ = load_runtime(*dirs, sizes=SIZES, device="cuda")
     prompt = list(np.random.default_rng(0).integers(0, 250, 23))
     plain, _ = cpu.generate(prompt, 48, spec=False)
     assert gpu.generate(prompt, 48, spec=False)[0] == plain

@@ -16,7 +16,6 @@ from test_onnx_common import KS, PROMPT, SIZES, OracleDrafter, exported, tiny_pa
 
 pytest.importorskip("onnxruntime")
 from dflash_trt.runtime.backends import make_backend  # noqa: E402
-from dflash_trt.runtime.gating import Gate  # noqa: E402
 from dflash_trt.runtime.runtime import Runtime  # noqa: E402
 from dflash_trt.runtime.load import ByteCodec  # noqa: E402
 
@@ -181,7 +180,7 @@ def test_lossless_on_ort(ort_be, torch_be, greedy, gamma, drafter):
     for name, be in (("ort", ort_be), ("torch", torch_be)):
         if drafter == "oracle":
             be = OracleDrafter(be, ids + plain)
-        rt = Runtime(be, m.target_config, m.drafter_config, m.sizes, gate=Gate(min_rate=0.0))
+        rt = Runtime(be, m.target_config, m.drafter_config, m.sizes)
         outs[name], st = rt.generate(ids, NEW, gamma=gamma)
         assert st.spec_steps > 0
         if drafter == "oracle":  # every draft accepted: τ = γ+1 on all full steps

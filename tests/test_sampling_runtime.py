@@ -14,7 +14,6 @@ from dflash_trt.export.checkpoint import load_drafter, load_target
 from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.interfaces import BackendDefaults
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.runtime.sampling import SamplingError
@@ -41,7 +40,7 @@ def pair(tmp_path_factory):
 def runtime(pair, fused=False, sizes=SIZES):
     t, d = pair
     kw = dict(device=TorchCpuDevice(), executor=lambda rt: GraphStepExecutor(rt, inflight=1)) if fused else {}
-    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, gate=Gate(min_rate=0.0), **kw)
+    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, **kw)
 
 
 def exact_first3(target, prompt, t=1.0, k=4):
@@ -62,16 +61,18 @@ def exact_first3(target, prompt, t=1.0, k=4):
     return out
 
 
-def sample_first3(rt, n, seed0=0, **kw):
-    """n requests of 3 new tokens each, seeds seed0.., batched 16 at a time by the scheduler."""
-    reqs = []
+def sample_first3(rt, n, seed0=0, gamma=None, **kw):
+    """n requests of 3 new tokens each, seeds seed0.., batched 16 at a time by the scheduler; also the step widths
+    it ran (gamma None: chosen per step)."""
+    reqs, widths = [], set()
     for i in range(n):
-        reqs.append(rt.add_request(PROMPT, 3, temperature=kw.get("temperature", 1.0), top_k=kw.get("top_k", 0),
-                                   seed=seed0 + i))
+        reqs.append(rt.add_request(PROMPT, 3, gamma=gamma, temperature=kw.get("temperature", 1.0),
+                                   top_k=kw.get("top_k", 0), seed=seed0 + i))
+    rt.scheduler.on_step = lambda rt, req, plan, res, row: widths.add(plan.K)
     while rt.has_work:
         rt.step()
     assert rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.slots.num_free == rt.sizes.max_seqs
-    return np.array([r.tokens for r in reqs]), [a for r in reqs for a in r.accepted]
+    return np.array([r.tokens for r in reqs]), [a for r in reqs for a in r.accepted], widths
 
 
 @pytest.fixture(scope="module")
@@ -84,19 +85,23 @@ def pair2(tmp_path_factory):
     return t, load_drafter(dd, t, torch.float32)
 
 
-@pytest.mark.parametrize("fused,n", [(False, 1600), (True, 1000)], ids=["host", "fused"])
-def test_dflash_sampling_first_three_tokens_exact(pair, fused, n):
-    _check_first3_exact(pair, fused, n)
+@pytest.mark.parametrize("fused,n,gamma", [(False, 1600, None), (True, 1000, None), (False, 1600, 3)],
+                         ids=["host-auto", "fused-auto", "host-gamma3"])
+def test_dflash_sampling_first_three_tokens_exact(pair, fused, n, gamma):
+    """Exact with the width chosen per step (auto: plain and spec steps of several widths mixed in one run) and with
+    a fixed gamma (every step drafts 3)."""
+    _check_first3_exact(pair, fused, n, gamma)
 
 
 @pytest.mark.parametrize("fused,n", [(False, 1600), (True, 1000)], ids=["host", "fused"])
 def test_dflash2_sampling_first_three_tokens_exact(pair2, fused, n):
-    _check_first3_exact(pair2, fused, n)
+    _check_first3_exact(pair2, fused, n, None)
 
 
-def _check_first3_exact(pair, fused, n):
+def _check_first3_exact(pair, fused, n, gamma):
     exact = exact_first3(pair[0], PROMPT)
-    toks, accepted = sample_first3(runtime(pair, fused), n, **SAMPLE)
+    toks, accepted, widths = sample_first3(runtime(pair, fused), n, gamma=gamma, **SAMPLE)
+    assert 1 in widths and max(widths) > 1 if gamma is None else widths == {gamma + 1}
     c = np.bincount((toks[:, 0] * VOCAB + toks[:, 1]) * VOCAB + toks[:, 2], minlength=VOCAB ** 3)
     tv, bound, pv = 0.5 * np.abs(c / n - exact).sum(), 1.5 * tv_noise(exact, n), chi2_pvalue(c, exact * n)
     assert tv < bound and pv > 1e-4, (tv, bound, pv)
@@ -163,7 +168,7 @@ class NoLogits(BackendDefaults):
 
 def test_backend_without_logits_refused_pools_consistent(pair):
     t, d = pair
-    rt = Runtime(NoLogits(TorchBackend(t, d)), t.cfg, d.cfg, SIZES, gate=Gate(min_rate=0.0))
+    rt = Runtime(NoLogits(TorchBackend(t, d)), t.cfg, d.cfg, SIZES)
     with pytest.raises(SamplingError, match="emits no logits"):
         rt.generate(PROMPT, 4, temperature=1.0, seed=1)
     assert rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.slots.num_free == rt.sizes.max_seqs
@@ -175,7 +180,7 @@ def test_sampling_joiner_refused_alone_in_a_shared_prefill(pair):
     refused, each row is retried alone, and only the sampling request fails; the greedy one's tokens are those
     it gets alone, and every pool comes back full."""
     t, d = pair
-    rt = Runtime(NoLogits(TorchBackend(t, d)), t.cfg, d.cfg, SIZES, gate=Gate(min_rate=0.0))
+    rt = Runtime(NoLogits(TorchBackend(t, d)), t.cfg, d.cfg, SIZES)
     greedy = rt.add_request(PROMPT, 6, spec=False)
     sampled = rt.add_request(PROMPT[::-1], 6, spec=False, temperature=1.0, seed=1)
     while rt.scheduler.has_work:
@@ -203,8 +208,8 @@ def test_gpu_sampling_in_cuda_graphs(kernel_pair):
     tc = load_target(kernel_pair[0], torch.float32).cuda()
     dc = load_drafter(kernel_pair[1], tc, torch.float32).cuda()
     sizes = PoolSizes(kv_blocks=256, page_size=16, max_seq_len=256, max_seqs=8, dkv_blocks=256, prefill_chunk=16)
-    cpu = Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, gate=Gate(min_rate=0.0))
-    rt = Runtime(TorchBackend(tc, dc), tc.cfg, dc.cfg, sizes, device=CudaDevice(), gate=Gate(min_rate=0.0))
+    cpu = Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes)
+    rt = Runtime(TorchBackend(tc, dc), tc.cfg, dc.cfg, sizes, device=CudaDevice())
     prompt = [int(x) for x in np.random.default_rng(2).integers(0, 250, 19)]
     greedy = cpu.generate(prompt, 32)[0]
     a = rt.generate(prompt, 32, temperature=0.8, top_k=50, seed=7)[0]

@@ -23,7 +23,6 @@ from dflash_trt.export.checkpoint import load_drafter, load_target
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.devices.host import HostDevice
 from dflash_trt.runtime.devices.torch_device import TorchDevice
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.interfaces import BackendDefaults
 from dflash_trt.runtime.pools import PoolExhausted
 from dflash_trt.runtime.runtime import Runtime
@@ -69,7 +68,7 @@ def make_runtime(pair, full, device="host", step0=0, sizes=SIZES):
     rec = Recorder(TorchBackend(*pair))
     be = ScriptedDrafter(rec, full, pair[0].cfg.vocab_size, lambda s, g: s % (g + 1))
     be.step = step0
-    return Runtime(be, pair[0].cfg, pair[1].cfg, sizes, device=make_device(device), gate=Gate(min_rate=0.0)), rec
+    return Runtime(be, pair[0].cfg, pair[1].cfg, sizes, device=make_device(device)), rec
 
 
 def step(rt, seq, mode, gamma):

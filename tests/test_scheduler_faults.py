@@ -17,7 +17,6 @@ from dflash_trt.runtime import commit
 from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.host_step import HostStepExecutor
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.tools.tiny import make_tiny_pair
@@ -74,7 +73,7 @@ def make_runtime(pair, executor, device=None):
     target, drafter, prompts, solo = pair
     # drafts from the target's own continuations, right for a varying count: every accept length occurs
     d = TableDrafter(drafter, [p + s for p, s in zip(prompts, solo)], target.cfg.vocab_size, SIZES.max_seq_len)
-    return Runtime(TorchBackend(target, d), target.cfg, drafter.cfg, SIZES, device=device, gate=Gate(min_rate=0.0),
+    return Runtime(TorchBackend(target, d), target.cfg, drafter.cfg, SIZES, device=device,
                    executor=executor)
 
 
@@ -211,7 +210,7 @@ def test_a_fault_on_the_cuda_graph_executor_fails_only_its_requests(phase, spec,
     t = load_target(os.path.join(MODELS, "target"), torch.float32).cuda()
     d = load_drafter(os.path.join(MODELS, "drafter"), t, torch.float32).cuda()
     sizes = PoolSizes(max_seq_len=512, kv_blocks=256, dkv_blocks=256, max_seqs=8, ctx_window=256)
-    rt = Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, device=CudaDevice(), gate=Gate(min_rate=0.0))
+    rt = Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, device=CudaDevice())
     assert isinstance(rt.executor, GraphStepExecutor)
     prompts, n_new = ref["prompt_ids"][:3], 32
     solo = [tk[:n_new] for tk in ref["tokens"][:3]]

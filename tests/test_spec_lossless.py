@@ -8,7 +8,6 @@ from spec_helpers import ScriptedDrafter
 from dflash_trt.abi import PoolSizes
 from dflash_trt.export.checkpoint import load_drafter, load_target
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.tools.tiny import make_tiny_pair
 
@@ -60,17 +59,17 @@ def make_checker(target, drafter, full_tokens, log):
 def greedy(pair):
     target, drafter, prompt = pair
     rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES)
-    new, st = rt.generate(prompt, 160, spec=False)
+    new, st = rt.generate(prompt, 200, spec=False)
     return new
 
 
-def run_spec(pair, greedy_new, gamma, right_count=None, gate=None, n_new=N_NEW, scripted=True):
+def run_spec(pair, greedy_new, gamma, right_count=None, n_new=N_NEW, scripted=True):
     target, drafter, prompt = pair
     be = TorchBackend(target, drafter)
     full = list(prompt) + greedy_new
     if scripted:
         be = ScriptedDrafter(be, full, target.cfg.vocab_size, right_count or (lambda s, g: g))
-    rt = Runtime(be, target.cfg, drafter.cfg, SIZES, gate=gate or Gate(min_rate=0.0))
+    rt = Runtime(be, target.cfg, drafter.cfg, SIZES)
     log = []
     out, st = rt.generate(prompt, n_new, gamma=gamma, on_step=make_checker(target, drafter, full, log))
     assert rt.kv_alloc.num_free == rt.kv_alloc.num_total
@@ -100,16 +99,25 @@ def test_partial_drafter_hits_every_accept_count(pair, greedy, gamma):
     assert set(st.accepted) == set(range(gamma + 1))
 
 
-def test_gating_turns_spec_off_and_on_losslessly(pair, greedy):
-    """Drafts right only in bursts: the gate pauses speculation (plain K=1 decode still appends ctx),
-    resumes it, and the tokens never change. Random accept counts exercise every commit size."""
-    rng = np.random.default_rng(7)
-    phase = lambda s, g: int(rng.integers(0, g + 1)) if (s // 6) % 2 else 0
-    gate = Gate(min_rate=0.2, window=3, off_steps=4)
-    out, st, rt, log = run_spec(pair, greedy, 3, right_count=phase, gate=gate, n_new=120)
-    assert out == greedy[:120]
-    assert gate.pauses >= 2
-    assert st.target_steps > st.spec_steps > 0  # both kinds of steps ran
+def test_auto_width_follows_phases_losslessly(pair, greedy):
+    """gamma auto: drafts right over stretches of the text, wrong over others. The width is chosen per step (plain
+    K=1 decode, which still appends ctx, while drafts fail; wide steps while they land), and the tokens never
+    change. Random accept counts inside the right stretches exercise every commit size."""
+    target, drafter, prompt = pair
+    rng, widths, n_new = np.random.default_rng(7), [], 200
+
+    def phase(s, g):
+        widths.append(g + 1)
+        return int(rng.integers(g // 2, g + 1)) if ((be.at[0] - len(prompt)) // 50) % 2 == 0 else 0
+
+    full = list(prompt) + greedy
+    be = ScriptedDrafter(TorchBackend(target, drafter), full, target.cfg.vocab_size, phase)
+    rt = Runtime(be, target.cfg, drafter.cfg, SIZES)
+    out, st = rt.generate(prompt, n_new, on_step=make_checker(target, drafter, full, []))
+    assert out == greedy[:n_new]
+    assert st.target_steps > st.spec_steps > 0  # plain and spec steps both ran
+    assert len(set(widths)) >= 2 and set(widths) <= set(rt.verify_widths())
+    assert rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.dkv_alloc.num_free == rt.dkv_alloc.num_total
 
 
 def test_batched_spec_steps_match_single_sequence_runs(pair, greedy):

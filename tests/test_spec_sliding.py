@@ -9,7 +9,6 @@ import torch
 from dflash_trt.abi import DRAFTER_BLOCK, PoolSizes, drafter_block_graph
 from dflash_trt.export.checkpoint import load_drafter, load_target
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.interfaces import BackendDefaults
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.tools.tiny import make_tiny_pair, tiny_target_config
@@ -69,7 +68,7 @@ def test_torch_lossless_and_drafts_equal_dense_reference(pair, gamma):
     prompt = _prompt()
     plain, _ = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES).generate(prompt, 40, spec=False)
     be = Recorder(TorchBackend(target, drafter))
-    rt = Runtime(be, target.cfg, drafter.cfg, SIZES, gate=Gate(min_rate=0.0))
+    rt = Runtime(be, target.cfg, drafter.cfg, SIZES)
     spec, st = rt.generate(prompt, 40, gamma=gamma)
     assert spec == plain and st.spec_steps > 3
     tokens = prompt + plain
@@ -85,8 +84,7 @@ def test_small_ctx_window_is_a_lossless_memory_bound(pair):
     small = PoolSizes(**{**SIZES.__dict__, "ctx_window": 8})
     prompt = _prompt(seed=1)
     plain, _ = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, small).generate(prompt, 30, spec=False)
-    spec, _ = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, small,
-                      gate=Gate(min_rate=0.0)).generate(prompt, 30, gamma=BS - 1)
+    spec, _ = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, small).generate(prompt, 30, gamma=BS - 1)
     assert spec == plain
 
 
@@ -103,7 +101,7 @@ def test_ort_lossless_mixed_drafter(dirs, pair, tmp_path):
     plain, _ = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES).generate(prompt, 24, spec=False)
     for gamma in (BS - 1, 3):
         ort.calls.clear()
-        rt = Runtime(ort, target.cfg, drafter.cfg, SIZES, gate=Gate(min_rate=0.0))
+        rt = Runtime(ort, target.cfg, drafter.cfg, SIZES)
         spec, _ = rt.generate(prompt, 24, gamma=gamma)
         assert spec == plain
         tokens = prompt + plain
@@ -130,7 +128,7 @@ def test_gpu_lossless_mixed_drafter(kernel_dirs, gamma):
     from dflash_trt import load_runtime
 
     cpu, _ = load_runtime(*kernel_dirs, sizes=SIZES)
-    gpu, _ = load_runtime(*kernel_dirs, sizes=SIZES, device="cuda", gate=Gate(min_rate=0.0))
+    gpu, _ = load_runtime(*kernel_dirs, sizes=SIZES, device="cuda")
     for seed in (3, 4):
         prompt = _prompt(seed=seed)
         plain, _ = cpu.generate(prompt, 40, spec=False)

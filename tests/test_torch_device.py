@@ -9,7 +9,6 @@ from dflash_trt.abi import PoolSizes
 from dflash_trt.export.checkpoint import load_drafter, load_target
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.devices.torch_device import TorchDevice
-from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.runtime import Runtime
 from dflash_trt.tools.tiny import KERNEL_SHAPES, make_tiny_pair
 
@@ -29,7 +28,7 @@ def load(dirs, dtype=torch.float32, device="cpu"):
 
 
 def generate(t, d, device_obj, prompt, spec, gamma=3):
-    rt = Runtime(TorchBackend(t, d), t.cfg, d.cfg, SIZES, device=device_obj, gate=Gate(min_rate=0.0))
+    rt = Runtime(TorchBackend(t, d), t.cfg, d.cfg, SIZES, device=device_obj)
     out, st = rt.generate(prompt, 48, gamma=gamma, spec=spec)
     assert rt.kv_alloc.num_free == rt.kv_alloc.num_total
     return out, st

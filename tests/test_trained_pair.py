@@ -1,8 +1,9 @@
 """The trained target + DFlash drafter shipped in models/ (tools/train/), through the project's own
 load/generate path on CPU (torch backend, fp32): speculative output is token-identical to plain greedy on
-every held-out prompt, and the acceptance length at gamma=15 averages >= 3.0.
+every held-out prompt, at gamma=15 and at gamma auto (the width chosen per step; a few prompts batched together),
+and the acceptance length at gamma=15 averages >= 3.0.
 
-Speculation is never gated off here (Gate(min_rate=0)), so tau counts every step, good or bad.
+gamma=15 is fixed here (every step drafts 15), so tau counts every step, good or bad.
 DFLASH_TRT_MODELS points the test at another pair (default: models/ of this checkout).
 """
 import json
@@ -17,6 +18,7 @@ PROMPTS = os.path.join(ROOT, "tests", "prompts_heldout.txt")
 NEW_TOKENS = 64
 GAMMA = 15
 MIN_TAU = 3.0
+AUTO_PROMPTS = 4
 
 pytestmark = pytest.mark.skipif(
     not os.path.isfile(os.path.join(DRAFTER, "config.json")), reason=f"no trained pair in {MODELS}"
@@ -32,11 +34,9 @@ def read_prompts(path=PROMPTS):
 def runs():
     pytest.importorskip("torch")
     from dflash_trt.abi import PoolSizes
-    from dflash_trt.runtime.gating import Gate
     from dflash_trt import load_runtime
 
-    rt, codec = load_runtime(TARGET, DRAFTER, "torch", PoolSizes(max_seq_len=512, kv_blocks=64, dkv_blocks=96),
-                             gate=Gate(min_rate=0.0))
+    rt, codec = load_runtime(TARGET, DRAFTER, "torch", PoolSizes(max_seq_len=512, kv_blocks=64, dkv_blocks=96))
     out = []
     for p in read_prompts():
         ids = codec.encode(p)
@@ -74,6 +74,20 @@ def test_checkpoint_files():
 def test_spec_identical_to_plain(runs):
     bad = [r["prompt"] for r in runs if r["spec"] != r["plain"]]
     assert not bad, f"spec != plain greedy on {len(bad)} prompts, first: {bad[0]!r}"
+
+
+def test_auto_width_batched_identical_to_plain(runs):
+    """gamma auto over AUTO_PROMPTS requests in one batch (one width per step for all rows): each == plain greedy."""
+    from dflash_trt.abi import PoolSizes
+    from dflash_trt import load_runtime
+
+    rt, codec = load_runtime(TARGET, DRAFTER, "torch", PoolSizes(max_seq_len=512, kv_blocks=64, dkv_blocks=96))
+    reqs = [(rt.add_request(r["ids"], NEW_TOKENS, gamma="auto"), r) for r in runs[:AUTO_PROMPTS]]
+    while rt.has_work:
+        rt.step()
+    bad = [r["prompt"] for req, r in reqs if req.tokens != r["plain"]]
+    assert not bad, f"auto spec != plain greedy on {len(bad)} prompts, first: {bad[0]!r}"
+    assert sum(len(req.accepted) for req, _ in reqs) > 0  # it speculated
 
 
 def test_acceptance_length(runs):

@@ -18,7 +18,6 @@ def test_gpu_dflash_tokens_equal_cpu_greedy():
     from dflash_trt.export.checkpoint import load_drafter, load_target
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
     from dflash_trt.runtime.devices.torch_device import TorchDevice
-    from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.runtime import Runtime
     from dflash_trt import load_runtime
 
@@ -26,7 +25,7 @@ def test_gpu_dflash_tokens_equal_cpu_greedy():
     cpu, codec = load_runtime(os.path.join(MODELS, "target"), os.path.join(MODELS, "drafter"), "torch", sizes)
     t = load_target(os.path.join(MODELS, "target"), torch.float32).cuda()
     d = load_drafter(os.path.join(MODELS, "drafter"), t, torch.float32).cuda()
-    gpu = Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, device=TorchDevice("cuda"), gate=Gate(min_rate=0.0))
+    gpu = Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, device=TorchDevice("cuda"))
     prompts = [json.loads(x) for x in open(os.path.join(ROOT, "tests", "prompts_heldout.txt"))
                if x.strip() and not x.startswith("#")][:6]
     taus = []

@@ -267,7 +267,6 @@ def test_backend_binding_decodes_reference_tokens_through_the_graph_executor(bui
     from dflash_trt.runtime.backends.trt import TrtBackend
     from dflash_trt.runtime.backends.trt_plan import step_launches
     from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
-    from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.runtime import Runtime
 
     t = load_target(os.path.join(MODELS, "target"), torch.float32)
@@ -275,7 +274,7 @@ def test_backend_binding_decodes_reference_tokens_through_the_graph_executor(bui
     dev = TorchCpuDevice()
     engines = _fake_engines(built, t, dr)
     be = TrtBackend(built, device=dev, engines=engines)
-    rt = Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, gate=Gate(min_rate=0.0), executor=GraphStepExecutor)
+    rt = Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, executor=GraphStepExecutor)
     n = 24
     ids, ref = reference["prompt_ids"][0], reference["tokens"][0][:n]
     got, _ = rt.generate(ids, n, spec=False)

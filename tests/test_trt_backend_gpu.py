@@ -25,11 +25,10 @@ def reference():
 @pytest.fixture(scope="module")
 def runtime():
     from dflash_trt.abi import PoolSizes
-    from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.load import load_runtime
 
     rt, _ = load_runtime(os.path.join(MODELS, "target"), os.path.join(MODELS, "drafter"), "trt",
-                         PoolSizes(max_seq_len=512, kv_blocks=64, dkv_blocks=96), gate=Gate(min_rate=0.0),
+                         PoolSizes(max_seq_len=512, kv_blocks=64, dkv_blocks=96),
                          ks=(1, 16), device="cuda", dtype="float32")
     return rt
 

@@ -7,7 +7,7 @@ import platform
 import statistics
 import sys
 
-from dflash_trt.args import ArgumentParser
+from dflash_trt.args import GAMMA_HELP, ArgumentParser, gamma_arg
 from dflash_trt.files import write_json
 
 
@@ -63,7 +63,7 @@ def bench_generate(argv) -> int:
     p.add_argument("--model"), p.add_argument("--drafter")
     p.add_argument("--prompts", help="file: prompts separated by lines with only '---' (default: the demo prompt)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--gamma", type=int, default=None)
+    p.add_argument("--gamma", type=gamma_arg, default="auto", help=GAMMA_HELP)
     p.add_argument("--backend", default="torch", choices=["torch", "ort"])
     p.add_argument("--json", help="write results here")
     a = p.parse_args(argv)

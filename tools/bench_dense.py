@@ -11,7 +11,8 @@ Qwen's FP8 release stores it, except FP8_SKIP; --layers N builds the first N lay
                         the K embedding rows, and the sequence's state (GDN + conv slot, the KV rows of the context)
   plain vs DFlash       plain decode tok/s (batch 1) and the spec step (K = gamma + 1 = 16 with the drafter) time, the
                         spec/plain step ratio (= break-even τ) and DFlash tok/s at a scripted acceptance
-                        (bench_moe.spec_vs_plain: a random drafter accepts nothing)
+                        (bench_moe.spec_vs_plain: a random drafter accepts nothing); the scripted fixed / auto K
+                        lines and checks (tools/scripted.bench_scripted) from the measured steps
   prefill tok/s         one PREFILL_TOKENS-token prompt through the prefill graph, chunks of PREFILL_CHUNK
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dflash_trt.files import write_json
 from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs
 from dflash_trt.tools.bench_e2e_run import prefill_tok_s
 from dflash_trt.tools.bench_moe import context_sweep, random_bench_runtime, random_init, spec_vs_plain, step_bytes
+from dflash_trt.tools.scripted import bench_scripted, print_scripted
 
 RANDOM_27B = "random-27b"
 LAYERS = 64
@@ -152,6 +154,7 @@ def run(a) -> int:
     res["step16_over_step1"] = steps[16]["ms"] / steps[1]["ms"]
     prompt = [int(t) for t in rng.integers(0, vocab - 1, 48)]
     res["decode"] = spec_vs_plain(rt, prompt, a.max_new_tokens, a.gamma or 15, steps[1]["ms"])
+    bench_scripted(res)
     res["prefill_tokens"] = PREFILL_TOKENS
     res["prefill_tok_s"] = prefill_tok_s(rt, dev, [int(t) for t in rng.integers(0, vocab - 1, PREFILL_TOKENS)])
     print_table(res)
@@ -175,4 +178,7 @@ def print_table(res) -> None:
           f"tokens {d['identical']}")
     print(f"DFlash with scripted acceptance (tau {d['scripted_tau']:.2f}): {d['dflash_tok_s']:.1f} tok/s = "
           f"{d['dflash_over_plain']:.2f}x plain")
+    print_scripted(res["scripted"])
+    for name, (v, thr, hit) in res.get("targets", {}).items():
+        print(f"target {name}: {v:.2f} vs {thr:g} -> {'HIT' if hit else 'MISS'}")
     print(f"prefill {res['prefill_tokens']}-token prompt: {res['prefill_tok_s']:.0f} tok/s")

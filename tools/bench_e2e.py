@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from dflash_trt.args import ArgumentParser
+from dflash_trt.args import GAMMA_HELP, ArgumentParser, gamma_arg
 from dflash_trt.runtime.batching import PREFILL_STEP
 
 TARGETS = {  # the end-to-end targets
@@ -358,7 +358,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: float32; bfloat16 for random-0.9b)")
     p.add_argument("--batch", default="1,4,16")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gamma", type=int, default=None)
+    p.add_argument("--gamma", type=gamma_arg, default="auto", help=GAMMA_HELP)
     p.add_argument("--temperatures", default="0.6,1.0", help="also decode sampling at these temperatures ('': skip)")
     p.add_argument("--hf-tokens", type=int, default=64, help="new tokens of the HF generate() baseline (0: skip)")
     # default: every held-out prompt (24 for the trained pair), the set the bf16 check reports on; a prefix of them

@@ -148,7 +148,6 @@ def _runtime(a, random: bool, dname: str, dtype):
     from dflash_trt.abi import PoolSizes
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
     from dflash_trt.runtime.devices.cuda import CudaDevice
-    from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.runtime import Runtime
 
     dev = CudaDevice()
@@ -157,7 +156,7 @@ def _runtime(a, random: bool, dname: str, dtype):
     sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=32, dkv_blocks=16 * 64 + 64,
                       ctx_window=1024, prefill_chunk=64)
     be = _backend(a, target, drafter, sizes, dev, dname)
-    rt = Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes, device=dev, gate=Gate(min_rate=0.0))
+    rt = Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes, device=dev)
     rt.executor.on_capture = _progress
     return rt, dev, target, drafter, hf, sizes
 

@@ -98,7 +98,6 @@ def main(argv=None) -> int:
     from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
     from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
-    from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.load import UsageError
     from dflash_trt.runtime.runtime import Runtime
     from dflash_trt.runtime.scheduler import PREFETCH
@@ -124,7 +123,7 @@ def main(argv=None) -> int:
     sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=16 + PREFETCH,
                       dkv_blocks=16 * 64 + 64, ctx_window=1024, prefill_chunk=64)
     rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg if drafter else None, sizes,
-                 device=TorchCpuDevice(), gate=Gate(min_rate=0.0), executor=GraphStepExecutor)
+                 device=TorchCpuDevice(), executor=GraphStepExecutor)
     rt.executor.steps = StandInSteps(rt.executor.steps.state, a.accepted)
     hw = hardware("cpu")
     print(f"bench host: scheduler step, device work stood in (spec accepts {a.accepted} of {a.gamma}); {hw}")

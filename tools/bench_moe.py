@@ -12,10 +12,13 @@ Qwen3.6-35B-A3B and fewer layers (built in memory in bf16 on the GPU, never save
   MoE block alone       one SparseMoE layer at T tokens (captured, compiled as the step): routed kernels vs the
                         distinct-expert floor
   plain vs DFlash       plain decode tok/s measured (batch 1); the DFlash step time measured on the real spec step
-                        graph with the random drafter (gate off, so every step is a spec step of K = gamma+1), then
+                        graph with the random drafter (a fixed gamma: every step is a spec step of K = gamma+1), then
                         tok/s = mean(accepted + 1 over ACCEPTED) / spec-step time: the random drafter's τ (≈1)
                         replaced by the scripted acceptance sequence ACCEPTED. The break-even τ is
                         spec-step time / plain-step time.
+  scripted fixed / auto K  tok/s of every fixed width and of the cost-aware width (runtime.draft_length) at the
+                        scripts of tools/scripted.py (never-right, stationary, phased), from the measured step(K)
+                        plus the spec step's drafter time (tools/scripted.step_costs), with their checks
 Target: plain step(K=1) <= 2x its bytes floor.
 """
 from __future__ import annotations
@@ -28,11 +31,11 @@ from dflash_trt.files import write_json
 from dflash_trt.tools.bench import graph_replay_ms
 
 from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs, decode_run, parse_step_ks
+from dflash_trt.tools.scripted import ACCEPTED, bench_scripted, print_scripted
 
 RANDOM_MOE = "random-moe-35b-a3b"
 LAYERS = 8  # 6 GDN + 2 attention (3:1); the real model has 40
 DRAWS = 4
-ACCEPTED = (3, 1, 6, 0, 2, 4, 2, 5, 0, 3)  # scripted accepted drafts per spec step: τ = 1 + mean = 3.6
 TARGET_FLOOR_RATIO = 2.0
 
 
@@ -218,7 +221,7 @@ def spec_vs_plain(rt, prompt, max_new: int, gamma: int, step1_ms: float) -> dict
 
 def random_bench_runtime(a, build, sizes):
     """(rt, dev, target, compiled) over the random pair build(dtype, device) on a CudaDevice (steps compiled unless
-    --no-compile, the gate off, so every spec step speculates), or None with one line said where CUDA is missing."""
+    --no-compile), or None with one line said where CUDA is missing."""
     from dflash_trt.runtime.devices.cuda import CudaUnavailable, require_cuda
 
     try:
@@ -230,14 +233,12 @@ def random_bench_runtime(a, build, sizes):
 
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
     from dflash_trt.runtime.devices.cuda import CudaDevice
-    from dflash_trt.runtime.gating import Gate
     from dflash_trt.runtime.runtime import Runtime
 
     dev = CudaDevice()
     target, drafter = build(getattr(torch, a.dtype or "bfloat16"), dev.device)
     compiled = not a.no_compile
-    rt = Runtime(TorchBackend(target, drafter, compile_steps=compiled), target.cfg, drafter.cfg, sizes, device=dev,
-                 gate=Gate(min_rate=0.0))
+    rt = Runtime(TorchBackend(target, drafter, compile_steps=compiled), target.cfg, drafter.cfg, sizes, device=dev)
     return rt, dev, target, compiled
 
 
@@ -281,6 +282,7 @@ def run(a) -> int:
     r1 = steps[1]["ratio"]
     res["targets"] = {f"plain step(K=1) <= {TARGET_FLOOR_RATIO:g}x bytes floor": (r1, TARGET_FLOOR_RATIO,
                                                                                  r1 <= TARGET_FLOOR_RATIO)}
+    bench_scripted(res)
     print_table(res)
     if a.json:
         write_json(a.json, res)
@@ -315,6 +317,7 @@ def print_table(res) -> None:
           f"identical tokens {d['identical']}")
     print(f"DFlash with scripted acceptance {d['scripted_accepted']} (tau {d['scripted_tau']:.2f}): "
           f"{d['dflash_tok_s']:.1f} tok/s = {d['dflash_over_plain']:.2f}x plain; break-even tau {d['break_even_tau']:.2f}")
+    print_scripted(res["scripted"])
     sp = res["step1_split"]
     print(f"plain step(K=1) split: MoE blocks {sp['moe_ms']:.3f} ms (floor {sp['moe_floor_ms']:.3f}), rest of the step "
           f"{sp['rest_ms']:.3f} ms (floor {sp['rest_floor_ms']:.3f})")

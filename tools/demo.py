@@ -9,6 +9,7 @@ import argparse
 import os
 
 from dflash_trt.abi import PoolSizes
+from dflash_trt.args import GAMMA_HELP, gamma_arg
 from dflash_trt.config import cache_root
 from dflash_trt.log import progress
 
@@ -37,7 +38,7 @@ def default_pair() -> tuple[str, str, str]:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--gamma", type=int, default=None)
+    p.add_argument("--gamma", type=gamma_arg, default="auto", help=GAMMA_HELP)
     p.add_argument("--backend", default="ort", choices=["ort", "torch"],
                    help="ort: ONNX graphs on ONNX Runtime (exported once, cached); torch: reference modules")
 

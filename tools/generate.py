@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dflash_trt.abi import PoolSizes, verify_widths
+from dflash_trt.args import GAMMA_HELP, gamma_arg
 from dflash_trt.log import progress
 from dflash_trt.runtime.load import UsageError, check_checkpoint_dir, drafter_block_size, load_runtime
 from dflash_trt.runtime.runtime import check_gamma
@@ -21,7 +22,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"positions per sequence: prompt + new tokens + verify width (default {PoolSizes().max_seq_len})")
-    p.add_argument("--gamma", type=int, default=None, help="drafts per step (default block_size-1)")
+    p.add_argument("--gamma", type=gamma_arg, default="auto", help=GAMMA_HELP)
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no drafter steps)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
@@ -54,20 +55,20 @@ def runtime_of(args, compile_steps: bool = False, max_seqs: int | None = None):
     --engines and no --max-seq-len, the export's own sizes."""
     sizes = (run_sizes(args.max_seq_len, max_seqs) if args.engines is None or args.max_seq_len is not None
              or max_seqs is not None else None)
-    ks = checked_widths(args)
+    ks = checked_widths(args, user_export=args.engines is not None)
     return load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
                         dtype=args.dtype, compile_steps=compile_steps, export_dir=args.engines,
                         gpu_memory_utilization=args.gpu_memory_utilization)
 
 
-def checked_widths(args) -> tuple:
+def checked_widths(args, user_export: bool = False) -> tuple | None:
     """--model / --drafter / --gamma checked before any weight loads (a bad one costs nothing); the verify widths
     the run needs."""
     check_checkpoint_dir(args.model, "--model")
     block = drafter_block_size(args.drafter)
     if block is not None and args.gamma is not None and not args.no_spec:
         check_gamma(args.gamma, block)
-    return verify_widths(args.gamma, block, not args.no_spec)
+    return verify_widths(args.gamma, block, not args.no_spec, user_export=user_export)
 
 
 def run_sizes(max_seq_len: int | None, max_seqs: int | None = None) -> PoolSizes:

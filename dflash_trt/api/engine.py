@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from dflash_trt.api.detok import IncrementalDetokenizer, StopStrings
 from dflash_trt.api.params import SamplingParams
-from dflash_trt.runtime.runtime import CapacityError
+from dflash_trt.runtime.runtime import CapacityError, check_gamma
 from dflash_trt.runtime.scheduler import FAILED
 
 
@@ -57,11 +57,12 @@ class Track:
 
 
 class Engine:
-    def __init__(self, rt, codec, gamma: int | None = None, spec: bool = True):
+    def __init__(self, rt, codec, gamma: int | str | None = None, spec: bool = True):
+        """gamma: drafts per step, or None / "auto": chosen per step (runtime.draft_length)."""
         self.rt, self.codec = rt, codec
         self.spec = spec and rt.dcfg is not None
-        self.gamma = gamma if gamma is not None else (rt.dcfg.block_size - 1 if self.spec else 0)
-        self.K = self.gamma + 1 if self.spec else 1
+        self.gamma = check_gamma(gamma, rt.dcfg.block_size) if self.spec else 0
+        self.K = rt.draft_length(self.gamma).widest if self.spec else 1
         self.live: list[Track] = []
 
     @property
@@ -80,9 +81,7 @@ class Engine:
             raise CapacityError(f"prompt of {len(ids)} tokens leaves no room for new tokens "
                                 f"(max_seq_len={self.rt.sizes.max_seq_len})")
         sp = params.token_sampling(index)
-        if not self.has_work:  # an idle runtime starts afresh, as Runtime.generate does: a seeded call reproduces
-            self.rt.gate.reset()
-        req = self.rt.add_request(ids, max_tokens, self.gamma if self.spec else None, self.spec,
+        req = self.rt.add_request(ids, max_tokens, self.gamma, self.spec,
                                   temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
                                   seed=sp.seed, ignore_eos=params.ignore_eos, logprobs=sp.logprobs)
         track = Track(req, params, index, IncrementalDetokenizer(self.codec.decode), StopStrings(params.stop),

@@ -32,15 +32,19 @@ class LLM:
     """A target (+ DFlash drafter) checkpoint ready to complete text.
 
     model / drafter: checkpoint directories; backend "torch" | "ort" | "trt", device, dtype, sizes (PoolSizes),
-    gate: as for `load_runtime`. gamma: drafts per speculative step (default block_size - 1); spec=False: plain
-    decoding. chat_template: Jinja source overriding the checkpoint's own."""
+    step_costs: as for `load_runtime`. gamma: drafts per speculative step, or None / "auto" (default): chosen per step
+    for the most tokens per second (runtime/draft_length.py); spec=False: plain decoding. chat_template: Jinja source
+    overriding the checkpoint's own."""
 
     def __init__(self, model: str, drafter: str | None = None, backend: str = "torch", device: str = "cpu",
-                 dtype: str | None = None, sizes=None, gamma: int | None = None, spec: bool = True, gate=None,
-                 compile_steps: bool = False, chat_template: str | None = None, engines: str | None = None):
-        ks = verify_widths(gamma, drafter_block_size(drafter), spec)  # the graphs an ort / trt run needs
-        self.runtime, self.codec = load_runtime(model, drafter, backend, sizes=sizes, gate=gate, ks=ks, device=device,
-                                                dtype=dtype, compile_steps=compile_steps, export_dir=engines)
+                 dtype: str | None = None, sizes=None, gamma: int | str | None = None, spec: bool = True,
+                 step_costs=None, compile_steps: bool = False, chat_template: str | None = None,
+                 engines: str | None = None):
+        # the graphs an ort / trt run needs
+        ks = verify_widths(gamma, drafter_block_size(drafter), spec, user_export=engines is not None)
+        self.runtime, self.codec = load_runtime(model, drafter, backend, sizes=sizes, step_costs=step_costs, ks=ks,
+                                                device=device, dtype=dtype, compile_steps=compile_steps,
+                                                export_dir=engines)
         self.model_dir = model
         self.engine = Engine(self.runtime, self.codec, gamma=gamma, spec=spec)
         self._template = ChatTemplate(chat_template) if chat_template is not None else None

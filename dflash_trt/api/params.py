@@ -42,8 +42,8 @@ class SamplingParams:
     temperature 0: greedy (default); > 0 samples with top_k (0 off) / top_p (1 off) / min_p (0 off).
     seed: reproduces a sampled completion; with n > 1, sample i uses `sample_seed(seed, i)` (sample 0: seed itself),
       so the samples differ and each reproduces. None: a fresh seed per sample. A seeded call reproduces when it
-      runs the same way: alone on an idle runtime, or in the same batch. Beside other requests the shared spec gate
-      (runtime/gating.py) may pause speculation at other steps; the sample is then another, equally exact draw.
+      runs the same way: alone on an idle runtime, or in the same batch. Beside other requests the batch's draft length
+      (runtime/draft_length.py) may choose other widths at its steps; the sample is then another, equally exact draw.
     stop: strings matched on the decoded text (also across token boundaries); the text ends before the first match.
     stop_token_ids: tokens that end the completion (kept in token_ids, not in the text), like EOS.
     ignore_eos: EOS does not end the completion.

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from dflash_trt.args import GAMMA_HELP, gamma_arg
 from dflash_trt.log import progress
 from dflash_trt.tools.generate import add_engines_arg
 from dflash_trt.runtime.load import UsageError
@@ -16,7 +17,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_engines_arg(p)
-    p.add_argument("--gamma", type=int, default=None, help="drafts per step (default block_size-1)")
+    p.add_argument("--gamma", type=gamma_arg, default="auto", help=GAMMA_HELP)
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no drafter steps)")
     p.add_argument("--max-seq-len", type=int, default=None, help="positions per sequence (prompt + new + verify)")
     p.add_argument("--max-seqs", type=int, default=None, help="sequences decoded together (state slots; default 4)")

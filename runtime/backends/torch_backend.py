@@ -59,6 +59,10 @@ class TorchBackend:
             if drafter is not None:
                 drafter.fuse_projections()
 
+    def step_widths(self) -> None:
+        """Any width: the modules take any number of rows (Backend.step_widths)."""
+        return None
+
     def weights_id(self, which: str) -> str | None:
         """The checkpoint's hash where the module was loaded from one (what an export of it records), else a hash of
         its parameters, which no export can match."""
