@@ -33,18 +33,38 @@ class LLM:
 
     model / drafter: checkpoint directories; backend "torch" | "ort" | "trt", device, dtype, sizes (PoolSizes),
     gate: as for `load_runtime`. gamma: drafts per speculative step (default block_size - 1); spec=False: plain
-    decoding. chat_template: Jinja source overriding the checkpoint's own."""
+    decoding. chat_template: Jinja source overriding the checkpoint's own.
+    tensor_parallel_size N > 1 (torch backend): the target split over N processes (runtime/parallel). Called in one
+    process, the LLM starts N ranks (gloo on CPU, NCCL on CUDA: one GPU each) that each hold an LLM on their shard
+    and run every generate / chat call alike, rank 0's outputs coming back; close() stops them. Called on each rank
+    of an initialised torch.distributed group of N (a torchrun-style launch), it loads this rank's shard."""
 
     def __init__(self, model: str, drafter: str | None = None, backend: str = "torch", device: str = "cpu",
                  dtype: str | None = None, sizes=None, gamma: int | None = None, spec: bool = True, gate=None,
-                 compile_steps: bool = False, chat_template: str | None = None, engines: str | None = None):
-        ks = verify_widths(gamma, drafter_block_size(drafter), spec)  # the graphs an ort / trt run needs
-        self.runtime, self.codec = load_runtime(model, drafter, backend, sizes=sizes, gate=gate, ks=ks, device=device,
-                                                dtype=dtype, compile_steps=compile_steps, export_dir=engines)
-        self.model_dir = model
-        self.engine = Engine(self.runtime, self.codec, gamma=gamma, spec=spec)
+                 compile_steps: bool = False, chat_template: str | None = None, engines: str | None = None,
+                 tensor_parallel_size: int = 1):
+        self.model_dir, self._ranks = model, None
         self._template = ChatTemplate(chat_template) if chat_template is not None else None
         self._next_id = 0
+        if tensor_parallel_size != 1 and not _in_process_group():
+            from dflash_trt.runtime.parallel.launch import RankPool
+
+            kwargs = dict(model=model, drafter=drafter, backend=backend, device=device, dtype=dtype, sizes=sizes,
+                          gamma=gamma, spec=spec, gate=gate, compile_steps=compile_steps, chat_template=chat_template,
+                          engines=engines, tensor_parallel_size=tensor_parallel_size)
+            self.runtime, self.engine = None, None  # on the ranks
+            self._ranks = RankPool(tensor_parallel_size, _rank_llm, (kwargs,))
+            return
+        ks = verify_widths(gamma, drafter_block_size(drafter), spec)  # the graphs an ort / trt run needs
+        self.runtime, self.codec = load_runtime(model, drafter, backend, sizes=sizes, gate=gate, ks=ks, device=device,
+                                                dtype=dtype, compile_steps=compile_steps, export_dir=engines,
+                                                tensor_parallel_size=tensor_parallel_size)
+        self.engine = Engine(self.runtime, self.codec, gamma=gamma, spec=spec)
+
+    def close(self) -> None:
+        """Stop the ranks of a tensor-parallel LLM started here (nothing to do otherwise)."""
+        if self._ranks is not None:
+            self._ranks.close()
 
     @property
     def chat_template(self) -> ChatTemplate:
@@ -56,6 +76,8 @@ class LLM:
         """Complete each prompt; sampling_params: one for all prompts or one per prompt (default SamplingParams()).
         Bad input raises before anything runs; a completion that fails (a step fault) raises its error once the
         others ended. Slots and pages are back when this returns, also when it raises."""
+        if self._ranks is not None:
+            return self._ranks.call("generate", prompts, sampling_params)
         items = normalize_prompts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(items)
@@ -71,6 +93,9 @@ class LLM:
              tools=None) -> list[RequestOutput]:
         """Complete one conversation (a list of {"role", "content"} dicts) or a list of them through the checkpoint's
         chat template; chat_template_kwargs (e.g. {"enable_thinking": False}) reach the template."""
+        if self._ranks is not None:
+            return self._ranks.call("chat", messages, sampling_params, add_generation_prompt=add_generation_prompt,
+                                    chat_template_kwargs=chat_template_kwargs, tools=tools)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ChatTemplateError("messages must be a conversation (a non-empty list of message dicts) or a list "
                                     "of them")
@@ -116,3 +141,15 @@ class LLM:
                                       min(t.first_token_s or 0.0 for t in tracks), max(t.seconds for t in tracks)))
             self._next_id += 1
         return outs
+
+
+def _in_process_group() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank_llm(kwargs: dict) -> LLM:
+    return LLM(**kwargs)

@@ -55,7 +55,10 @@ class Shard:
 
     def reduce_output(self, module: nn.Module) -> None:
         """module's output becomes the sum over the ranks of every rank's output (in place, inference only)."""
-        module.register_forward_hook(lambda _m, _args, y: self.all_reduce(y))
+        module.register_forward_hook(self._reduce_hook)
+
+    def _reduce_hook(self, _module, _args, y):
+        return self.all_reduce(y)
 
 
 def _narrow(w, dim: int, groups: int, start: int, count: int):
