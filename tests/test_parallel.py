@@ -173,3 +173,29 @@ def test_sizes_that_do_not_divide_refused_by_name(runs):
         check_shardable(dataclasses.replace(cfg, num_heads=8, num_kv_heads=4, lin_num_k_heads=4), 4, "ep")
     with pytest.raises(ShardError, match="experts='dp'"):
         check_shardable(cfg, 2, "dp")
+
+
+def _sampling_rank(target_dir: str, drafter_dir: str, n: int):
+    from test_sampling_runtime import SAMPLE, SIZES as S_SIZES, sample_first3
+
+    target = shard_target(load_target(target_dir))
+    drafter = load_drafter(drafter_dir, target)
+    rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, S_SIZES, gate=Gate(min_rate=0.0))
+    return sample_first3(rt, n, **SAMPLE)
+
+
+@pytest.mark.slow  # ~20 s on 2 cores; the TP-2 LLM test checks seeded sampled completions in seconds
+def test_dflash_sampling_under_tp_keeps_the_exact_distribution(tmp_path):
+    """The exact-distribution check of DFlash sampling (tests/test_sampling_runtime.py) with the target on 2 ranks:
+    the first 3 sampled tokens against the single-process target's distribution by enumeration."""
+    from test_sampling import chi2_pvalue, tv_noise
+    from test_sampling_runtime import PROMPT as S_PROMPT, SAMPLE, VOCAB, exact_first3
+
+    td, dd = make_tiny_pair(str(tmp_path), seed=11, target_over=dict(vocab=VOCAB), drafter_over=dict(block_size=4))
+    exact = exact_first3(load_target(td), S_PROMPT, SAMPLE["temperature"], SAMPLE["top_k"])
+    n = 1000
+    toks, accepted = run_parallel(_sampling_rank, 2, (td, dd, n), timeout_s=120)
+    c = np.bincount((toks[:, 0] * VOCAB + toks[:, 1]) * VOCAB + toks[:, 2], minlength=VOCAB ** 3)
+    tv, bound, pv = 0.5 * np.abs(c / n - exact).sum(), 1.5 * tv_noise(exact, n), chi2_pvalue(c, exact * n)
+    assert tv < bound and pv > 1e-4, (tv, bound, pv)
+    assert 0 in accepted and max(accepted) > 0
