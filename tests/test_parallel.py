@@ -199,3 +199,16 @@ def test_dflash_sampling_under_tp_keeps_the_exact_distribution(tmp_path):
     tv, bound, pv = 0.5 * np.abs(c / n - exact).sum(), 1.5 * tv_noise(exact, n), chi2_pvalue(c, exact * n)
     assert tv < bound and pv > 1e-4, (tv, bound, pv)
     assert 0 in accepted and max(accepted) > 0
+
+
+@pytest.mark.slow  # 4 processes on 2 cores: ~20 s; the 2-rank tests check the same paths
+def test_four_ranks_uneven_vocab(tmp_path):
+    """4 ranks (EP 4: one expert each; vocab 259 split 65/65/65/64): logits, greedy and DFlash tokens as one process."""
+    td, dd = make_tiny_pair(str(tmp_path), seed=7, target_over=dict(TINY_MOE, num_key_value_heads=4,
+                                                                    linear_num_key_heads=4, linear_num_value_heads=8))
+    case = {"target": td, "drafter": dd}
+    one = _run_case(case, shard=False)
+    four = run_parallel(_rank, 4, ([case],), timeout_s=120)[0]
+    assert four["cfg"] == tuple(n // 4 for n in one["cfg"])
+    assert (four["logits"] - one["logits"]).abs().max().item() <= 1e-4
+    assert four["spec_steps"] > 0 and four["spec"] == four["plain"] == one["plain"]
