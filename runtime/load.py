@@ -108,7 +108,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     elif dtype != "float32":
         raise UsageError(f"on CPU the runtime computes in float32 (got dtype '{dtype}'); use --device cuda")
     if tensor_parallel_size != 1:
-        device = _check_parallel(tensor_parallel_size, backend, device)
+        device = _rank_device(tensor_parallel_size, backend, device)
     if gpu_memory_utilization is not None and not (on_gpu and backend == "torch"):
         raise UsageError("--gpu-memory-utilization sizes the pools of the torch backend on cuda (ort and trt take "
                          "the pool sizes their graphs were exported with)")
@@ -168,14 +168,19 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
                    gate=gate), codec
 
 
-def _check_parallel(world: int, backend: str, device: str) -> str:
-    """The device this rank runs on, once the run is one tensor-parallel launch can take (else UsageError)."""
+def check_tensor_parallel(world, backend: str) -> None:
+    """A tensor-parallel size and backend a launch can take (else UsageError), before any process starts."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise UsageError(f"tensor_parallel_size {world!r}: a positive number of processes")
+    if world > 1 and backend != "torch":
+        raise UsageError(f"tensor parallelism runs the torch backend (got backend '{backend}')")
+
+
+def _rank_device(world: int, backend: str, device: str) -> str:
+    """The device this rank runs on (cuda: GPU rank of the node), once the call is on a rank of a group of `world`."""
     import torch.distributed as dist
 
-    if backend != "torch":
-        raise UsageError(f"tensor parallelism runs the torch backend (got backend '{backend}')")
-    if not isinstance(world, int) or world < 1:
-        raise UsageError(f"tensor_parallel_size {world!r}: a positive number of processes")
+    check_tensor_parallel(world, backend)
     if not dist.is_initialized() or dist.get_world_size() != world:
         raise UsageError(f"tensor_parallel_size {world}: call this on each of {world} ranks of an initialised "
                          "torch.distributed group (LLM(tensor_parallel_size=N) starts them)")

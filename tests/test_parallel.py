@@ -152,11 +152,13 @@ def test_llm_tensor_parallel_matches_one_process(runs):
     llm = LLM(**kw, tensor_parallel_size=2)
     try:
         two = llm.generate([PROMPT, PROMPT[:20]], params)
+        unseeded = llm.generate(PROMPT, SamplingParams(max_tokens=N_NEW, temperature=0.8, n=2))  # seeded once here
     finally:
         llm.close()
     ids = [[c.token_ids for c in o.outputs] for o in two]
     assert ids == [[c.token_ids for c in o.outputs] for o in one]
     assert ids[0][0] == tuple(runs[2][3]["plain"])
+    assert [len(c.token_ids) for c in unseeded[0].outputs] == [N_NEW, N_NEW]
 
 
 def test_tensor_parallel_outside_a_process_group_refused(runs):
@@ -212,3 +214,27 @@ def test_four_ranks_uneven_vocab(tmp_path):
     assert four["cfg"] == tuple(n // 4 for n in one["cfg"])
     assert (four["logits"] - one["logits"]).abs().max().item() <= 1e-4
     assert four["spec_steps"] > 0 and four["spec"] == four["plain"] == one["plain"]
+
+
+def test_cli_generate_tensor_parallel(runs, capsys):
+    from dflash_trt.cli import main
+
+    pair = runs[0][3]
+    argv = ["generate", "--model", pair["target"], "--drafter", pair["drafter"], "--prompt", "tensor parallel",
+            "--max-new-tokens", "12", "--gamma", "3"]
+    assert main(argv) == 0
+    one = capsys.readouterr().out
+    assert main(argv + ["--tensor-parallel", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out == one and "tensor_parallel=2" in out.err
+
+
+@pytest.mark.parametrize("extra,msg", [(["--tensor-parallel", "0"], "tensor_parallel_size 0: a positive number"),
+                                       (["--tensor-parallel", "2", "--backend", "ort"], "runs the torch backend")])
+def test_cli_tensor_parallel_refused_in_one_line(runs, capsys, extra, msg):
+    from dflash_trt.cli import main
+
+    pair = runs[0][3]
+    assert main(["generate", "--model", pair["target"], "--prompt", "x", *extra]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1

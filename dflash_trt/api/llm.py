@@ -3,7 +3,9 @@ runtime's continuous batching together (add_request, then step() until every com
 prompts runs them batched, not one after another."""
 from __future__ import annotations
 
+import dataclasses
 import numbers
+import secrets
 
 from dflash_trt.abi import verify_widths
 from dflash_trt.api.chat import ChatTemplate, ChatTemplateError
@@ -11,6 +13,7 @@ from dflash_trt.api.engine import Engine, Track
 from dflash_trt.api.outputs import CompletionOutput, RequestOutput
 from dflash_trt.api.params import SamplingParams
 from dflash_trt.runtime.load import drafter_block_size, load_runtime
+from dflash_trt.runtime.sampling import SEED_BITS
 
 
 def _is_ids(x) -> bool:
@@ -77,7 +80,7 @@ class LLM:
         Bad input raises before anything runs; a completion that fails (a step fault) raises its error once the
         others ended. Slots and pages are back when this returns, also when it raises."""
         if self._ranks is not None:
-            return self._ranks.call("generate", prompts, sampling_params)
+            return self._ranks.call("generate", prompts, _seeded(sampling_params))
         items = normalize_prompts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(items)
@@ -94,7 +97,7 @@ class LLM:
         """Complete one conversation (a list of {"role", "content"} dicts) or a list of them through the checkpoint's
         chat template; chat_template_kwargs (e.g. {"enable_thinking": False}) reach the template."""
         if self._ranks is not None:
-            return self._ranks.call("chat", messages, sampling_params, add_generation_prompt=add_generation_prompt,
+            return self._ranks.call("chat", messages, _seeded(sampling_params), add_generation_prompt=add_generation_prompt,
                                     chat_template_kwargs=chat_template_kwargs, tools=tools)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ChatTemplateError("messages must be a conversation (a non-empty list of message dicts) or a list "
@@ -149,6 +152,15 @@ def _in_process_group() -> bool:
     except ImportError:
         return False
     return dist.is_available() and dist.is_initialized()
+
+
+def _seeded(params):
+    """params with every unseeded sampling request seeded here, once for all ranks: ranks drawing their own fresh
+    seeds would pick different tokens, and their steps (and collectives) would part."""
+    many = isinstance(params, (list, tuple))
+    out = [p if not isinstance(p, SamplingParams) or p.seed is not None or p.temperature == 0
+           else dataclasses.replace(p, seed=secrets.randbits(SEED_BITS)) for p in (params if many else [params])]
+    return out if many else out[0]
 
 
 def _rank_llm(kwargs: dict) -> LLM:
