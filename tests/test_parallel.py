@@ -12,7 +12,9 @@ from hf_tiny import make_hf_model
 from dflash_trt import LLM, SamplingParams
 from dflash_trt.abi import PoolSizes
 from dflash_trt.export.checkpoint import load_drafter, load_target
+from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
+from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
 from dflash_trt.runtime.gating import Gate
 from dflash_trt.runtime.load import UsageError, load_runtime
 from dflash_trt.runtime.parallel.launch import ParallelError, run_parallel
@@ -43,6 +45,9 @@ def _run_case(case: dict, shard: bool) -> dict:
     if drafter is not None:
         out["spec"], st = rt.generate(PROMPT, N_NEW, gamma=3)
         out["spec_steps"] = st.spec_steps
+        fused = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, SIZES, gate=Gate(min_rate=0.0),
+                        device=TorchCpuDevice(), executor=lambda r: GraphStepExecutor(r, inflight=1))
+        out["fused"] = fused.generate(PROMPT, N_NEW, gamma=3)[0]  # the GPU step's code, eagerly, steps in flight
     return out
 
 
@@ -90,9 +95,10 @@ def test_sharded_logits_and_greedy_match_single_process(runs, i):
 
 
 def test_dflash_equals_plain_under_tp(runs):
+    """Host executor and the fused device step (the CUDA-graph step's code on the CPU, a step kept in flight)."""
     _, _, single, par = runs
     assert par[3]["spec_steps"] > 0
-    assert par[3]["spec"] == par[3]["plain"] == single[3]["plain"]
+    assert par[3]["spec"] == par[3]["fused"] == par[3]["plain"] == single[3]["plain"]
 
 
 def _failing_rank(target_dir: str) -> tuple:
@@ -213,7 +219,7 @@ def test_four_ranks_uneven_vocab(tmp_path):
     four = run_parallel(_rank, 4, ([case],), timeout_s=120)[0]
     assert four["cfg"] == tuple(n // 4 for n in one["cfg"])
     assert (four["logits"] - one["logits"]).abs().max().item() <= 1e-4
-    assert four["spec_steps"] > 0 and four["spec"] == four["plain"] == one["plain"]
+    assert four["spec_steps"] > 0 and four["spec"] == four["fused"] == four["plain"] == one["plain"]
 
 
 def test_cli_generate_tensor_parallel(runs, capsys):
