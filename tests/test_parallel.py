@@ -20,6 +20,7 @@ from dflash_trt.runtime.load import UsageError, load_runtime
 from dflash_trt.runtime.parallel.launch import ParallelError, run_parallel
 from dflash_trt.runtime.parallel.shard import ShardError, check_shardable, shard_target
 from dflash_trt.runtime.runtime import Runtime
+from dflash_trt.runtime.sequence import TokenIdError
 from dflash_trt.tools.tiny import TINY_MOE, make_tiny_pair
 
 SIZES = PoolSizes(kv_blocks=32, page_size=8, max_seq_len=128, max_seqs=2, dkv_blocks=32, ctx_window=16,
@@ -158,6 +159,8 @@ def test_llm_tensor_parallel_matches_one_process(runs):
     llm = LLM(**kw, tensor_parallel_size=2)
     try:
         two = llm.generate([PROMPT, PROMPT[:20]], params)
+        with pytest.raises(TokenIdError):  # refused alike on every rank: raised as is, the ranks stay up
+            llm.generate([PROMPT + [10**6]])
         unseeded = llm.generate(PROMPT, SamplingParams(max_tokens=N_NEW, temperature=0.8, n=2))  # seeded once here
     finally:
         llm.close()
@@ -165,6 +168,15 @@ def test_llm_tensor_parallel_matches_one_process(runs):
     assert ids == [[c.token_ids for c in o.outputs] for o in one]
     assert ids[0][0] == tuple(runs[2][3]["plain"])
     assert [len(c.token_ids) for c in unseeded[0].outputs] == [N_NEW, N_NEW]
+
+
+def test_llm_sizes_that_do_not_divide_refused_before_any_rank_starts(runs):
+    t0 = time.perf_counter()
+    with pytest.raises(ShardError, match="num_attention_heads = 4 does not divide over 3 ranks"):
+        LLM(runs[0][0]["target"], tensor_parallel_size=3)
+    with pytest.raises(UsageError, match="runs the torch backend"):
+        LLM(runs[0][0]["target"], backend="ort", tensor_parallel_size=2)
+    assert time.perf_counter() - t0 < 2
 
 
 def test_tensor_parallel_outside_a_process_group_refused(runs):
@@ -236,7 +248,8 @@ def test_cli_generate_tensor_parallel(runs, capsys):
 
 
 @pytest.mark.parametrize("extra,msg", [(["--tensor-parallel", "0"], "tensor_parallel_size 0: a positive number"),
-                                       (["--tensor-parallel", "2", "--backend", "ort"], "runs the torch backend")])
+                                       (["--tensor-parallel", "2", "--backend", "ort"], "runs the torch backend"),
+                                       (["--tensor-parallel", "3"], "num_attention_heads = 4 does not divide")])
 def test_cli_tensor_parallel_refused_in_one_line(runs, capsys, extra, msg):
     from dflash_trt.cli import main
 

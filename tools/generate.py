@@ -109,7 +109,10 @@ def run(args) -> int:
         out, st, mode = _generate(args, text, sp)
     else:
         from dflash_trt.runtime.parallel.launch import run_parallel
+        from dflash_trt.runtime.parallel.shard import check_checkpoint_shardable
 
+        check_checkpoint_dir(args.model, "--model")
+        check_checkpoint_shardable(args.model, args.tensor_parallel)
         out, st, mode = run_parallel(_generate, args.tensor_parallel, (args, text, sp))
     print(out)  # stdout: the text alone; the stats are a status line
     progress(f"[{mode}] backend={args.backend} device={args.device} prompt={st.prompt_tokens} new={st.new_tokens} "

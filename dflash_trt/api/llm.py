@@ -50,7 +50,13 @@ class LLM:
         self._template = ChatTemplate(chat_template) if chat_template is not None else None
         self._next_id = 0
         if tensor_parallel_size != 1 and not _in_process_group():
+            from dflash_trt.runtime.load import check_checkpoint_dir, check_tensor_parallel
             from dflash_trt.runtime.parallel.launch import RankPool
+            from dflash_trt.runtime.parallel.shard import check_checkpoint_shardable
+
+            check_tensor_parallel(tensor_parallel_size, backend)  # refused here, before any rank starts
+            check_checkpoint_dir(model, "target checkpoint")
+            check_checkpoint_shardable(model, tensor_parallel_size)
 
             kwargs = dict(model=model, drafter=drafter, backend=backend, device=device, dtype=dtype, sizes=sizes,
                           gamma=gamma, spec=spec, gate=gate, compile_steps=compile_steps, chat_template=chat_template,

@@ -104,15 +104,24 @@ def run_parallel(fn, world: int, args: tuple = (), backend: str | None = None, t
             return pickle.load(f)
 
 
+def _failure(e: BaseException) -> tuple:
+    """('err', the exception where it pickles (else None), 'Type: message')."""
+    try:
+        obj = pickle.loads(pickle.dumps(e))
+    except Exception:  # noqa: BLE001  (an exception type that does not round-trip: its line still does)
+        obj = None
+    return "err", obj, f"{type(e).__name__}: {e}"
+
+
 def _serve(rank: int, world: int, port: int, backend: str, timeout_s: float, make, args, conn) -> None:
-    """A RankPool rank: build obj = make(*args), then answer (method, args, kwargs) messages until None or the pipe closes.
-    Every rank answers ('ok', result or None) or ('err', 'Type: message')."""
+    """A RankPool rank: build obj = make(*args), then answer (method, args, kwargs) messages until None or the pipe
+    closes. Every rank answers ('ok', result (rank 0) or None, '') or _failure(its exception)."""
     try:
         _join(rank, world, port, backend, timeout_s)
         obj = make(*args)
-        conn.send(("ok", None))
+        conn.send(("ok", None, ""))
     except BaseException as e:  # noqa: BLE001  (reported to the parent, which ends every rank)
-        conn.send(("err", f"{type(e).__name__}: {e}"))
+        conn.send(_failure(e))
         return
     while True:
         try:
@@ -123,9 +132,9 @@ def _serve(rank: int, world: int, port: int, backend: str, timeout_s: float, mak
             break
         try:
             result = getattr(obj, msg[0])(*msg[1], **msg[2])
-            conn.send(("ok", result if rank == 0 else None))
+            conn.send(("ok", result if rank == 0 else None, ""))
         except BaseException as e:  # noqa: BLE001
-            conn.send(("err", f"{type(e).__name__}: {e}"))
+            conn.send(_failure(e))
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -133,8 +142,9 @@ def _serve(rank: int, world: int, port: int, backend: str, timeout_s: float, mak
 class RankPool:
     """`world` long-lived spawned ranks of one process group, each holding make(*args); call(method, *args) runs
     obj.method(*args, **kwargs) on every rank with the same arguments (the same deterministic work, see the module doc) and
-    returns rank 0's result. A rank that fails (raises, or exits) ends the pool: every rank is stopped and
-    ParallelError names the failed ranks and their errors."""
+    returns rank 0's result. When every rank raised the same error (bad input every rank refuses alike, a request
+    failed on all of them), that error is raised here and the ranks stay up; any other failure (some ranks only, a
+    rank that exits) ends the pool: every rank is stopped and ParallelError names the failed ranks and their errors."""
 
     def __init__(self, world: int, make, args: tuple = (), backend: str | None = None, timeout_s: float = TIMEOUT_S):
         backend = _backend(world, backend)
@@ -159,22 +169,22 @@ class RankPool:
         return self._collect()
 
     def _collect(self):
-        replies, errors = [], []
+        replies = []
         for rank, (c, p) in enumerate(zip(self.conns, self.procs)):
-            while not c.poll(0.5):
-                if not p.is_alive():
-                    break
+            while not c.poll(0.5) and p.is_alive():
+                pass
             try:
-                status, value = c.recv()
+                replies.append(c.recv())
             except (EOFError, OSError):
-                status, value = "err", f"exited with code {p.exitcode}"
-            replies.append(value)
-            if status != "ok":
-                errors.append(f"rank {rank} of {self.world} failed: {value}")
-        if errors:
-            self.close()
-            raise ParallelError("; ".join(errors))
-        return replies[0]
+                replies.append(("err", None, f"exited with code {p.exitcode}"))
+        failed = [(rank, r) for rank, r in enumerate(replies) if r[0] != "ok"]
+        if not failed:
+            return replies[0][1]
+        same = len(failed) == self.world and len({r[2] for _, r in failed}) == 1
+        if same and isinstance(failed[0][1][1], BaseException):
+            raise failed[0][1][1]
+        self.close()
+        raise ParallelError("; ".join(f"rank {rank} of {self.world} failed: {r[2]}" for rank, r in failed))
 
     def close(self) -> None:
         for c in self.conns:

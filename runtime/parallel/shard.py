@@ -20,6 +20,7 @@ than one GEMM, so logits agree with the single-process run to fp tolerance, not 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -220,6 +221,14 @@ def check_shardable(cfg, world: int, experts: str = "ep") -> None:
             cfg.num_experts if experts == "ep" else cfg.moe_intermediate_size)
     for what, n in sizes.items():
         Shard(0, world).span(n, what)
+
+
+def check_checkpoint_shardable(model_dir: str, world: int) -> None:
+    """check_shardable on a checkpoint's config.json, before any process starts or weight loads."""
+    from dflash_trt.config import TargetConfig, read_json
+
+    path = os.path.join(model_dir, "config.json")
+    check_shardable(TargetConfig.from_dict(read_json(path), path), world)
 
 
 def _refuse(target) -> None:
