@@ -89,6 +89,8 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         check_checkpoint_dir(drafter_dir, "drafter checkpoint")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise UsageError(f"device '{device}' not supported (cpu, cuda, cuda:N)")
+    if tensor_parallel_size != 1:
+        device = _rank_device(tensor_parallel_size, backend, device)
     if backend == "trt":  # before anything exports, builds or loads: one line if engines cannot run here
         from dflash_trt.engines.load import check_can_execute
 
@@ -107,8 +109,6 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
             raise UsageError(f"device '{device}' runs the torch or trt backend (got backend '{backend}')")
     elif dtype != "float32":
         raise UsageError(f"on CPU the runtime computes in float32 (got dtype '{dtype}'); use --device cuda")
-    if tensor_parallel_size != 1:
-        device = _rank_device(tensor_parallel_size, backend, device)
     if gpu_memory_utilization is not None and not (on_gpu and backend == "torch"):
         raise UsageError("--gpu-memory-utilization sizes the pools of the torch backend on cuda (ort and trt take "
                          "the pool sizes their graphs were exported with)")
@@ -184,6 +184,8 @@ def _rank_device(world: int, backend: str, device: str) -> str:
     if not dist.is_initialized() or dist.get_world_size() != world:
         raise UsageError(f"tensor_parallel_size {world}: call this on each of {world} ranks of an initialised "
                          "torch.distributed group (LLM(tensor_parallel_size=N) starts them)")
+    if device.startswith("cuda:"):
+        raise UsageError(f"device '{device}': under tensor parallelism rank r runs on GPU r (pass device 'cuda')")
     if device != "cuda":
         return device
     import torch

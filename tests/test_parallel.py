@@ -124,7 +124,7 @@ def _failing_rank(target_dir: str) -> tuple:
         assert rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.slots.num_free == rt.slots.num_total
         seconds = time.perf_counter() - t0
         if rank == 1:
-            time.sleep(8)  # the failed rank lives on (as a server would): rank 0 must not wait for it
+            time.sleep(6)  # the failed rank lives on (as a server would): rank 0 must not wait for it
         return type(e).__name__, seconds
 
 
@@ -132,7 +132,7 @@ def test_rank_failing_mid_step_fails_every_rank_at_once(runs):
     """Rank 0's request fails too, with its pages and slot back, as soon as rank 1 leaves the group on its fault:
     not when rank 1's process ends, nor after the 60 s collective timeout."""
     outcome, seconds = run_parallel(_failing_rank, 2, (runs[0][0]["target"],), timeout_s=60)
-    assert outcome != "finished" and seconds < 5, (outcome, seconds)
+    assert outcome != "finished" and seconds < 4, (outcome, seconds)
 
 
 def test_rank_raising_ends_the_run(runs):
@@ -179,9 +179,17 @@ def test_llm_sizes_that_do_not_divide_refused_before_any_rank_starts(runs):
     assert time.perf_counter() - t0 < 2
 
 
-def test_tensor_parallel_outside_a_process_group_refused(runs):
+def _cuda_n(target_dir: str):
+    try:
+        load_runtime(target_dir, device="cuda:1", tensor_parallel_size=2)
+    except UsageError as e:
+        return str(e)
+
+
+def test_tensor_parallel_outside_a_process_group_or_on_one_gpu_refused(runs):
     with pytest.raises(UsageError, match="tensor_parallel_size 2: call this on each of 2 ranks"):
         load_runtime(runs[0][0]["target"], tensor_parallel_size=2)
+    assert "rank r runs on GPU r" in run_parallel(_cuda_n, 2, (runs[0][0]["target"],), timeout_s=20)
 
 
 def test_sizes_that_do_not_divide_refused_by_name(runs):
@@ -193,6 +201,9 @@ def test_sizes_that_do_not_divide_refused_by_name(runs):
         check_shardable(dataclasses.replace(cfg, num_heads=8, num_kv_heads=4, lin_num_k_heads=4), 4, "ep")
     with pytest.raises(ShardError, match="experts='dp'"):
         check_shardable(cfg, 2, "dp")
+    with pytest.raises(ShardError, match="vocab_size = 5 leaves rank 3 of 4 no vocabulary rows"):
+        check_shardable(dataclasses.replace(cfg, vocab_size=5, num_heads=8, num_kv_heads=4, lin_num_k_heads=4,
+                                            num_experts=8), 4)
 
 
 def _sampling_rank(target_dir: str, drafter_dir: str, n: int):

@@ -108,12 +108,13 @@ def run(args) -> int:
     if args.tensor_parallel == 1:
         out, st, mode = _generate(args, text, sp)
     else:
-        from dflash_trt.runtime.parallel.launch import run_parallel
+        from dflash_trt.runtime.parallel.launch import backend_for, run_parallel
         from dflash_trt.runtime.parallel.shard import check_checkpoint_shardable
 
         check_checkpoint_dir(args.model, "--model")
         check_checkpoint_shardable(args.model, args.tensor_parallel)
-        out, st, mode = run_parallel(_generate, args.tensor_parallel, (args, text, sp))
+        out, st, mode = run_parallel(_generate, args.tensor_parallel, (args, text, sp),
+                                     backend=backend_for(args.device))
     print(out)  # stdout: the text alone; the stats are a status line
     progress(f"[{mode}] backend={args.backend} device={args.device} prompt={st.prompt_tokens} new={st.new_tokens} "
           f"target_steps={st.target_steps} tau={st.tau:.2f} tok/s={st.tokens_per_s:.1f}"

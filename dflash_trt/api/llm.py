@@ -50,19 +50,11 @@ class LLM:
         self._template = ChatTemplate(chat_template) if chat_template is not None else None
         self._next_id = 0
         if tensor_parallel_size != 1 and not _in_process_group():
-            from dflash_trt.runtime.load import check_checkpoint_dir, check_tensor_parallel
-            from dflash_trt.runtime.parallel.launch import RankPool
-            from dflash_trt.runtime.parallel.shard import check_checkpoint_shardable
-
-            check_tensor_parallel(tensor_parallel_size, backend)  # refused here, before any rank starts
-            check_checkpoint_dir(model, "target checkpoint")
-            check_checkpoint_shardable(model, tensor_parallel_size)
-
-            kwargs = dict(model=model, drafter=drafter, backend=backend, device=device, dtype=dtype, sizes=sizes,
-                          gamma=gamma, spec=spec, gate=gate, compile_steps=compile_steps, chat_template=chat_template,
-                          engines=engines, tensor_parallel_size=tensor_parallel_size)
             self.runtime, self.engine = None, None  # on the ranks
-            self._ranks = RankPool(tensor_parallel_size, _rank_llm, (kwargs,))
+            self._ranks = _start_ranks(dict(
+                model=model, drafter=drafter, backend=backend, device=device, dtype=dtype, sizes=sizes, gamma=gamma,
+                spec=spec, gate=gate, compile_steps=compile_steps, chat_template=chat_template, engines=engines,
+                tensor_parallel_size=tensor_parallel_size))
             return
         ks = verify_widths(gamma, drafter_block_size(drafter), spec)  # the graphs an ort / trt run needs
         self.runtime, self.codec = load_runtime(model, drafter, backend, sizes=sizes, gate=gate, ks=ks, device=device,
@@ -167,6 +159,20 @@ def _seeded(params):
     out = [p if not isinstance(p, SamplingParams) or p.seed is not None or p.temperature == 0
            else dataclasses.replace(p, seed=secrets.randbits(SEED_BITS)) for p in (params if many else [params])]
     return out if many else out[0]
+
+
+def _start_ranks(kwargs: dict):
+    """A RankPool of tensor_parallel_size ranks, each holding LLM(**kwargs) on its shard; what every rank would
+    refuse (backend, checkpoint directory, sizes that do not divide) is refused here first."""
+    from dflash_trt.runtime.load import check_checkpoint_dir, check_tensor_parallel
+    from dflash_trt.runtime.parallel.launch import RankPool, backend_for
+    from dflash_trt.runtime.parallel.shard import check_checkpoint_shardable
+
+    world = kwargs["tensor_parallel_size"]
+    check_tensor_parallel(world, kwargs["backend"])
+    check_checkpoint_dir(kwargs["model"], "target checkpoint")
+    check_checkpoint_shardable(kwargs["model"], world)
+    return RankPool(world, _rank_llm, (kwargs,), backend=backend_for(kwargs["device"]))
 
 
 def _rank_llm(kwargs: dict) -> LLM:

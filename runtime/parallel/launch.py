@@ -76,6 +76,11 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, fn
             dist.destroy_process_group()
 
 
+def backend_for(device: str) -> str:
+    """The collective backend of ranks computing on `device`: gloo for the CPU, NCCL for CUDA."""
+    return "gloo" if device == "cpu" else "nccl"
+
+
 def _backend(world: int, backend: str | None) -> str:
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world size {world!r}: at least 1 process")
@@ -165,7 +170,10 @@ class RankPool:
         if not self.conns:
             raise ParallelError("the ranks were stopped (an earlier failure, or close())")
         for c in self.conns:
-            c.send((method, args, kwargs))
+            try:
+                c.send((method, args, kwargs))
+            except OSError:  # a rank that exited: _collect names it
+                pass
         return self._collect()
 
     def _collect(self):

@@ -221,6 +221,8 @@ def check_shardable(cfg, world: int, experts: str = "ep") -> None:
             cfg.num_experts if experts == "ep" else cfg.moe_intermediate_size)
     for what, n in sizes.items():
         Shard(0, world).span(n, what)
+    if (world - 1) * -(-cfg.vocab_size // world) >= cfg.vocab_size:
+        raise ShardError(f"vocab_size = {cfg.vocab_size} leaves rank {world - 1} of {world} no vocabulary rows")
 
 
 def check_checkpoint_shardable(model_dir: str, world: int) -> None:
