@@ -35,6 +35,8 @@ USER_ERRORS = {
     "dflash_trt.plugins.trt_compat": ("ParserLibError", "TensorRTMissing"),
     "dflash_trt.runtime.devices.cuda": ("CudaUnavailable",),
     "dflash_trt.runtime.load": ("UsageError",),
+    "dflash_trt.runtime.parallel.launch": ("ParallelError",),  # a rank's error, named with its rank
+    "dflash_trt.runtime.parallel.shard": ("ShardError",),
     "dflash_trt.runtime.pools": ("PoolExhausted",),
     "dflash_trt.runtime.runtime": ("CapacityError", "GammaError"),
     "dflash_trt.runtime.sampling": ("SamplingError",),

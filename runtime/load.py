@@ -64,7 +64,8 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
                  sizes: PoolSizes | None = None, step_costs=None, ks=DEFAULT_KS, device: str = "cpu",
                  dtype: str | None = None, compile_steps: bool = False,
                  export_dir: str | None = None,
-                 gpu_memory_utilization: float | None = None) -> tuple[Runtime, object]:
+                 gpu_memory_utilization: float | None = None,
+                 tensor_parallel_size: int = 1) -> tuple[Runtime, object]:
     """Build a Runtime over the chosen backend; returns (runtime, codec). step_costs: as for Runtime (the step times
     auto draft length weighs; None: the default cost model).
     torch: the reference modules; on device="cpu" in float32 with numpy pools, on device="cuda" (dtype
@@ -79,7 +80,10 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     (runtime/backends/torch_compile.py; figures: docs/PERF.md). A missing GPU fails with one clear line.
     gpu_memory_utilization (torch on CUDA): the KV pools take what this fraction of the GPU's memory leaves once
     the weights are loaded (runtime/memory.py); `sizes` then gives only their shape (max_seq_len, max_seqs, page
-    size, prefill chunk, ctx window)."""
+    size, prefill chunk, ctx window).
+    tensor_parallel_size N > 1 (torch): called on every rank of an initialised torch.distributed group of N
+    processes (runtime/parallel/launch.py starts them), each loads its shard of the target (runtime/parallel/shard.py;
+    pools sized by its heads) and the whole drafter; on CUDA rank r takes GPU r of the node."""
     from dflash_trt.runtime.backends import make_backend
 
     need = (1,) if ks is None else ks  # what a user's export must hold
@@ -89,6 +93,8 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         check_checkpoint_dir(drafter_dir, "drafter checkpoint")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise UsageError(f"device '{device}' not supported (cpu, cuda, cuda:N)")
+    if tensor_parallel_size != 1:
+        device = _rank_device(tensor_parallel_size, backend, device)
     if backend == "trt":  # before anything exports, builds or loads: one line if engines cannot run here
         from dflash_trt.engines.load import check_can_execute
 
@@ -136,6 +142,10 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
 
     dt = getattr(torch, dtype)
     target = load_target(model_dir, dt)
+    if tensor_parallel_size != 1:
+        from dflash_trt.runtime.parallel.shard import shard_target
+
+        shard_target(target)  # before the drafter binds the target's embedding and lm_head
     drafter = load_drafter(drafter_dir, target, dt) if drafter_dir else None
     # the weights' identity in snapshots, the one an export of these checkpoints records (runtime/snapshot.py)
     hashes = {"target": checkpoint_hash(model_dir)}
@@ -154,8 +164,37 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
                                    gpu_memory_utilization, dev.device, dtype)
     be = make_backend(backend, target=target, drafter=drafter, compile_steps=compile_steps and on_gpu,
                       checkpoint_hashes=hashes)
+    if tensor_parallel_size != 1:
+        from dflash_trt.runtime.parallel.launch import abort_group_on_error
+
+        abort_group_on_error(be)
     return Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(), device=dev,
                    step_costs=step_costs), codec
+
+
+def check_tensor_parallel(world, backend: str) -> None:
+    """A tensor-parallel size and backend a launch can take (else UsageError), before any process starts."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise UsageError(f"tensor_parallel_size {world!r}: a positive number of processes")
+    if world > 1 and backend != "torch":
+        raise UsageError(f"tensor parallelism runs the torch backend (got backend '{backend}')")
+
+
+def _rank_device(world: int, backend: str, device: str) -> str:
+    """The device this rank runs on (cuda: GPU rank of the node), once the call is on a rank of a group of `world`."""
+    import torch.distributed as dist
+
+    check_tensor_parallel(world, backend)
+    if not dist.is_initialized() or dist.get_world_size() != world:
+        raise UsageError(f"tensor_parallel_size {world}: call this on each of {world} ranks of an initialised "
+                         "torch.distributed group (LLM(tensor_parallel_size=N) starts them)")
+    if device.startswith("cuda:"):
+        raise UsageError(f"device '{device}': under tensor parallelism rank r runs on GPU r (pass device 'cuda')")
+    if device != "cuda":
+        return device
+    import torch
+
+    return f"cuda:{dist.get_rank() % max(torch.cuda.device_count(), 1)}"
 
 
 def _sized_for_gpu(tcfg, dcfg, shape: PoolSizes, utilization: float, device, dtype: str) -> PoolSizes:

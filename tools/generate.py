@@ -7,7 +7,8 @@ import argparse
 from dflash_trt.abi import PoolSizes, verify_widths
 from dflash_trt.args import GAMMA_HELP, gamma_arg
 from dflash_trt.log import progress
-from dflash_trt.runtime.load import UsageError, check_checkpoint_dir, drafter_block_size, load_runtime
+from dflash_trt.runtime.load import (UsageError, check_checkpoint_dir, check_tensor_parallel, drafter_block_size,
+                                     load_runtime)
 from dflash_trt.runtime.runtime import check_gamma
 from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.runtime.sequence import TokenIdError
@@ -41,6 +42,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="cuda + torch: prefill/decode/spec steps through Inductor "
                         "(faster steps, after a compile per step shape)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="torch: split the target over N processes (gloo on cpu; nccl on cuda, one GPU each)")
 
 
 def add_engines_arg(p) -> None:
@@ -49,7 +52,7 @@ def add_engines_arg(p) -> None:
                    help="ort / trt: run this `dflash-trt export --out` directory instead of the cached export")
 
 
-def runtime_of(args, compile_steps: bool = False, max_seqs: int | None = None):
+def runtime_of(args, compile_steps: bool = False, max_seqs: int | None = None, tensor_parallel_size: int = 1):
     """(runtime, codec) of a command's --model / --drafter / --gamma / --no-spec / --backend / --device / --dtype /
     --max-seq-len / --engines / --gpu-memory-utilization, the arguments checked before any weight loads. With
     --engines and no --max-seq-len, the export's own sizes."""
@@ -58,7 +61,7 @@ def runtime_of(args, compile_steps: bool = False, max_seqs: int | None = None):
     ks = checked_widths(args, user_export=args.engines is not None)
     return load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
                         dtype=args.dtype, compile_steps=compile_steps, export_dir=args.engines,
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+                        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size)
 
 
 def checked_widths(args, user_export: bool = False) -> tuple | None:
@@ -102,7 +105,29 @@ def run(args) -> int:
         text = read_prompt(args)
     except UnicodeDecodeError as e:
         raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({e.reason})") from None
-    rt, codec = runtime_of(args, args.compile)
+    check_tensor_parallel(args.tensor_parallel, args.backend)
+    if args.tensor_parallel == 1:
+        out, st, mode = _generate(args, text, sp)
+    else:
+        from dflash_trt.runtime.parallel.launch import backend_for, run_parallel
+        from dflash_trt.runtime.parallel.shard import check_checkpoint_shardable
+
+        check_checkpoint_dir(args.model, "--model")
+        check_checkpoint_shardable(args.model, args.tensor_parallel)
+        out, st, mode = run_parallel(_generate, args.tensor_parallel, (args, text, sp),
+                                     backend=backend_for(args.device))
+    print(out)  # stdout: the text alone; the stats are a status line
+    progress(f"[{mode}] backend={args.backend} device={args.device} prompt={st.prompt_tokens} new={st.new_tokens} "
+          f"target_steps={st.target_steps} tau={st.tau:.2f} tok/s={st.tokens_per_s:.1f}"
+          + ("" if sp.greedy else f" temperature={sp.temperature:g} seed={sp.seed}")
+          + (f" tensor_parallel={args.tensor_parallel}" if args.tensor_parallel > 1 else "")
+          + (" (includes capturing the CUDA graphs: see `dflash-trt bench e2e` for speed)" if args.device != "cpu" else ""))
+    return 0
+
+
+def _generate(args, text: str, sp) -> tuple:
+    """Load and generate (on every rank alike under --tensor-parallel): (text, stats, 'plain' | 'dflash')."""
+    rt, codec = runtime_of(args, args.compile, tensor_parallel_size=args.tensor_parallel)
     ids = codec.encode(text)
     try:
         rt.check_prompt(ids)
@@ -113,10 +138,4 @@ def run(args) -> int:
         raise
     out, st = rt.generate(ids, args.max_new_tokens, gamma=args.gamma, spec=not args.no_spec,
                           temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed)
-    print(codec.decode(out))  # stdout: the text alone; the stats are a status line
-    mode = "plain" if (args.no_spec or rt.dcfg is None) else "dflash"
-    progress(f"[{mode}] backend={args.backend} device={args.device} prompt={st.prompt_tokens} new={st.new_tokens} "
-          f"target_steps={st.target_steps} tau={st.tau:.2f} tok/s={st.tokens_per_s:.1f}"
-          + ("" if sp.greedy else f" temperature={sp.temperature:g} seed={sp.seed}")
-          + (" (includes capturing the CUDA graphs: see `dflash-trt bench e2e` for speed)" if args.device != "cpu" else ""))
-    return 0
+    return codec.decode(out), st, "plain" if (args.no_spec or rt.dcfg is None) else "dflash"
