@@ -84,3 +84,5 @@ def test_flags_belong_to_the_preset():
         main(["--model", "random-0.9b", "--fp8"])
     with pytest.raises(UsageError, match="--layers"):
         main(["--model", "random-27b", "--layers", "0"])
+    with pytest.raises(UsageError, match="--layers builds the random-27b and random-moe-35b-a3b presets only"):
+        main(["--model", "random-0.9b", "--layers", "4"])

@@ -264,11 +264,12 @@ def run(a) -> int:
 
     sizes = PoolSizes(max_seq_len=1024, kv_blocks=4 * 64 + 64, page_size=16, max_seqs=4, dkv_blocks=4 * 64 + 64,
                       ctx_window=1024, prefill_chunk=64)
-    made = random_bench_runtime(a, build_random_moe, sizes)
+    layers = a.layers or LAYERS
+    made = random_bench_runtime(a, lambda dt, d: build_random_moe(dt, d, layers), sizes)
     if made is None:
         return 2
     rt, dev, target, compiled = made
-    res = {"hardware": hardware("cuda"), "model": RANDOM_MOE, "layers": LAYERS, "dtype": a.dtype or "bfloat16",
+    res = {"hardware": hardware("cuda"), "model": RANDOM_MOE, "layers": layers, "dtype": a.dtype or "bfloat16",
            "compiled": compiled, "weights_GB": sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9,
            "expert_MB": _expert_bytes(target) / 1e6}
     res["copy_bandwidth_GBps"] = bw = copy_bandwidth_gbs(dev)
