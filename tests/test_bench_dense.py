@@ -29,6 +29,16 @@ def test_27b_config_shapes_and_taps():
     assert B.taps(8) == [1, 2, 3, 4, 5] and B.taps(2) == [1] and B.dense_target_config(6)["num_hidden_layers"] == 6
 
 
+def test_dflash2_drafter_of_the_27b_shape():
+    """--dflash2: the same drafter with the DFlash2 fields; at tiny width it builds and drafts a block."""
+    d = DrafterConfig.from_dict(B.dense_drafter_config(dflash2=True))
+    assert (d.conv_kernel_size, d.conv_group_size, d.selector_rank, d.selector_top_k) == (4, 128, 256, 8)
+    assert d.hidden_size == 5120 and d.num_layers == 5
+    target, drafter = B.build_random_dense(torch.float32, "cpu", layers=4, dims=TINY, dflash2=True)
+    names = {n for n, _ in drafter.named_parameters()}
+    assert any("candidate_selector" in n for n in names) and any("attention_conv" in n for n in names)
+
+
 def test_fp8_skip_list():
     q = B.fp8_config()
     kept = ["lm_head", "model.embed_tokens", "model.layers.0.linear_attn.in_proj_a",

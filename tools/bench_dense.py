@@ -64,9 +64,14 @@ def dense_target_config(layers: int = LAYERS, dims: dict = DIMS_27B) -> dict:
     )
 
 
-def dense_drafter_config(layers: int = LAYERS, dims: dict = DIMS_27B) -> dict:
+# --dflash2: the drafter with DFlash2's convolutions and candidate selector. Sizes assumed, not read from a release:
+# a kernel of 4 over groups of 128 channels, a rank-256 selector over the top 8 candidates.
+DFLASH2_FIELDS = dict(conv_kernel_size=4, conv_group_size=128, selector_rank=256, selector_top_k=8)
+
+
+def dense_drafter_config(layers: int = LAYERS, dims: dict = DIMS_27B, dflash2: bool = False) -> dict:
     d = dims
-    return dict(
+    return dict(**(DFLASH2_FIELDS if dflash2 else {}),
         architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=d["hidden"], intermediate_size=d["inter"],
         num_hidden_layers=DRAFTER_LAYERS, num_attention_heads=d["d_heads"], num_key_value_heads=d["d_kv_heads"],
         head_dim=d["d_head_dim"], rms_norm_eps=1e-6, rope_theta=10000000.0, block_size=16, num_target_layers=layers,
@@ -98,9 +103,10 @@ def quantize_random(target, gen) -> list[str]:
     return done
 
 
-def build_random_dense(dtype, device, layers: int = LAYERS, fp8: bool = False, dims: dict = DIMS_27B):
+def build_random_dense(dtype, device, layers: int = LAYERS, fp8: bool = False, dims: dict = DIMS_27B,
+                       dflash2: bool = False):
     """(target, drafter) with random weights made on `device` in `dtype` (no fp32 copy of the model first), the
-    target's projections FP8 when `fp8` (quantize_random); the drafter stays 16-bit."""
+    target's projections FP8 when `fp8` (quantize_random); the drafter stays 16-bit, DFlash2 when `dflash2`."""
     import torch
 
     from dflash_trt.config import DrafterConfig, TargetConfig
@@ -114,7 +120,8 @@ def build_random_dense(dtype, device, layers: int = LAYERS, fp8: bool = False, d
     try:
         with torch.device(device):
             target = TargetModel(TargetConfig.from_dict(tcfg))
-            drafter = Drafter(DrafterConfig.from_dict(dense_drafter_config(layers, dims)), tcfg["hidden_size"])
+            drafter = Drafter(DrafterConfig.from_dict(dense_drafter_config(layers, dims, dflash2)), tcfg["hidden_size"],
+                              tcfg["vocab_size"])
     finally:
         torch.set_default_dtype(default)
     random_init([*target.named_parameters(), *drafter.named_parameters()], gen, device)
@@ -139,12 +146,12 @@ def run(a) -> int:
     pages = (PREFILL_TOKENS + 1024) // 16
     sizes = PoolSizes(max_seq_len=pages * 16, kv_blocks=2 * pages + 64, page_size=16, max_seqs=2,
                       dkv_blocks=2 * pages + 64, ctx_window=pages * 16, prefill_chunk=PREFILL_CHUNK)
-    made = random_bench_runtime(a, lambda dt, d: build_random_dense(dt, d, layers, a.fp8), sizes)
+    made = random_bench_runtime(a, lambda dt, d: build_random_dense(dt, d, layers, a.fp8, dflash2=a.dflash2), sizes)
     if made is None:
         return 2
     rt, dev, target, compiled = made
     res = {"hardware": hardware("cuda"), "model": RANDOM_27B, "layers": layers, "dtype": a.dtype or "bfloat16",
-           "fp8": bool(a.fp8), "compiled": compiled,
+           "fp8": bool(a.fp8), "dflash2": DFLASH2_FIELDS if a.dflash2 else None, "compiled": compiled,
            "weights_GB": sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9,
            "fp8_skip": list(FP8_SKIP) if a.fp8 else None, "drafter_taps": rt.dcfg.target_layer_ids}
     res["copy_bandwidth_GBps"] = bw = copy_bandwidth_gbs(dev)
@@ -164,7 +171,7 @@ def run(a) -> int:
 
 
 def print_table(res) -> None:
-    fp8 = ", FP8 projections" if res["fp8"] else ""
+    fp8 = (", FP8 projections" if res["fp8"] else "") + (", DFlash2 drafter" if res.get("dflash2") else "")
     print(f"bench e2e: {res['model']} ({res['layers']} layers, {res['dtype']}{fp8}"
           f"{', compiled steps' if res['compiled'] else ''}, {res['weights_GB']:.1f} GB) on {res['hardware']}; "
           f"device copy {res['copy_bandwidth_GBps']:.0f} GB/s; drafter taps {res['drafter_taps']}")

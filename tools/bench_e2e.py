@@ -339,8 +339,8 @@ def check_args(a) -> None:
     if any(not t > 0 for t in temps):
         raise UsageError(f"--temperatures wants comma-separated temperatures > 0 (or ''), got {a.temperatures!r}")
     parse_step_ks(a.step_ks)
-    if a.fp8 and a.model != "random-27b":
-        raise UsageError(f"--fp8 builds the random-27b preset only, not --model {a.model!r}")
+    if (a.fp8 or a.dflash2) and a.model != "random-27b":
+        raise UsageError(f"--fp8 and --dflash2 build the random-27b preset only, not --model {a.model!r}")
     if a.layers is not None and a.model not in ("random-27b", "random-moe-35b-a3b"):
         raise UsageError(f"--layers builds the random-27b and random-moe-35b-a3b presets only, not --model {a.model!r}")
     if a.layers is not None and a.layers < 1:
@@ -381,6 +381,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="run the captured steps without Inductor")
     p.add_argument("--profile", action="store_true", help="also break one decode / spec step down by kernel")
     p.add_argument("--fp8", action="store_true", help="random-27b: FP8 block-wise projections (the release layout)")
+    p.add_argument("--dflash2", action="store_true",
+                   help="random-27b: a DFlash2 drafter (convolutions + candidate selector) of the same size")
     p.add_argument("--layers", type=int, default=None, help="random-27b / random-moe-35b-a3b: build this many target layers (default 64 / 8; "
                         "the real models have 64 / 40)")
     p.add_argument("--json", help="write the results here")
