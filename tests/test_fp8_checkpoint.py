@@ -79,10 +79,10 @@ def fp8_checkpoint(hf_dir: str, out: str, oracle: str, skip: list[str], keep=())
     return fp8
 
 
-def make_drafter(target_dir: str, out: str, seed: int = 0) -> str:
+def make_drafter(target_dir: str, out: str, seed: int = 0, **over) -> str:
     """A small random fp32 DFlash drafter (block 8) for the target at target_dir."""
     tcfg = json.load(open(os.path.join(target_dir, "config.json")))
-    dcfg = tiny_drafter_config(tcfg, block_size=8)
+    dcfg = tiny_drafter_config(tcfg, block_size=8, **over)
     drafter = Drafter(DrafterConfig.from_dict(dcfg), tcfg["hidden_size"])
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -346,7 +346,7 @@ def test_cuda_greedy_and_dflash_match_transformers(dense, tmp_path):
     transformers itself cannot be the oracle here, as with fla installed it sends CPU tensors to Triton kernels);
     bfloat16 DFlash == bfloat16 plain greedy."""
     d, _, _ = dense
-    drafter = make_drafter(d, str(tmp_path / "drafter"))
+    drafter = make_drafter(d, str(tmp_path / "drafter"), head_dim=64)  # a head dim the CUDA attention kernel takes
     ref = load_runtime(d, drafter, "torch", sizes=SIZES)[0].generate(PROMPT, NEW, spec=False)[0]
     rt, _ = load_runtime(d, drafter, "torch", sizes=SIZES, device="cuda", dtype="float32")
     assert rt.generate(PROMPT, NEW, spec=False)[0] == ref
