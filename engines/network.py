@@ -31,10 +31,15 @@ def dflash_nodes(onnx_path: str) -> Counter:
 
 
 def fp8_weights(onnx_path: str) -> list[str]:
-    """Names of the float8_e4m3fn initializers a DequantizeLinear reads (weights not loaded)."""
+    """Names of the float8_e4m3fn initializers a DequantizeLinear reads (weights not loaded); none for a file that
+    is not an ONNX model (the build checks each graph against its manifest and names what is wrong)."""
     import onnx
+    from google.protobuf.message import DecodeError
 
-    model = onnx.load(onnx_path, load_external_data=False)
+    try:
+        model = onnx.load(onnx_path, load_external_data=False)
+    except (DecodeError, OSError):
+        return []
     fp8 = {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT8E4M3FN}
     return [n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in fp8]
 

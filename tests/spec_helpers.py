@@ -57,7 +57,8 @@ class TableDrafter:
     def ctx(self, ctx_hidden, positions):
         return self.inner.ctx(ctx_hidden, positions)
 
-    def block(self, block_ids, positions, block_table, kv_start, kv_len, dkv_pool, want_logits=False):
+    def block(self, block_ids, positions, block_table, kv_start, kv_len, dkv_pool, want_logits=False,
+              temperature=None, draft_u=None):  # a DFlash1 stand-in: the DFlash2 selector's draws are not used
         import torch
 
         self.inner.block(block_ids, positions, block_table, kv_start, kv_len, dkv_pool)  # the real graph runs
