@@ -2,6 +2,7 @@
 greedy tokens through the runtime and DFlash decoding equal the single-process run and transformers; a rank that
 fails mid-generation fails the run on every rank within the collective timeout."""
 import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -32,9 +33,11 @@ def _run_case(case: dict, shard: bool) -> dict:
     """One checkpoint: full-sequence logits of PROMPT, cached greedy tokens, and DFlash tokens when a drafter
     is given; on a sharded target when `shard` (every rank alike)."""
     torch.manual_seed(0)
-    target = load_target(case["target"])
-    if shard:
-        shard_target(target, experts=case.get("experts", "ep"))
+    split = functools.partial(shard_target, experts=case.get("experts", "ep")) if shard else None
+    if case.get("in_memory"):  # the whole target loaded, then split
+        target = split(load_target(case["target"])) if split else load_target(case["target"])
+    else:  # built on the meta device, split, then each rank reads its slices
+        target = load_target(case["target"], split=split)
     drafter = load_drafter(case["drafter"], target) if case.get("drafter") else None
     out = {"cfg": (target.cfg.num_heads, target.cfg.num_kv_heads, target.cfg.lin_num_v_heads)}
     with torch.no_grad():
@@ -72,7 +75,7 @@ def runs(tmp_path_factory):
     hf = {k: make_hf_model(k, 2, str(d / k)) for k in ("qwen3_5", "qwen3_next_moe")}
     tdir, ddir = make_tiny_pair(str(d / "pair"), seed=5, target_over=dict(TINY_MOE))
     cases = [{"target": str(d / "qwen3_5")}, {"target": str(d / "qwen3_next_moe"), "experts": "ep"},
-             {"target": str(d / "qwen3_next_moe"), "experts": "tp"}, {"target": tdir, "drafter": ddir}]
+             {"target": str(d / "qwen3_next_moe"), "experts": "tp"}, {"target": tdir, "drafter": ddir, "in_memory": True}]
     oracle = {i: _hf_greedy(hf[k], N_NEW) for i, k in ((0, "qwen3_5"), (1, "qwen3_next_moe"))}
     single = [_run_case(c, shard=False) for c in cases]
     t0 = time.perf_counter()
@@ -91,6 +94,38 @@ def test_sharded_logits_and_greedy_match_single_process(runs, i):
     assert two["plain"] == one["plain"]
     if i in oracle:
         assert two["plain"] == oracle[i]
+
+
+def _bytes_read(target_dir: str, experts: str) -> dict:
+    """This rank's load from its slices: bytes the checkpoint reads returned, the bytes of its parameters (less the
+    null expert, which is not read) and the largest tensor read."""
+    from dflash_trt.export.checkpoint import WeightSource
+
+    reads, get = [], WeightSource.get
+
+    def counting(self, name, part=None):
+        t = get(self, name, part)
+        reads.append(t.nbytes)
+        return t
+
+    WeightSource.get = counting
+    target = load_target(target_dir, split=functools.partial(shard_target, experts=experts))
+    held = sum(p.nbytes for p in target.parameters())
+    null = sum(p[-1].nbytes for n, p in target.named_parameters() if experts == "ep" and ".experts." in n)
+    return {"read": sum(reads), "held": held - null, "largest": max(reads)}
+
+
+@pytest.mark.parametrize("i", [1, 2], ids=["moe-ep", "moe-tp"])
+def test_each_rank_reads_only_its_slices(runs, i):
+    """A rank reads exactly the bytes of its shard (less than the whole checkpoint; no split weight read whole)."""
+    import os
+
+    case = runs[0][i]
+    got = run_parallel(_bytes_read, 2, (case["target"], case["experts"]), timeout_s=60)
+    whole = os.path.getsize(os.path.join(case["target"], "model.safetensors"))
+    assert got["read"] == got["held"] < 0.75 * whole, (got, whole)
+    embed = load_target(case["target"]).embed_tokens.weight
+    assert got["largest"] < embed.nbytes  # the largest weight, split by vocabulary rows
 
 
 def test_dflash_equals_plain_under_tp(runs):
