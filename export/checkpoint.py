@@ -349,24 +349,38 @@ def _expert_keys(model: TargetModel, src: WeightSource, prefix: str) -> set:
     return keys
 
 
+def _built(d: str, cfg: TargetConfig, prefix: str, device: str) -> TargetModel:
+    """The target's modules (FP8 projections where quantization_config converts them), weights not yet bound."""
+    import torch
+
+    from dflash_trt.modeling.target import TargetModel
+
+    with torch.device(device):
+        model = TargetModel(cfg, empty=True)
+        if cfg.quant is not None:
+            from dflash_trt.modeling.fp8 import quantize_modules
+
+            quantize_modules(model, cfg.quant, prefix, os.path.join(d, "config.json"))
+    return model
+
+
+def target_skeleton(d: str) -> TargetModel:
+    """The target of checkpoint d as load_target builds it, on the meta device: no memory, no weight read."""
+    cfg = TargetConfig.from_dict(read_json(os.path.join(d, "config.json")), os.path.join(d, "config.json"))
+    return _built(d, cfg, _target_prefix(WeightSource(d)), "meta")
+
+
 def load_target(d: str, dtype=None, split=None) -> TargetModel:
     """dtype: a torch dtype (default float32). split: a function the model goes through before its weights bind,
     built on the meta device (no memory): every parameter it cuts (runtime/parallel/shard.py's shard_target, a
     rank's shard) is then read from only its slices of the checkpoint, so a rank never holds the whole model."""
     import torch
 
-    from dflash_trt.modeling.target import TargetModel
-
     dtype = dtype or torch.float32
     cfg = TargetConfig.from_dict(read_json(os.path.join(d, "config.json")), os.path.join(d, "config.json"))
     src = WeightSource(d)
     prefix = _target_prefix(src)
-    with torch.device("meta" if split else "cpu"):
-        model = TargetModel(cfg, empty=True)
-        if cfg.quant is not None:  # FP8 projections where quantization_config converts them, before binding
-            from dflash_trt.modeling.fp8 import quantize_modules
-
-            quantize_modules(model, cfg.quant, prefix, os.path.join(d, "config.json"))
+    model = _built(d, cfg, prefix, "meta" if split else "cpu")
     if split:
         split(model)
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in src.where

@@ -301,3 +301,44 @@ def test_cli_tensor_parallel_refused_in_one_line(runs, capsys, extra, msg):
     assert main(["generate", "--model", pair["target"], "--prompt", "x", *extra]) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1
+
+
+FP8_TP = dict(num_key_value_heads=2, linear_key_head_dim=128, shared_expert_intermediate_size=256)
+
+
+def _fp8_tokens(target_dir: str, tp: int) -> list:
+    from test_fp8_checkpoint import PROMPT as F_PROMPT, SIZES as F_SIZES
+
+    rt, _ = load_runtime(target_dir, sizes=F_SIZES, tensor_parallel_size=tp)
+    return rt.generate(F_PROMPT, N_NEW, spec=False)[0]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_fp8_target_under_tp_matches_one_process(kind, tmp_path):
+    """FP8 block-wise weights split with their 128x128 scale blocks (every split on a block boundary; the MoE's
+    experts whole per rank, their scales with them): greedy tokens under TP 2 equal the single process's."""
+    from hf_tiny import FP8_DIMS
+    from test_fp8_checkpoint import fp8_checkpoint, skip_list
+
+    torch.set_num_threads(1)
+    make_hf_model(kind, 1, str(tmp_path / "hf"), dims=dict(FP8_DIMS, **FP8_TP))
+    fp8_checkpoint(str(tmp_path / "hf"), str(tmp_path / "fp8"), str(tmp_path / "ref"), skip_list(4))
+    target = load_target(str(tmp_path / "fp8"))
+    assert any(p.dtype == torch.float8_e4m3fn for p in target.parameters())
+    one = _fp8_tokens(str(tmp_path / "fp8"), 1)
+    assert run_parallel(_fp8_tokens, 2, (str(tmp_path / "fp8"), 2), timeout_s=120) == one
+
+
+@pytest.mark.parametrize("kind,dims,msg", [
+    ("qwen3_5", {}, "linear_num_key_heads over 2 ranks splits an FP8 weight at row 64, inside a 128-row"),
+    ("qwen3_next", FP8_TP, "linear_num_key_heads over 2 ranks splits an FP8 weight at row 2, inside a 128-row")])
+def test_fp8_split_inside_a_scale_block_refused_by_name(kind, dims, msg, tmp_path):
+    """Key heads of 64 rows (in_proj_qkv), Qwen3-Next's 4-row in_proj_ba quantized as one partial block: refused
+    before any rank starts."""
+    from hf_tiny import FP8_DIMS
+    from test_fp8_checkpoint import fp8_checkpoint, skip_list
+
+    make_hf_model(kind, 1, str(tmp_path / "hf"), dims={**FP8_DIMS, "num_key_value_heads": 2, **dims})
+    fp8_checkpoint(str(tmp_path / "hf"), str(tmp_path / "fp8"), str(tmp_path / "ref"), skip_list(4))
+    with pytest.raises(ShardError, match=msg):
+        LLM(str(tmp_path / "fp8"), tensor_parallel_size=2)

@@ -34,7 +34,8 @@ EXPERT_MODES = ("ep", "tp")
 
 
 class ShardError(ValueError):
-    """A model the ranks cannot split (a size that does not divide, an FP8 or fused model), refused by name."""
+    """A model the ranks cannot split (a size that does not divide, an FP8 split inside a scale block, a fused
+    model), refused by name."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,12 +282,17 @@ def check_shardable(cfg, world: int, experts: str = "ep") -> None:
         raise ShardError(f"vocab_size = {cfg.vocab_size} leaves rank {world - 1} of {world} no vocabulary rows")
 
 
-def check_checkpoint_shardable(model_dir: str, world: int) -> None:
-    """check_shardable on a checkpoint's config.json, before any process starts or weight loads."""
+def check_checkpoint_shardable(model_dir: str, world: int, experts: str = "ep") -> None:
+    """check_shardable on a checkpoint's config.json, then every rank's cuts planned on the target built without
+    memory (an FP8 weight split inside a scale block is refused here), before any process starts or weight loads."""
     from dflash_trt.config import TargetConfig, read_json
+    from dflash_trt.export.checkpoint import target_skeleton
 
     path = os.path.join(model_dir, "config.json")
-    check_shardable(TargetConfig.from_dict(read_json(path), path), world)
+    check_shardable(TargetConfig.from_dict(read_json(path), path), world, experts)
+    skeleton = target_skeleton(model_dir)
+    for rank in range(world):
+        _plan(skeleton, Shard(rank, world), experts)
 
 
 def _plan(target, sh: Shard, experts: str) -> tuple[list, dict, int]:
