@@ -174,7 +174,7 @@ class WeightSource:
         return split.take(lambda dim, a, b: self.read_as(name, like, (dim, a, b)))
 
 
-def _where(src: WeightSource) -> str:
+def named_in(src: WeightSource) -> str:
     """The checkpoint named in a missing-tensor message: its one weight file, else its directory."""
     return src.files[0] if len(src.files) == 1 else os.path.dirname(src.files[0])
 
@@ -193,7 +193,7 @@ def _bind(module: torch.nn.Module, src: WeightSource, name_of, dtype, what: str,
     missing = [name_of(p) for p in params if name_of(p) not in src.where and name_of(p) not in built]
     if missing:
         raise CheckpointError(
-            f"{what} checkpoint {_where(src)}: "
+            f"{what} checkpoint {named_in(src)}: "
             f"missing tensor '{missing[0]}'" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     unused()
@@ -240,71 +240,6 @@ def _target_prefix(src: WeightSource) -> str:
     raise CheckpointError(f"{src.files[0]}: missing tensor 'model.embed_tokens.weight' (not a Qwen3-Next/3.5 decoder?)")
 
 
-def _expert_parts(experts) -> tuple[tuple[str, ...], dict]:
-    """(per-expert tensor suffixes, fused name -> its whole checkpoint shape per expert) of one layer's experts
-    module: 'weight' only, or with FP8 weights (modeling/fp8.Fp8Experts) also 'weight_scale_inv' and the fused
-    scales. A parameter cut for a rank (.cut) names the whole shape it was cut from."""
-    fused = {n: tuple(t.cut.full if hasattr(t, "cut") else t.shape)[1:] for n, t in experts.named_parameters()}
-    return (("weight", "weight_scale_inv") if "down_proj_scale_inv" in fused else ("weight",)), fused
-
-
-def _stack_experts(model: TargetModel, src: WeightSource, prefix: str) -> dict:
-    """Expert weights in the per-expert layout of released checkpoints (and of transformers' save_pretrained):
-    mlp.experts.{e}.{gate,up,down}_proj.weight (+ .weight_scale_inv for FP8), stacked into our fused parameters
-    (HF's in-memory layout, mlp.experts.gate_up_proj [E,2I,H] and mlp.experts.down_proj [E,H,I]; FP8 scales stacked
-    alike, gate's block rows then up's). A layer whose fused tensors are in the checkpoint is bound from them
-    directly. Each per-expert tensor is checked by name and shape here and by dtype and values as it is read, so
-    the error names the tensor the user has, not our stacked one. The stacked tensors are read when bound, only
-    the slices a rank's cut names (_stacked)."""
-    built = {}
-    for i in model.cfg.moe_layers:
-        base, experts = f"{prefix}layers.{i}.mlp.experts.", model.layers[i].mlp.experts
-        suffixes, fused = _expert_parts(experts)
-        if all(base + k in src.where for k in fused):
-            continue
-        for sfx in suffixes:
-            tail = "" if sfx == "weight" else "_scale_inv"
-            for name, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
-                shape = list(fused[name + tail])
-                shape[0] //= len(parts)
-                keys = [[f"{base}{e}.{n}.{sfx}" for n in parts] for e in range(model.cfg.num_experts)]
-                for k in (k for ks in keys for k in ks):
-                    _expert_shape(src, k, tuple(shape), base + name + tail)
-                built[base + name + tail] = (lambda like, keys=keys, rows=shape[0]: _stacked(src, keys, rows, like),
-                                             src.where[keys[0][0]])
-    return built
-
-
-def _stacked(src: WeightSource, keys: list, rows: int, like):
-    """The stacked tensor [E, parts·rows, ...] of per-expert tensors keys[e] (gate then up, or down), or only
-    like.cut's slices of it: whole experts (dim 0) or rows / columns of each, each part read in slices."""
-    import torch
-
-    def read(dim, a, b):
-        if dim == 0:
-            return torch.stack([torch.cat([src.read_as(k, like) for k in keys[e]]) for e in range(a, b)])
-        out = []
-        for ks in keys:
-            if dim > 1:
-                out.append(torch.cat([src.read_as(k, like, (dim - 1, a, b)) for k in ks]))
-                continue
-            spans = [(j, max(a, j * rows), min(b, (j + 1) * rows)) for j in range(len(ks))]
-            out.append(torch.cat([src.read_as(ks[j], like, (0, lo - j * rows, hi - j * rows))
-                                  for j, lo, hi in spans if lo < hi]))
-        return torch.stack(out)
-
-    split = getattr(like, "cut", None)
-    return read(0, 0, len(keys)) if split is None else split.take(read)
-
-
-def _expert_shape(src: WeightSource, key: str, shape: tuple, fused: str) -> None:
-    """One per-expert tensor is in the checkpoint with the given shape (from the file's header)."""
-    if key not in src.where:
-        raise CheckpointError(f"target checkpoint {_where(src)}: missing tensor '{key}' (no fused '{fused}' either)")
-    if src.shape(key) != shape:
-        raise CheckpointError(f"{src.where[key]}: tensor '{key}' has shape {src.shape(key)}, expected {shape}")
-
-
 _QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "scale_inv", ".qweight", ".qzeros",
                    ".scales", ".g_idx", ".absmax", ".quant_map")
 
@@ -337,18 +272,6 @@ def _refuse_unused(src: WeightSource, used: set, what: str, layers: str, n_layer
                               f"({_why_unused(k, layers, n_layers, used)}){more}")
 
 
-def _expert_keys(model: TargetModel, src: WeightSource, prefix: str) -> set:
-    """The checkpoint names _stack_experts reads: a layer's fused tensors when present, else its per-expert ones."""
-    keys = set()
-    for i in model.cfg.moe_layers:
-        base = f"{prefix}layers.{i}.mlp.experts."
-        suffixes, fused = _expert_parts(model.layers[i].mlp.experts)
-        if not all(base + n in src.where for n in fused):
-            keys |= {f"{base}{e}.{n}.{sfx}" for e in range(model.cfg.num_experts)
-                     for n in ("gate_proj", "up_proj", "down_proj") for sfx in suffixes}
-    return keys
-
-
 def _built(d: str, cfg: TargetConfig, prefix: str, device: str) -> TargetModel:
     """The target's modules (FP8 projections where quantization_config converts them), weights not yet bound."""
     import torch
@@ -376,6 +299,8 @@ def load_target(d: str, dtype=None, split=None) -> TargetModel:
     rank's shard) is then read from only its slices of the checkpoint, so a rank never holds the whole model."""
     import torch
 
+    from dflash_trt.export.experts import expert_keys, stack_experts
+
     dtype = dtype or torch.float32
     cfg = TargetConfig.from_dict(read_json(os.path.join(d, "config.json")), os.path.join(d, "config.json"))
     src = WeightSource(d)
@@ -387,7 +312,7 @@ def load_target(d: str, dtype=None, split=None) -> TargetModel:
     if tied and not cfg.tie_word_embeddings:
         raise CheckpointError(f"{src.files[0]}: missing tensor 'lm_head.weight' and tie_word_embeddings is false")
     name_of = lambda n: "lm_head.weight" if n == "lm_head.weight" else prefix + n  # noqa: E731
-    used = {name_of(n) for n, _ in model.named_parameters()} | _expert_keys(model, src, prefix)
+    used = {name_of(n) for n, _ in model.named_parameters()} | expert_keys(model, src, prefix)
     if tied and "lm_head.weight" in src.where:  # a tied checkpoint may still store the copy: it must be one
         embed = model.embed_tokens.weight  # (this rank's rows of) both
         if not torch.equal(src.read_split("lm_head.weight", embed), src.read_split(prefix + "embed_tokens.weight",
@@ -398,7 +323,7 @@ def load_target(d: str, dtype=None, split=None) -> TargetModel:
     # text decoder only: a multimodal checkpoint's vision tower (model.visual.*) and the multi-token-prediction
     # head Qwen releases ship (mtp.*; DFlash drafts instead) are not used, by name, never loaded
     ignored = ["mtp."] + (["model.visual."] if prefix == "model.language_model." else [])
-    _bind(model, src, name_of, dtype, "target", built=_stack_experts(model, src, prefix),
+    _bind(model, src, name_of, dtype, "target", built=stack_experts(model, src, prefix),
           unused=lambda: _refuse_unused(src, used, "target", prefix, cfg.num_layers, ignored))
     return model.eval()
 

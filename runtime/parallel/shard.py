@@ -10,6 +10,11 @@ projection then holds a partial sum of the hidden state: one all-reduce after o_
 down_proj and each sparse MoE block (routed + shared partials summed once). The router, norms and residual stream
 are replicated, so every rank routes every token alike.
 
+Every split is a Cut (a parameter's kept ranges along one dim), planned for the whole model before any tensor moves.
+The same cuts run on a loaded model (shard_target) and on one built on the meta device before its weights load
+(load_target(split=shard_target)): each rank then reads only its slices of the safetensors. FP8 block-wise weights
+split with their weight_scale_inv blocks, on whole blocks only (a split inside a block is refused by name).
+
 Vocabulary: each rank holds a contiguous slice of embed_tokens / lm_head rows. The embedding looks its ids up where
 it owns them (zeros elsewhere) and all-reduces: the exact row, since one rank adds it to zeros. The lm_head
 all-gathers each rank's logit columns into the full fp32 logits: argmax, the verify step and sampling then run as
@@ -118,8 +123,7 @@ def _cut(owner, attr: str, dim: int, ranges, what: str, sh: Shard, pad: int = 0)
     weight splits on whole scale blocks only, else ShardError naming the width that split it."""
     w = getattr(owner, attr)
     cuts = [Cut(owner, attr, Split(tuple(w.shape), dim, tuple(ranges), pad))]
-    scales = getattr(owner, attr + "_scale_inv", None) if attr != "weight" else getattr(owner, "weight_scale_inv",
-                                                                                         None)
+    scales = getattr(owner, attr + "_scale_inv", None)
     if scales is None:
         return cuts
     axis = dim - (w.dim() - 2)  # 0: rows (block[0]), 1: columns (block[1]), < 0: the expert index
@@ -131,8 +135,7 @@ def _cut(owner, attr: str, dim: int, ranges, what: str, sh: Shard, pad: int = 0)
                              f"{edge}, inside a {bs}-{('row', 'column')[axis]} scale block (FP8 targets split on "
                              "whole blocks)")
     sranges = tuple((a // bs, -(-b // bs)) for a, b in ranges)
-    return cuts + [Cut(owner, "weight_scale_inv" if attr == "weight" else attr + "_scale_inv",
-                       Split(tuple(scales.shape), dim, sranges, pad))]
+    return cuts + [Cut(owner, attr + "_scale_inv", Split(tuple(scales.shape), dim, sranges, pad))]
 
 
 def _rows(lin, groups: int, start: int, count: int, what: str, sh: Shard) -> list:
