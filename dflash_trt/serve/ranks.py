@@ -20,7 +20,7 @@ class FollowedEngine:
     """Rank 0's Engine, its add / abort / step calls replayed on the followers first (tracks named by add order)."""
 
     def __init__(self, engine, conns: list, procs: list):
-        self.engine, self.conns, self.procs, self.numbers = engine, conns, procs, {}
+        self.engine, self.conns, self.procs, self.added = engine, conns, procs, 0
 
     def __getattr__(self, name):  # has_work, rt, room...: rank 0's
         return getattr(self.engine, name)
@@ -33,11 +33,11 @@ class FollowedEngine:
         params = seeded(params)
         self._send("add", prompt_ids, params, index)
         track = self.engine.add(prompt_ids, params, index)  # refused alike on every rank: none keeps a track
-        self.numbers[id(track)] = len(self.numbers)
+        track.number, self.added = self.added, self.added + 1
         return track
 
     def abort(self, track, reason: str = "abort") -> None:
-        self._send("abort", self.numbers[id(track)], reason)
+        self._send("abort", track.number, reason)
         self.engine.abort(track, reason)
 
     def step(self):
@@ -60,7 +60,7 @@ class FollowedEngine:
 def _follow(rank: int, world: int, port: int, backend: str, make, args, conn) -> None:
     """A follower: its Engine (make(args)), then the calls rank 0 sends until 'stop' or the pipe closes."""
     join_group(rank, world, port, backend)
-    engine, tracks = make(args), []
+    engine, tracks, added = make(args), {}, 0  # live tracks by add order
     while True:
         try:
             msg = conn.recv()
@@ -70,13 +70,16 @@ def _follow(rank: int, world: int, port: int, backend: str, make, args, conn) ->
             return
         if msg[0] == "add":
             try:
-                tracks.append(engine.add(*msg[1:]))
+                tracks[added] = engine.add(*msg[1:])
+                added += 1
             except Exception:  # noqa: BLE001  (rank 0 refused it alike and answers the client)
                 pass
         elif msg[0] == "abort":
-            engine.abort(tracks[msg[1]], msg[2])
+            if msg[1] in tracks:
+                engine.abort(tracks.pop(msg[1]), msg[2])
         else:
             engine.step()
+            tracks = {k: t for k, t in tracks.items() if not t.finished}
 
 
 def start_followers(world: int, device: str, make, args) -> tuple[list, list]:
