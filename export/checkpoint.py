@@ -96,19 +96,29 @@ class WeightSource:
             if k not in self.where:
                 raise CheckpointError(f"{f}: the index maps tensor '{k}' to this shard, which does not hold it")
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, part: tuple | None = None) -> torch.Tensor:
+        """The tensor, or only its slice part = (dim, a, b): rows [a, b) of dim, read from the file alone."""
         f = self.where[name]
         try:
             with safe_open(f, framework="pt") as h:
-                return h.get_tensor(name)
+                if part is None:
+                    return h.get_tensor(name)
+                dim, a, b = part
+                return h.get_slice(name)[(slice(None),) * dim + (slice(a, b),)]
         except Exception as e:
             raise CheckpointError(f"{f}: tensor '{name}' could not be read ({e})") from None
 
-    def read(self, name: str) -> torch.Tensor:
-        """A weight, checked once at load: a float dtype we compute in, every value finite."""
+    def shape(self, name: str) -> tuple:
+        """The stored shape, from the file's header."""
+        with safe_open(self.where[name], framework="pt") as h:
+            return tuple(h.get_slice(name).get_shape())
+
+    def read(self, name: str, part: tuple | None = None) -> torch.Tensor:
+        """A weight (or its slice `part`, as for get), checked once at load: a float dtype we compute in, every
+        value finite."""
         import torch
 
-        t, f = self.get(name), self.where[name]
+        t, f = self.get(name, part), self.where[name]
         if t.dtype == torch.float8_e4m3fn:
             raise CheckpointError(f"{f}: tensor '{name}' has dtype float8_e4m3fn, but config.json does not make "
                                   "this module FP8 (no quantization_config, its skip list names the module, or "
@@ -120,42 +130,51 @@ class WeightSource:
             raise CheckpointError(f"{f}: tensor '{name}' holds non-finite values (NaN or Inf)")
         return t
 
-    def _of_dtype(self, name: str, dtype, why: str):
-        """(tensor, its file), the tensor of `dtype` or refused naming it, its dtype and `why`."""
-        t, f = self.get(name), self.where[name]
+    def _of_dtype(self, name: str, dtype, why: str, part: tuple | None = None):
+        """(tensor, its file), the tensor (or its slice `part`) of `dtype` or refused naming it, its dtype and `why`."""
+        t, f = self.get(name, part), self.where[name]
         if t.dtype != dtype:
             raise CheckpointError(f"{f}: tensor '{name}' has dtype {str(t.dtype).removeprefix('torch.')}{why}")
         return t, f
 
-    def read_fp8(self, name: str) -> torch.Tensor:
+    def read_fp8(self, name: str, part: tuple | None = None) -> torch.Tensor:
         """An FP8 weight of a module quantization_config converts: float8_e4m3fn bytes as stored, no NaN code."""
         import torch
 
         t, f = self._of_dtype(name, torch.float8_e4m3fn, ", but config.json's quantization_config makes this "
-                              "module FP8 (float8_e4m3fn weight + weight_scale_inv expected)")
+                              "module FP8 (float8_e4m3fn weight + weight_scale_inv expected)", part)
         if bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):  # e4m3fn's only non-finite codes: NaN
             raise CheckpointError(f"{f}: tensor '{name}' holds non-finite values (float8_e4m3fn NaN)")
         return t
 
-    def read_scale(self, name: str) -> torch.Tensor:
+    def read_scale(self, name: str, part: tuple | None = None) -> torch.Tensor:
         """An FP8 weight's block scales: float32, every one finite and > 0."""
         import torch
 
-        t, f = self._of_dtype(name, torch.float32, "; FP8 block scales are float32")
+        t, f = self._of_dtype(name, torch.float32, "; FP8 block scales are float32", part)
         if not bool((torch.isfinite(t) & (t > 0)).all()):
             raise CheckpointError(f"{f}: tensor '{name}' holds non-finite or non-positive scales")
         return t
 
-    def read_as(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """read, read_fp8 or read_scale, by what the model's tensor `like` (named `name` there) is."""
+    def read_as(self, name: str, like: torch.Tensor, part: tuple | None = None) -> torch.Tensor:
+        """read, read_fp8 or read_scale (of the slice `part`, as for get), by what the model's tensor `like`
+        (named `name` there) is."""
         import torch
 
         if like.dtype == torch.float8_e4m3fn:
-            return self.read_fp8(name)
-        return self.read_scale(name) if name.endswith("_scale_inv") else self.read(name)
+            return self.read_fp8(name, part)
+        return self.read_scale(name, part) if name.endswith("_scale_inv") else self.read(name, part)
+
+    def read_split(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """read_as, of only the slices like.cut names where the model's parameter was cut from the whole
+        tensor (a rank's shard: runtime/parallel/shard.py), else of the whole tensor."""
+        split = getattr(like, "cut", None)
+        if split is None:
+            return self.read_as(name, like)
+        return split.take(lambda dim, a, b: self.read_as(name, like, (dim, a, b)))
 
 
-def _where(src: WeightSource) -> str:
+def named_in(src: WeightSource) -> str:
     """The checkpoint named in a missing-tensor message: its one weight file, else its directory."""
     return src.files[0] if len(src.files) == 1 else os.path.dirname(src.files[0])
 
@@ -163,8 +182,10 @@ def _where(src: WeightSource) -> str:
 def _bind(module: torch.nn.Module, src: WeightSource, name_of, dtype, what: str, built=None,
           unused=lambda: None) -> None:
     """Copy every parameter of `module` from the checkpoint, checking presence and shape first.
-    built: checkpoint key -> (tensor, file) for tensors assembled from others (stacked experts).
-    unused: refuses left-over tensors; called once nothing is missing (a missing tensor is the better message)."""
+    built: checkpoint key -> (read(param) -> tensor, file) for tensors assembled from others (stacked experts).
+    unused: refuses left-over tensors; called once nothing is missing (a missing tensor is the better message).
+    A parameter cut from its whole tensor on the meta device (it carries .cut: a rank's shard) reads only its
+    slices, the whole tensor's shape checked from the file's header."""
     import torch
 
     built = built or {}
@@ -172,23 +193,44 @@ def _bind(module: torch.nn.Module, src: WeightSource, name_of, dtype, what: str,
     missing = [name_of(p) for p in params if name_of(p) not in src.where and name_of(p) not in built]
     if missing:
         raise CheckpointError(
-            f"{what} checkpoint {_where(src)}: "
+            f"{what} checkpoint {named_in(src)}: "
             f"missing tensor '{missing[0]}'" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     unused()
+    owners = _owners(module)
     for p_name, p in params.items():
         key = name_of(p_name)
-        t, f = built[key] if key in built else (src.read_as(key, p), src.where[key])
+        if key in built:
+            read, f = built[key]
+        else:
+            f, read = src.where[key], lambda like, key=key: src.read_split(key, like)
+            full = tuple(p.cut.full) if hasattr(p, "cut") else tuple(p.shape)
+            if src.shape(key) != full:
+                raise CheckpointError(f"{f}: tensor '{key}' has shape {src.shape(key)}, expected {full}")
+        t = read(p)
         if tuple(t.shape) != tuple(p.shape):
-            raise CheckpointError(
-                f"{f}: tensor '{key}' has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
-            )
+            raise CheckpointError(f"{f}: tensor '{key}' has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
         exact = p.dtype == torch.float8_e4m3fn or key.endswith("_scale_inv")  # FP8 bytes and scales as stored
         cast = t.contiguous() if exact else t.to(dtype).contiguous()
         if cast.dtype == torch.float16 and t.dtype != torch.float16 and not bool(torch.isfinite(cast).all()):
             raise CheckpointError(f"{f}: tensor '{key}' has values beyond the float16 range")
-        with torch.no_grad():
-            p.data = cast
+        if p.is_meta:  # built without memory: the loaded tensor becomes the parameter of every module sharing it
+            new = torch.nn.Parameter(cast, requires_grad=p.requires_grad)
+            for owner, attr in owners[id(p)]:
+                owner._parameters[attr] = new
+        else:
+            with torch.no_grad():
+                p.data = cast
+
+
+def _owners(module) -> dict:
+    """id(parameter) -> every (module, attribute) holding it (a tied embedding is held twice)."""
+    out = {}
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((m, attr))
+    return out
 
 
 def _target_prefix(src: WeightSource) -> str:
@@ -196,56 +238,6 @@ def _target_prefix(src: WeightSource) -> str:
         if prefix + "embed_tokens.weight" in src.where:
             return prefix
     raise CheckpointError(f"{src.files[0]}: missing tensor 'model.embed_tokens.weight' (not a Qwen3-Next/3.5 decoder?)")
-
-
-def _expert_parts(experts) -> tuple[tuple[str, ...], dict]:
-    """(per-expert tensor suffixes, fused name -> its checkpoint shape per expert) of one layer's experts module:
-    'weight' only, or with FP8 weights (modeling/fp8.Fp8Experts) also 'weight_scale_inv' and the fused scales."""
-    fused = {n: tuple(t.shape[1:]) for n, t in experts.named_parameters()}
-    return (("weight", "weight_scale_inv") if "down_proj_scale_inv" in fused else ("weight",)), fused
-
-
-def _stack_experts(model: TargetModel, src: WeightSource, prefix: str) -> dict:
-    """Expert weights in the per-expert layout of released checkpoints (and of transformers' save_pretrained):
-    mlp.experts.{e}.{gate,up,down}_proj.weight (+ .weight_scale_inv for FP8), stacked into our fused parameters
-    (HF's in-memory layout, mlp.experts.gate_up_proj [E,2I,H] and mlp.experts.down_proj [E,H,I]; FP8 scales stacked
-    alike, gate's block rows then up's). A layer whose fused tensors are in the checkpoint is bound from them
-    directly. Each per-expert tensor is checked by name, dtype, values and shape here, so the error names the
-    tensor the user has, not our stacked one."""
-    import torch
-
-    built = {}
-    for i in model.cfg.moe_layers:
-        base, experts = f"{prefix}layers.{i}.mlp.experts.", model.layers[i].mlp.experts
-        suffixes, fused = _expert_parts(experts)
-        if all(base + k in src.where for k in fused):
-            continue
-        parts = {}
-        for n, fused_name in (("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"), ("down_proj", "down_proj")):
-            for sfx in suffixes:
-                name = fused_name + ("_scale_inv" if sfx != "weight" else "")
-                shape = list(fused[name])
-                shape[0] //= 2 if fused_name == "gate_up_proj" else 1
-                like = getattr(experts, name)
-                parts[n, sfx] = [_expert_tensor(src, f"{base}{e}.{n}.{sfx}", like, tuple(shape), base + name)
-                                 for e in range(model.cfg.num_experts)]
-        f = src.where[f"{base}0.gate_proj.weight"]
-        for sfx in suffixes:
-            tail = "" if sfx == "weight" else "_scale_inv"
-            built[base + "gate_up_proj" + tail] = (torch.stack([torch.cat(gu) for gu in zip(
-                parts["gate_proj", sfx], parts["up_proj", sfx])]), f)
-            built[base + "down_proj" + tail] = (torch.stack(parts["down_proj", sfx]), f)
-    return built
-
-
-def _expert_tensor(src: WeightSource, key: str, like, shape: tuple, fused: str):
-    """One per-expert tensor, read as `like` (the stacked tensor it goes into) is and of the given shape."""
-    if key not in src.where:
-        raise CheckpointError(f"target checkpoint {_where(src)}: missing tensor '{key}' (no fused '{fused}' either)")
-    t = src.read_as(key, like)
-    if tuple(t.shape) != shape:
-        raise CheckpointError(f"{src.where[key]}: tensor '{key}' has shape {tuple(t.shape)}, expected {shape}")
-    return t
 
 
 _QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "scale_inv", ".qweight", ".qzeros",
@@ -280,47 +272,58 @@ def _refuse_unused(src: WeightSource, used: set, what: str, layers: str, n_layer
                               f"({_why_unused(k, layers, n_layers, used)}){more}")
 
 
-def _expert_keys(model: TargetModel, src: WeightSource, prefix: str) -> set:
-    """The checkpoint names _stack_experts reads: a layer's fused tensors when present, else its per-expert ones."""
-    keys = set()
-    for i in model.cfg.moe_layers:
-        base = f"{prefix}layers.{i}.mlp.experts."
-        suffixes, fused = _expert_parts(model.layers[i].mlp.experts)
-        if not all(base + n in src.where for n in fused):
-            keys |= {f"{base}{e}.{n}.{sfx}" for e in range(model.cfg.num_experts)
-                     for n in ("gate_proj", "up_proj", "down_proj") for sfx in suffixes}
-    return keys
-
-
-def load_target(d: str, dtype=None) -> TargetModel:
-    """dtype: a torch dtype (default float32)."""
+def _built(d: str, cfg: TargetConfig, prefix: str, device: str) -> TargetModel:
+    """The target's modules (FP8 projections where quantization_config converts them), weights not yet bound."""
     import torch
 
     from dflash_trt.modeling.target import TargetModel
+
+    with torch.device(device):
+        model = TargetModel(cfg, empty=True)
+        if cfg.quant is not None:
+            from dflash_trt.modeling.fp8 import quantize_modules
+
+            quantize_modules(model, cfg.quant, prefix, os.path.join(d, "config.json"))
+    return model
+
+
+def target_skeleton(d: str) -> TargetModel:
+    """The target of checkpoint d as load_target builds it, on the meta device: no memory, no weight read."""
+    cfg = TargetConfig.from_dict(read_json(os.path.join(d, "config.json")), os.path.join(d, "config.json"))
+    return _built(d, cfg, _target_prefix(WeightSource(d)), "meta")
+
+
+def load_target(d: str, dtype=None, split=None) -> TargetModel:
+    """dtype: a torch dtype (default float32). split: a function the model goes through before its weights bind,
+    built on the meta device (no memory): every parameter it cuts (runtime/parallel/shard.py's shard_target, a
+    rank's shard) is then read from only its slices of the checkpoint, so a rank never holds the whole model."""
+    import torch
+
+    from dflash_trt.export.experts import expert_keys, stack_experts
 
     dtype = dtype or torch.float32
     cfg = TargetConfig.from_dict(read_json(os.path.join(d, "config.json")), os.path.join(d, "config.json"))
     src = WeightSource(d)
     prefix = _target_prefix(src)
-    model = TargetModel(cfg)
-    if cfg.quant is not None:  # FP8 projections where quantization_config converts them, before binding
-        from dflash_trt.modeling.fp8 import quantize_modules
-
-        quantize_modules(model, cfg.quant, prefix, os.path.join(d, "config.json"))
+    model = _built(d, cfg, prefix, "meta" if split else "cpu")
+    if split:
+        split(model)
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in src.where
     if tied and not cfg.tie_word_embeddings:
         raise CheckpointError(f"{src.files[0]}: missing tensor 'lm_head.weight' and tie_word_embeddings is false")
     name_of = lambda n: "lm_head.weight" if n == "lm_head.weight" else prefix + n  # noqa: E731
-    used = {name_of(n) for n, _ in model.named_parameters()} | _expert_keys(model, src, prefix)
+    used = {name_of(n) for n, _ in model.named_parameters()} | expert_keys(model, src, prefix)
     if tied and "lm_head.weight" in src.where:  # a tied checkpoint may still store the copy: it must be one
-        if not torch.equal(src.read("lm_head.weight"), src.read(prefix + "embed_tokens.weight")):
+        embed = model.embed_tokens.weight  # (this rank's rows of) both
+        if not torch.equal(src.read_split("lm_head.weight", embed), src.read_split(prefix + "embed_tokens.weight",
+                                                                                   embed)):
             raise CheckpointError(f"{src.where['lm_head.weight']}: tensor 'lm_head.weight' differs from "
                                   f"'{prefix}embed_tokens.weight' but tie_word_embeddings is true")
         used.add("lm_head.weight")
     # text decoder only: a multimodal checkpoint's vision tower (model.visual.*) and the multi-token-prediction
     # head Qwen releases ship (mtp.*; DFlash drafts instead) are not used, by name, never loaded
     ignored = ["mtp."] + (["model.visual."] if prefix == "model.language_model." else [])
-    _bind(model, src, name_of, dtype, "target", built=_stack_experts(model, src, prefix),
+    _bind(model, src, name_of, dtype, "target", built=stack_experts(model, src, prefix),
           unused=lambda: _refuse_unused(src, used, "target", prefix, cfg.num_layers, ignored))
     return model.eval()
 

@@ -279,13 +279,16 @@ class DecoderLayer(nn.Module):
 
 
 class TargetModel(nn.Module):
-    """Parameter names match the HF checkpoint with the `model.` prefix dropped (see checkpoint.py)."""
+    """Parameter names match the HF checkpoint with the `model.` prefix dropped (see checkpoint.py). empty: the
+    embedding left uninitialised, for a loader that fills every weight (on the meta device its random init would
+    import torch's compiler stack, whose distributed modules then hold the process group past its destruction)."""
 
-    def __init__(self, cfg: TargetConfig, tap_ids: list[int] | None = None):
+    def __init__(self, cfg: TargetConfig, tap_ids: list[int] | None = None, empty: bool = False):
         super().__init__()
         self.cfg = cfg
         self.tap_ids = list(tap_ids or [])
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if empty else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, i) for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -141,11 +141,10 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     torch = require_torch(f"--backend {backend}", UsageError)
 
     dt = getattr(torch, dtype)
-    target = load_target(model_dir, dt)
-    if tensor_parallel_size != 1:
-        from dflash_trt.runtime.parallel.shard import shard_target
-
-        shard_target(target)  # before the drafter binds the target's embedding and lm_head
+    split = None
+    if tensor_parallel_size != 1:  # this rank reads only its slices; before the drafter binds embed / lm_head
+        from dflash_trt.runtime.parallel.shard import shard_target as split
+    target = load_target(model_dir, dt, split=split)
     drafter = load_drafter(drafter_dir, target, dt) if drafter_dir else None
     # the weights' identity in snapshots, the one an export of these checkpoints records (runtime/snapshot.py)
     hashes = {"target": checkpoint_hash(model_dir)}

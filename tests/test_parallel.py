@@ -2,6 +2,7 @@
 greedy tokens through the runtime and DFlash decoding equal the single-process run and transformers; a rank that
 fails mid-generation fails the run on every rank within the collective timeout."""
 import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -32,9 +33,11 @@ def _run_case(case: dict, shard: bool) -> dict:
     """One checkpoint: full-sequence logits of PROMPT, cached greedy tokens, and DFlash tokens when a drafter
     is given; on a sharded target when `shard` (every rank alike)."""
     torch.manual_seed(0)
-    target = load_target(case["target"])
-    if shard:
-        shard_target(target, experts=case.get("experts", "ep"))
+    split = functools.partial(shard_target, experts=case.get("experts", "ep")) if shard else None
+    if case.get("in_memory"):  # the whole target loaded, then split
+        target = split(load_target(case["target"])) if split else load_target(case["target"])
+    else:  # built on the meta device, split, then each rank reads its slices
+        target = load_target(case["target"], split=split)
     drafter = load_drafter(case["drafter"], target) if case.get("drafter") else None
     out = {"cfg": (target.cfg.num_heads, target.cfg.num_kv_heads, target.cfg.lin_num_v_heads)}
     with torch.no_grad():
@@ -72,7 +75,7 @@ def runs(tmp_path_factory):
     hf = {k: make_hf_model(k, 2, str(d / k)) for k in ("qwen3_5", "qwen3_next_moe")}
     tdir, ddir = make_tiny_pair(str(d / "pair"), seed=5, target_over=dict(TINY_MOE))
     cases = [{"target": str(d / "qwen3_5")}, {"target": str(d / "qwen3_next_moe"), "experts": "ep"},
-             {"target": str(d / "qwen3_next_moe"), "experts": "tp"}, {"target": tdir, "drafter": ddir}]
+             {"target": str(d / "qwen3_next_moe"), "experts": "tp"}, {"target": tdir, "drafter": ddir, "in_memory": True}]
     oracle = {i: _hf_greedy(hf[k], N_NEW) for i, k in ((0, "qwen3_5"), (1, "qwen3_next_moe"))}
     single = [_run_case(c, shard=False) for c in cases]
     t0 = time.perf_counter()
@@ -91,6 +94,38 @@ def test_sharded_logits_and_greedy_match_single_process(runs, i):
     assert two["plain"] == one["plain"]
     if i in oracle:
         assert two["plain"] == oracle[i]
+
+
+def _bytes_read(target_dir: str, experts: str) -> dict:
+    """This rank's load from its slices: bytes the checkpoint reads returned, the bytes of its parameters (less the
+    null expert, which is not read) and the largest tensor read."""
+    from dflash_trt.export.checkpoint import WeightSource
+
+    reads, get = [], WeightSource.get
+
+    def counting(self, name, part=None):
+        t = get(self, name, part)
+        reads.append(t.nbytes)
+        return t
+
+    WeightSource.get = counting
+    target = load_target(target_dir, split=functools.partial(shard_target, experts=experts))
+    held = sum(p.nbytes for p in target.parameters())
+    null = sum(p[-1].nbytes for n, p in target.named_parameters() if experts == "ep" and ".experts." in n)
+    return {"read": sum(reads), "held": held - null, "largest": max(reads)}
+
+
+@pytest.mark.parametrize("i", [1, 2], ids=["moe-ep", "moe-tp"])
+def test_each_rank_reads_only_its_slices(runs, i):
+    """A rank reads exactly the bytes of its shard (less than the whole checkpoint; no split weight read whole)."""
+    import os
+
+    case = runs[0][i]
+    got = run_parallel(_bytes_read, 2, (case["target"], case["experts"]), timeout_s=60)
+    whole = os.path.getsize(os.path.join(case["target"], "model.safetensors"))
+    assert got["read"] == got["held"] < 0.75 * whole, (got, whole)
+    embed = load_target(case["target"]).embed_tokens.weight
+    assert got["largest"] < embed.nbytes  # the largest weight, split by vocabulary rows
 
 
 def test_dflash_equals_plain_under_tp(runs):
@@ -266,3 +301,44 @@ def test_cli_tensor_parallel_refused_in_one_line(runs, capsys, extra, msg):
     assert main(["generate", "--model", pair["target"], "--prompt", "x", *extra]) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1
+
+
+FP8_TP = dict(num_key_value_heads=2, linear_key_head_dim=128, shared_expert_intermediate_size=256)
+
+
+def _fp8_tokens(target_dir: str, tp: int) -> list:
+    from test_fp8_checkpoint import PROMPT as F_PROMPT, SIZES as F_SIZES
+
+    rt, _ = load_runtime(target_dir, sizes=F_SIZES, tensor_parallel_size=tp)
+    return rt.generate(F_PROMPT, N_NEW, spec=False)[0]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_fp8_target_under_tp_matches_one_process(kind, tmp_path):
+    """FP8 block-wise weights split with their 128x128 scale blocks (every split on a block boundary; the MoE's
+    experts whole per rank, their scales with them): greedy tokens under TP 2 equal the single process's."""
+    from hf_tiny import FP8_DIMS
+    from test_fp8_checkpoint import fp8_checkpoint, skip_list
+
+    torch.set_num_threads(1)
+    make_hf_model(kind, 1, str(tmp_path / "hf"), dims=dict(FP8_DIMS, **FP8_TP))
+    fp8_checkpoint(str(tmp_path / "hf"), str(tmp_path / "fp8"), str(tmp_path / "ref"), skip_list(4))
+    target = load_target(str(tmp_path / "fp8"))
+    assert any(p.dtype == torch.float8_e4m3fn for p in target.parameters())
+    one = _fp8_tokens(str(tmp_path / "fp8"), 1)
+    assert run_parallel(_fp8_tokens, 2, (str(tmp_path / "fp8"), 2), timeout_s=120) == one
+
+
+@pytest.mark.parametrize("kind,dims,msg", [
+    ("qwen3_5", {}, "linear_num_key_heads over 2 ranks splits an FP8 weight at row 64, inside a 128-row"),
+    ("qwen3_next", FP8_TP, "linear_num_key_heads over 2 ranks splits an FP8 weight at row 2, inside a 128-row")])
+def test_fp8_split_inside_a_scale_block_refused_by_name(kind, dims, msg, tmp_path):
+    """Key heads of 64 rows (in_proj_qkv), Qwen3-Next's 4-row in_proj_ba quantized as one partial block: refused
+    before any rank starts."""
+    from hf_tiny import FP8_DIMS
+    from test_fp8_checkpoint import fp8_checkpoint, skip_list
+
+    make_hf_model(kind, 1, str(tmp_path / "hf"), dims={**FP8_DIMS, "num_key_value_heads": 2, **dims})
+    fp8_checkpoint(str(tmp_path / "hf"), str(tmp_path / "fp8"), str(tmp_path / "ref"), skip_list(4))
+    with pytest.raises(ShardError, match=msg):
+        LLM(str(tmp_path / "fp8"), tensor_parallel_size=2)

@@ -248,3 +248,28 @@ def test_client_closing_stream_releases_request(client, server):
         time.sleep(0.1)
     assert metric(server, 'dflash_trt_requests_total{outcome="abort"}') == aborted + 1
     assert_pools_full(server)
+
+
+def test_serve_tensor_parallel_equals_llm(llm):
+    """`serve --tensor-parallel 2` on the CPU (rank 0 serves, rank 1 follows): greedy and seeded sampled completions
+    equal the single-process LLM's, also after a client closed its stream mid-way; the pools are full afterwards."""
+    greedy = expected(llm, PROMPTS[0], max_tokens=24)
+    sampled = expected(llm, PROMPTS[1], max_tokens=16, temperature=0.8, seed=3)
+    with served(["--model", TARGET, "--drafter", DRAFTER, "--tensor-parallel", "2"]) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = c.completions.create(model="target", prompt=PROMPTS[0], max_tokens=400, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()  # aborted on rank 0 and, by its number, on rank 1
+        r = c.completions.create(model="target", prompt=PROMPTS[0], max_tokens=24, temperature=0)
+        s = c.completions.create(model="target", prompt=PROMPTS[1], max_tokens=16, temperature=0.8, seed=3)
+        assert (r.choices[0].text, s.choices[0].text) == (greedy, sampled)
+        assert_pools_full(url)
+
+
+def test_serve_tensor_parallel_refused_before_any_rank_starts(capsys):
+    from dflash_trt.cli import main
+
+    assert main(["serve", "--model", TARGET, "--tensor-parallel", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "num_attention_heads = 4 does not divide over 3 ranks" in err and err.count("\n") == 1

@@ -42,6 +42,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="cuda + torch: prefill/decode/spec steps through Inductor "
                         "(faster steps, after a compile per step shape)")
+    add_tensor_parallel_arg(p)
+
+
+def add_tensor_parallel_arg(p) -> None:
+    """--tensor-parallel N, as generate and serve take it."""
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="torch: split the target over N processes (gloo on cpu; nccl on cuda, one GPU each)")
 

@@ -80,7 +80,7 @@ class LLM:
         Bad input raises before anything runs; a completion that fails (a step fault) raises its error once the
         others ended. Slots and pages are back when this returns, also when it raises."""
         if self._ranks is not None:
-            return self._ranks.call("generate", prompts, _seeded(sampling_params))
+            return self._ranks.call("generate", prompts, seeded(sampling_params))
         items = normalize_prompts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(items)
@@ -97,7 +97,7 @@ class LLM:
         """Complete one conversation (a list of {"role", "content"} dicts) or a list of them through the checkpoint's
         chat template; chat_template_kwargs (e.g. {"enable_thinking": False}) reach the template."""
         if self._ranks is not None:
-            return self._ranks.call("chat", messages, _seeded(sampling_params), add_generation_prompt=add_generation_prompt,
+            return self._ranks.call("chat", messages, seeded(sampling_params), add_generation_prompt=add_generation_prompt,
                                     chat_template_kwargs=chat_template_kwargs, tools=tools)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ChatTemplateError("messages must be a conversation (a non-empty list of message dicts) or a list "
@@ -154,7 +154,7 @@ def _in_process_group() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _seeded(params):
+def seeded(params):
     """params with every unseeded sampling request seeded here, once for all ranks: ranks drawing their own fresh
     seeds would pick different tokens, and their steps (and collectives) would part."""
     many = isinstance(params, (list, tuple))

@@ -32,13 +32,14 @@ class ParallelError(RuntimeError):
     """A rank of a parallel run failed; the message names the rank and its error."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _join(rank: int, world: int, port: int, backend: str, timeout_s: float) -> None:
+def join_group(rank: int, world: int, port: int, backend: str, timeout_s: float = TIMEOUT_S) -> None:
+    """This process joins the group as `rank` (its CUDA device or its share of the CPU cores set first)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -65,7 +66,7 @@ def abort_group_on_error(backend) -> None:
 
 
 def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, fn, args, out: str) -> None:
-    _join(rank, world, port, backend, timeout_s)
+    join_group(rank, world, port, backend, timeout_s)
     try:
         result = fn(*args)
         if rank == 0:
@@ -98,7 +99,7 @@ def run_parallel(fn, world: int, args: tuple = (), backend: str | None = None, t
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.pkl")
         try:
-            mp.spawn(_worker, args=(world, _free_port(), backend, timeout_s, fn, args, out), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, free_port(), backend, timeout_s, fn, args, out), nprocs=world, join=True)
         except mp.ProcessRaisedException as e:
             kind, _, msg = str(e).strip().splitlines()[-1].partition(": ")  # "pkg.mod.Type: message"
             last = f"{kind.rpartition('.')[2]}: {msg}"
@@ -122,7 +123,7 @@ def _serve(rank: int, world: int, port: int, backend: str, timeout_s: float, mak
     """A RankPool rank: build obj = make(*args), then answer (method, args, kwargs) messages until None or the pipe
     closes. Every rank answers ('ok', result (rank 0) or None, '') or _failure(its exception)."""
     try:
-        _join(rank, world, port, backend, timeout_s)
+        join_group(rank, world, port, backend, timeout_s)
         obj = make(*args)
         conn.send(("ok", None, ""))
     except BaseException as e:  # noqa: BLE001  (reported to the parent, which ends every rank)
@@ -154,7 +155,7 @@ class RankPool:
     def __init__(self, world: int, make, args: tuple = (), backend: str | None = None, timeout_s: float = TIMEOUT_S):
         backend = _backend(world, backend)
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.world, self.conns, self.procs = world, [], []
         for rank in range(world):
             parent, child = ctx.Pipe()

@@ -10,6 +10,11 @@ projection then holds a partial sum of the hidden state: one all-reduce after o_
 down_proj and each sparse MoE block (routed + shared partials summed once). The router, norms and residual stream
 are replicated, so every rank routes every token alike.
 
+Every split is a Cut (a parameter's kept ranges along one dim), planned for the whole model before any tensor moves.
+The same cuts run on a loaded model (shard_target) and on one built on the meta device before its weights load
+(load_target(split=shard_target)): each rank then reads only its slices of the safetensors. FP8 block-wise weights
+split with their weight_scale_inv blocks, on whole blocks only (a split inside a block is refused by name).
+
 Vocabulary: each rank holds a contiguous slice of embed_tokens / lm_head rows. The embedding looks its ids up where
 it owns them (zeros elsewhere) and all-reduces: the exact row, since one rank adds it to zeros. The lm_head
 all-gathers each rank's logit columns into the full fp32 logits: argmax, the verify step and sampling then run as
@@ -27,15 +32,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trt.modeling.fuse import BUFFER, FP8, linear
+from dflash_trt.modeling.fuse import BUFFER, linear
 from dflash_trt.modeling.mlp import MLP, SparseMoE
-from dflash_trt.plugins import ops
 
 EXPERT_MODES = ("ep", "tp")
 
 
 class ShardError(ValueError):
-    """A model the ranks cannot split (a size that does not divide, an FP8 or fused model), refused by name."""
+    """A model the ranks cannot split (a size that does not divide, an FP8 split inside a scale block, a fused
+    model), refused by name."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,106 +67,159 @@ class Shard:
         return self.all_reduce(y)
 
 
-def _narrow(w, dim: int, groups: int, start: int, count: int):
-    """w with dim viewed as `groups` equal blocks; blocks [start, start+count) kept, as a contiguous copy."""
-    v = w.detach().unflatten(dim, (groups, w.shape[dim] // groups)).narrow(dim, start, count)
-    return v.flatten(dim, dim + 1).contiguous()
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How a parameter is cut from its whole tensor (shape `full`): the ranges [a, b) of dim kept, in order, then
+    `pad` zero slices along dim (the null expert). take(read) assembles it from read(dim, a, b) -> that slice,
+    so the same cut runs on a tensor in memory and on a checkpoint's slices (export/checkpoint.py: a parameter
+    carrying it as .cut is read that way, each rank reading only its slices)."""
+    full: tuple
+    dim: int
+    ranges: tuple
+    pad: int = 0
+
+    @property
+    def shape(self) -> tuple:
+        n = sum(b - a for a, b in self.ranges) + self.pad
+        return self.full[:self.dim] + (n,) + self.full[self.dim + 1:]
+
+    def take(self, read):
+        parts = [read(self.dim, a, b) for a, b in self.ranges]
+        if self.pad:
+            parts.append(torch.zeros_like(parts[0].narrow(self.dim, 0, self.pad)))
+        return torch.cat(parts, self.dim).contiguous()
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    owner: nn.Module
+    attr: str
+    split: Split
+
+    def apply(self) -> None:
+        w = getattr(self.owner, self.attr).detach()
+        if w.is_meta:  # its shape only (torch's meta kernels of cat & co. import its compiler stack, whose
+            # distributed modules would then hold the process group past its destruction)
+            p = _param(torch.empty(self.split.shape, dtype=w.dtype, device="meta"))
+        else:
+            p = _param(self.split.take(lambda d, a, b: w.narrow(d, a, b - a)))
+        p.cut = self.split
+        setattr(self.owner, self.attr, p)
+        if self.attr == "weight" and hasattr(self.owner, "out_features"):  # a projection: its local widths
+            self.owner.out_features, self.owner.in_features = p.shape[-2:]
 
 
 def _param(w) -> nn.Parameter:
     return nn.Parameter(w, requires_grad=False)
 
 
-def _rows(lin, groups: int, start: int, count: int) -> None:
-    lin.weight = _param(_narrow(lin.weight, 0, groups, start, count))
-    lin.out_features = lin.weight.shape[0]
+def _blocks(n: int, groups: int, start: int, count: int) -> tuple[int, int]:
+    """Rows [a, b) of blocks [start, start + count) of n rows viewed as `groups` equal blocks."""
+    return start * (n // groups), (start + count) * (n // groups)
 
 
-def _cols(lin, groups: int, start: int, count: int) -> None:
-    lin.weight = _param(_narrow(lin.weight, 1, groups, start, count))
-    lin.in_features = lin.weight.shape[1]
+def _cut(owner, attr: str, dim: int, ranges, what: str, sh: Shard, pad: int = 0) -> list:
+    """The cut of owner.attr, and of its FP8 block scales (owner.attr + '_scale_inv') where it has them: an FP8
+    weight splits on whole scale blocks only, else ShardError naming the width that split it."""
+    w = getattr(owner, attr)
+    cuts = [Cut(owner, attr, Split(tuple(w.shape), dim, tuple(ranges), pad))]
+    scales = getattr(owner, attr + "_scale_inv", None)
+    if scales is None:
+        return cuts
+    axis = dim - (w.dim() - 2)  # 0: rows (block[0]), 1: columns (block[1]), < 0: the expert index
+    bs = owner.block[axis] if axis >= 0 else 1
+    for a, b in ranges:
+        edge = next((e for e in (a, b) if e % bs and e != w.shape[dim]), None)
+        if edge is not None:
+            raise ShardError(f"{what} over {sh.world} ranks splits an FP8 weight at {('row', 'column')[axis]} "
+                             f"{edge}, inside a {bs}-{('row', 'column')[axis]} scale block (FP8 targets split on "
+                             "whole blocks)")
+    sranges = tuple((a // bs, -(-b // bs)) for a, b in ranges)
+    return cuts + [Cut(owner, attr + "_scale_inv", Split(tuple(scales.shape), dim, sranges, pad))]
 
 
-def _attention(att, cfg, sh: Shard) -> dict:
+def _rows(lin, groups: int, start: int, count: int, what: str, sh: Shard) -> list:
+    return _cut(lin, "weight", 0, [_blocks(lin.weight.shape[0], groups, start, count)], what, sh)
+
+
+def _cols(lin, groups: int, start: int, count: int, what: str, sh: Shard) -> list:
+    return _cut(lin, "weight", 1, [_blocks(lin.weight.shape[1], groups, start, count)], what, sh)
+
+
+def _attention(att, cfg, sh: Shard, cuts: list) -> dict:
     h0, nh = sh.span(cfg.num_heads, "num_attention_heads")
     k0, nk = sh.span(cfg.num_kv_heads, "num_key_value_heads")
-    _rows(att.q_proj, cfg.num_heads, h0, nh)  # [query | gate] rows per head
-    _rows(att.k_proj, cfg.num_kv_heads, k0, nk)
-    _rows(att.v_proj, cfg.num_kv_heads, k0, nk)
-    _cols(att.o_proj, cfg.num_heads, h0, nh)
-    sh.reduce_output(att.o_proj)
+    cuts += _rows(att.q_proj, cfg.num_heads, h0, nh, "num_attention_heads", sh)  # [query | gate] rows per head
+    cuts += _rows(att.k_proj, cfg.num_kv_heads, k0, nk, "num_key_value_heads", sh)
+    cuts += _rows(att.v_proj, cfg.num_kv_heads, k0, nk, "num_key_value_heads", sh)
+    cuts += _cols(att.o_proj, cfg.num_heads, h0, nh, "num_attention_heads", sh)
     return {"num_heads": nh, "num_kv_heads": nk}
 
 
-def _gdn(gdn, cfg, sh: Shard) -> dict:
+def _gdn(gdn, cfg, sh: Shard, cuts: list) -> dict:
     Hk, Hv, dk, dv = cfg.lin_num_k_heads, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
-    k0, nk = sh.span(Hk, "linear_num_key_heads")
+    what = "linear_num_key_heads"
+    k0, nk = sh.span(Hk, what)
     r = Hv // Hk
     v0, nv = k0 * r, nk * r
-
-    def qkv_rows(w):  # the conv channels [q | k | v] of every head -> those of this rank's heads
-        q, k, v = torch.split(w, [Hk * dk, Hk * dk, Hv * dv])
-        return torch.cat([_narrow(q, 0, Hk, k0, nk), _narrow(k, 0, Hk, k0, nk), _narrow(v, 0, Hv, v0, nv)])
-
+    q, qd = (k0 * dk, (k0 + nk) * dk), Hk * dk  # the conv channels [q | k | v] of this rank's heads
+    qkv = [q, (qd + q[0], qd + q[1]), (2 * qd + v0 * dv, 2 * qd + (v0 + nv) * dv)]
     if cfg.gdn_layout == "qkvz":  # rows interleaved per key head: [q | k | v×r | z×r] and [b×r | a×r]
-        _rows(gdn.in_proj_qkvz, Hk, k0, nk)
-        _rows(gdn.in_proj_ba, Hk, k0, nk)
+        cuts += _rows(gdn.in_proj_qkvz, Hk, k0, nk, what, sh) + _rows(gdn.in_proj_ba, Hk, k0, nk, what, sh)
     else:
-        gdn.in_proj_qkv.weight = _param(qkv_rows(gdn.in_proj_qkv.weight.detach()))
-        gdn.in_proj_qkv.out_features = gdn.in_proj_qkv.weight.shape[0]
+        cuts += _cut(gdn.in_proj_qkv, "weight", 0, qkv, what, sh)
         for lin in (gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a):
-            _rows(lin, Hv, v0, nv)
-    gdn.conv1d.weight = _param(qkv_rows(gdn.conv1d.weight.detach()))
-    gdn.dt_bias = _param(gdn.dt_bias.detach()[v0:v0 + nv].clone())
-    gdn.A_log = _param(gdn.A_log.detach()[v0:v0 + nv].clone())
-    _cols(gdn.out_proj, Hv, v0, nv)
-    sh.reduce_output(gdn.out_proj)
+            cuts += _rows(lin, Hv, v0, nv, what, sh)
+    cuts += _cut(gdn.conv1d, "weight", 0, qkv, what, sh)
+    cuts += _cut(gdn, "dt_bias", 0, [(v0, v0 + nv)], what, sh) + _cut(gdn, "A_log", 0, [(v0, v0 + nv)], what, sh)
+    cuts += _cols(gdn.out_proj, Hv, v0, nv, what, sh)
     return {"lin_num_k_heads": nk, "lin_num_v_heads": nv}
 
 
-def _mlp(mlp: MLP, sh: Shard, what: str) -> int:
+def _mlp(mlp: MLP, sh: Shard, what: str, cuts: list) -> int:
     """Split the intermediate; returns the local width. The caller all-reduces (down_proj or the MoE block)."""
     inter = mlp.down_proj.in_features
     i0, ni = sh.span(inter, what)
-    _rows(mlp.gate_proj, inter, i0, ni)
-    _rows(mlp.up_proj, inter, i0, ni)
-    _cols(mlp.down_proj, inter, i0, ni)
+    cuts += _rows(mlp.gate_proj, inter, i0, ni, what, sh) + _rows(mlp.up_proj, inter, i0, ni, what, sh)
+    cuts += _cols(mlp.down_proj, inter, i0, ni, what, sh)
     return ni
 
 
 class LocalExperts(nn.Module):
     """This rank's routed experts [first, first+count) of the global ids the replicated router picks, plus one
     all-zero expert at the end: a token's picks held by other ranks go there with weight 0 (the combine scatters
-    by expert id, so they may not alias a real expert) and add nothing. The block's all-reduce sums the ranks."""
+    by expert id, so they may not alias a real expert) and add nothing. The block's all-reduce sums the ranks.
+    It holds the cut experts module's parameters under their names (checkpoint names map 1:1) and runs that
+    module's forward (16-bit or FP8 experts alike) on the remapped picks."""
 
-    def __init__(self, experts, sh: Shard):
+    def __init__(self, experts, first: int):
         super().__init__()
-        n = experts.gate_up_proj.shape[0]
-        self.first, count = sh.span(n, "num_experts")
-        gu, down = (p.detach()[self.first:self.first + count] for p in (experts.gate_up_proj, experts.down_proj))
-        self.gate_up_proj = _param(torch.cat([gu, torch.zeros_like(gu[:1])]))
-        self.down_proj = _param(torch.cat([down, torch.zeros_like(down[:1])]))
+        for n, p in experts.named_parameters(recurse=False):
+            setattr(self, n, p)
+        self.block, self.first, self._forward = getattr(experts, "block", None), first, type(experts).forward
 
     def forward(self, x, topk_idx, topk_w):
         null = self.gate_up_proj.shape[0] - 1
         mine = (topk_idx >= self.first) & (topk_idx < self.first + null)
         idx = torch.where(mine, topk_idx - self.first, null)
         w = torch.where(mine, topk_w, torch.zeros_like(topk_w))
-        return ops.moe_experts(x, idx, w, self.gate_up_proj, self.down_proj)
+        return self._forward(self, x, idx, w)
 
 
-def _moe(moe: SparseMoE, sh: Shard, experts: str) -> dict:
-    local = {"shared_expert_intermediate_size": _mlp(moe.shared_expert, sh, "shared_expert_intermediate_size")}
+def _moe(moe: SparseMoE, sh: Shard, experts: str, cuts: list) -> dict:
+    what = "shared_expert_intermediate_size"
+    local = {what: _mlp(moe.shared_expert, sh, what, cuts)}
+    e = moe.experts
     if experts == "ep":
-        moe.experts = LocalExperts(moe.experts, sh)
+        first, count = sh.span(e.gate_up_proj.shape[0], "num_experts")
+        for attr in ("gate_up_proj", "down_proj"):
+            cuts += _cut(e, attr, 0, [(first, first + count)], "num_experts", sh, pad=1)
     else:  # every expert's intermediate split: gate_up [E, (gate|up)·I, H], down [E, H, I]
-        e = moe.experts
         inter = e.down_proj.shape[-1]
         i0, ni = sh.span(inter, "moe_intermediate_size")
-        e.gate_up_proj = _param(_narrow(e.gate_up_proj.unflatten(1, (2, inter)), 2, inter, i0, ni).flatten(1, 2))
-        e.down_proj = _param(_narrow(e.down_proj, 2, inter, i0, ni))
+        cuts += _cut(e, "gate_up_proj", 1, [(i0, i0 + ni), (inter + i0, inter + i0 + ni)], "moe_intermediate_size", sh)
+        cuts += _cut(e, "down_proj", 2, [(i0, i0 + ni)], "moe_intermediate_size", sh)
         local["moe_intermediate_size"] = ni
-    sh.reduce_output(moe)  # routed + shared partials: one all-reduce per block
     return local
 
 
@@ -196,14 +254,16 @@ class VocabParallelHead(nn.Module):
     forward = fp32
 
 
-def _vocab(target, sh: Shard) -> None:
+def _vocab(target, sh: Shard, cuts: list) -> int:
+    """Cut this rank's vocabulary rows; returns the first."""
     V = target.cfg.vocab_size
     per = -(-V // sh.world)
     first = min(sh.rank * per, V)
-    embed = _param(target.embed_tokens.weight.detach()[first:first + per].clone())
-    head = embed if target.cfg.tie_word_embeddings else _param(target.lm_head.weight.detach()[first:first + per].clone())
-    target.embed_tokens = VocabParallelEmbedding(embed, first, sh)
-    target.lm_head = VocabParallelHead(head, V, sh)
+    rows = [(first, min(first + per, V))]
+    cuts += _cut(target.embed_tokens, "weight", 0, rows, "vocab_size", sh)
+    if not target.cfg.tie_word_embeddings:
+        cuts += _cut(target.lm_head, "weight", 0, rows, "vocab_size", sh)
+    return first
 
 
 def check_shardable(cfg, world: int, experts: str = "ep") -> None:
@@ -225,45 +285,68 @@ def check_shardable(cfg, world: int, experts: str = "ep") -> None:
         raise ShardError(f"vocab_size = {cfg.vocab_size} leaves rank {world - 1} of {world} no vocabulary rows")
 
 
-def check_checkpoint_shardable(model_dir: str, world: int) -> None:
-    """check_shardable on a checkpoint's config.json, before any process starts or weight loads."""
+def check_checkpoint_shardable(model_dir: str, world: int, experts: str = "ep") -> None:
+    """check_shardable on a checkpoint's config.json, then every rank's cuts planned on the target built without
+    memory (an FP8 weight split inside a scale block is refused here), before any process starts or weight loads."""
     from dflash_trt.config import TargetConfig, read_json
+    from dflash_trt.export.checkpoint import target_skeleton
 
     path = os.path.join(model_dir, "config.json")
-    check_shardable(TargetConfig.from_dict(read_json(path), path), world)
+    check_shardable(TargetConfig.from_dict(read_json(path), path), world, experts)
+    skeleton = target_skeleton(model_dir)
+    for rank in range(world):
+        _plan(skeleton, Shard(rank, world), experts)
 
 
-def _refuse(target) -> None:
-    if any(p.dtype == FP8 for p in target.parameters()):
-        raise ShardError("FP8 checkpoints are not sharded across ranks (their block scales do not split yet); "
-                         "load a 16-bit checkpoint")
-    if any(name.rpartition(".")[2].startswith(BUFFER) for name, _ in target.named_buffers()):
-        raise ShardError("shard_target takes the model as loaded: shard before fuse_projections")
+def _plan(target, sh: Shard, experts: str) -> tuple[list, dict, int]:
+    """(every cut, the local config fields, the first vocabulary row): nothing moves yet, so a refused split
+    (an FP8 block boundary) leaves the model whole."""
+    cfg, cuts, local = target.cfg, [], {}
+    for layer in target.layers:
+        if layer.is_attention:
+            local.update(_attention(layer.self_attn, cfg, sh, cuts))
+        else:
+            local.update(_gdn(layer.linear_attn, cfg, sh, cuts))
+        if isinstance(layer.mlp, SparseMoE):
+            local.update(_moe(layer.mlp, sh, experts, cuts))
+        else:
+            local["intermediate_size"] = _mlp(layer.mlp, sh, "intermediate_size", cuts)
+    return cuts, local, _vocab(target, sh, cuts)
+
+
+def _wire(target, sh: Shard, experts: str, first: int) -> None:
+    """The collectives after the output projections, the local experts' id remap and the vocabulary modules."""
+    for layer in target.layers:
+        sh.reduce_output(layer.self_attn.o_proj if layer.is_attention else layer.linear_attn.out_proj)
+        if isinstance(layer.mlp, SparseMoE):
+            if experts == "ep":
+                layer.mlp.experts = LocalExperts(layer.mlp.experts, sh.span(target.cfg.num_experts, "")[0])
+            sh.reduce_output(layer.mlp)  # routed + shared partials: one all-reduce per block
+        else:
+            sh.reduce_output(layer.mlp.down_proj)
+    embed = target.embed_tokens.weight
+    head = embed if target.cfg.tie_word_embeddings else target.lm_head.weight
+    target.embed_tokens = VocabParallelEmbedding(embed, first, sh)
+    target.lm_head = VocabParallelHead(head, target.cfg.vocab_size, sh)
 
 
 @torch.no_grad()
 def shard_target(target, group=None, experts: str = "ep"):
-    """Split `target` (a TargetModel as loaded) in place across the ranks of `group` (default: the default process
-    group); every rank calls it alike. experts: 'ep' (whole experts per rank) or 'tp' (every expert's intermediate
-    split). Shard before a drafter binds the target (bind_target borrows embed_tokens / lm_head); the drafter itself
+    """Split `target` (a TargetModel as loaded, or as built on the meta device before its weights load: each
+    parameter then carries its .cut, which load_target reads slice by slice) in place across the ranks of
+    `group` (default: the default process group); every rank calls it alike. experts: 'ep' (whole experts per
+    rank) or 'tp' (every expert's intermediate split). FP8 weights split with their block scales, on whole blocks
+    only. Shard before a drafter binds the target (bind_target borrows embed_tokens / lm_head); the drafter itself
     stays whole on every rank. Returns target, whose cfg is now this rank's local one."""
     sh = Shard(dist.get_rank(group), dist.get_world_size(group), group)
     check_shardable(target.cfg, sh.world, experts)
-    _refuse(target)
-    cfg = target.cfg
-    local = {}
-    for layer in target.layers:
-        if layer.is_attention:
-            local.update(_attention(layer.self_attn, cfg, sh))
-        else:
-            local.update(_gdn(layer.linear_attn, cfg, sh))
-        if isinstance(layer.mlp, SparseMoE):
-            local.update(_moe(layer.mlp, sh, experts))
-        else:
-            local["intermediate_size"] = _mlp(layer.mlp, sh, "intermediate_size")
-            sh.reduce_output(layer.mlp.down_proj)
-    _vocab(target, sh)
-    target.cfg = dataclasses.replace(cfg, **local)
+    if any(name.rpartition(".")[2].startswith(BUFFER) for name, _ in target.named_buffers()):
+        raise ShardError("shard_target takes the model as loaded: shard before fuse_projections")
+    cuts, local, first = _plan(target, sh, experts)
+    for c in cuts:
+        c.apply()
+    _wire(target, sh, experts, first)
+    target.cfg = dataclasses.replace(target.cfg, **local)
     for layer in target.layers:
         (layer.self_attn if layer.is_attention else layer.linear_attn).cfg = target.cfg
     return target
