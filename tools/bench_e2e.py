@@ -329,7 +329,8 @@ def check_args(a) -> None:
         raise UsageError(f"--batch wants comma-separated batch sizes in 1..{BUCKETS[-1]}, got {a.batch!r}")
     for flag, v, lo in (("--max-new-tokens", a.max_new_tokens, 1), ("--hf-tokens", a.hf_tokens, 0),
                         ("--batch1-prompts", a.batch1_prompts, 1), ("--gamma", a.gamma, 1),
-                        ("--requests-per-slot", a.requests_per_slot, 1), ("--repeats", a.repeats, 1)):
+                        ("--requests-per-slot", a.requests_per_slot, 1), ("--repeats", a.repeats, 1),
+                        ("--layers", a.layers, 1)):
         if v is not None and v < lo:
             raise UsageError(f"{flag} must be >= {lo}, got {v}")
     try:
@@ -343,8 +344,6 @@ def check_args(a) -> None:
         raise UsageError(f"--fp8 and --dflash2 build the random-27b preset only, not --model {a.model!r}")
     if a.layers is not None and a.model not in ("random-27b", "random-moe-35b-a3b"):
         raise UsageError(f"--layers builds the random-27b and random-moe-35b-a3b presets only, not --model {a.model!r}")
-    if a.layers is not None and a.layers < 1:
-        raise UsageError(f"--layers must be >= 1, got {a.layers}")
     if a.dtype is not None and a.dtype not in DTYPES:
         raise UsageError(f"--dtype {a.dtype!r} not supported ({', '.join(DTYPES)})")
 
@@ -383,8 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--fp8", action="store_true", help="random-27b: FP8 block-wise projections (the release layout)")
     p.add_argument("--dflash2", action="store_true",
                    help="random-27b: a DFlash2 drafter (convolutions + candidate selector) of the same size")
-    p.add_argument("--layers", type=int, default=None, help="random-27b / random-moe-35b-a3b: build this many target layers (default 64 / 8; "
-                        "the real models have 64 / 40)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="random-27b / random-moe-35b-a3b: target layers built (default 64 / 8; the models have 64 / 40)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     check_args(a)
