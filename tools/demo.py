@@ -35,7 +35,9 @@ def default_pair() -> tuple[str, str, str]:
     return os.path.join(root, "target"), os.path.join(root, "drafter"), f"tiny random pair (seed 0) in {root}"
 
 
-TRAINED_BLOCK = -1  # --gamma's default: the drafter's block size - 1 (argparse passes a non-string default as is)
+# --gamma's default, resolved to the drafter's block size - 1: an object no typed --gamma can equal (argparse passes
+# a non-string default as is)
+TRAINED_BLOCK = object()
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
