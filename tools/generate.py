@@ -36,9 +36,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_engines_arg(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model / KV dtype on cuda (default float32; CPU runs float32)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
-                   help="cuda + torch: KV pools take what this fraction of the GPU's memory leaves after the weights "
-                        "(default: fixed pools)")
+    add_memory_arg(p)
     p.add_argument("--compile", action="store_true",
                    help="cuda + torch: prefill/decode/spec steps through Inductor "
                         "(faster steps, after a compile per step shape)")
@@ -49,6 +47,13 @@ def add_tensor_parallel_arg(p) -> None:
     """--tensor-parallel N, as generate and serve take it."""
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="torch: split the target over N processes (gloo on cpu; nccl on cuda, one GPU each)")
+
+
+def add_memory_arg(p) -> None:
+    """--gpu-memory-utilization F, as generate and serve take it."""
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="cuda + torch: KV pools take what this fraction of the GPU's memory leaves after the weights "
+                        "(default: fixed pools)")
 
 
 def add_engines_arg(p) -> None:

@@ -6,7 +6,7 @@ import os
 
 from dflash_trt.args import GAMMA_HELP, gamma_arg
 from dflash_trt.log import progress
-from dflash_trt.tools.generate import add_engines_arg, add_tensor_parallel_arg
+from dflash_trt.tools.generate import add_engines_arg, add_memory_arg, add_tensor_parallel_arg
 from dflash_trt.runtime.load import UsageError
 
 
@@ -22,8 +22,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no drafter steps)")
     p.add_argument("--max-seq-len", type=int, default=None, help="positions per sequence (prompt + new + verify)")
     p.add_argument("--max-seqs", type=int, default=None, help="sequences decoded together (state slots; default 4)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
-                   help="cuda + torch: KV pools take what this fraction of the GPU's memory leaves after the weights")
+    add_memory_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-queue", type=int, default=64,
