@@ -7,14 +7,14 @@ applies, the tensor.
 """
 from __future__ import annotations
 
-import json
 import os
-import re
 from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
 from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, read_json
+from dflash_trt.export.leftovers import why_unused
+from dflash_trt.files import write_bytes, write_json
 from dflash_trt.hashing import sha256_files
 
 if TYPE_CHECKING:  # torch only where weights load (the ORT path needs none)
@@ -240,27 +240,6 @@ def _target_prefix(src: WeightSource) -> str:
     raise CheckpointError(f"{src.files[0]}: missing tensor 'model.embed_tokens.weight' (not a Qwen3-Next/3.5 decoder?)")
 
 
-_QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "scale_inv", ".qweight", ".qzeros",
-                   ".scales", ".g_idx", ".absmax", ".quant_map")
-
-
-def _why_unused(key: str, layers: str, n_layers: int, used=frozenset()) -> str:
-    if key.endswith(".weight_scale_inv"):
-        w = key.removesuffix("_scale_inv")
-        if w in used:
-            return (f"the FP8 scale of '{w}', which config.json does not make FP8: no quantization_config, its "
-                    "skip list names the module, or transformers never converts it")
-        return f"an FP8 scale without its weight '{w}'"
-    if key.endswith(_QUANT_SUFFIXES):
-        return "a quantization tensor of a format not loaded: only FP8 block-wise weights with weight_scale_inv"
-    if key.endswith(".bias"):
-        return "a bias: these projections have none here"
-    m = re.match(re.escape(layers) + r"layers\.(\d+)\.", key)
-    if m and int(m.group(1)) >= n_layers:
-        return f"layer {m.group(1)} is beyond num_hidden_layers {n_layers}"
-    return "unknown tensor"
-
-
 def _refuse_unused(src: WeightSource, used: set, what: str, layers: str, n_layers: int, ignored=()) -> None:
     """Every tensor of the checkpoint is bound to the model or refused here by name: one left over (a bias, a
     scale, an extra layer, a typo) would change the math the checkpoint's author meant without a word."""
@@ -269,7 +248,7 @@ def _refuse_unused(src: WeightSource, used: set, what: str, layers: str, n_layer
         k = extra[0]
         more = f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(f"{src.where[k]}: {what} tensor '{k}' is not used by the model "
-                              f"({_why_unused(k, layers, n_layers, used)}){more}")
+                              f"({why_unused(k, layers, n_layers, used)}){more}")
 
 
 def _built(d: str, cfg: TargetConfig, prefix: str, device: str) -> TargetModel:
@@ -394,14 +373,10 @@ def checkpoint_hash(d: str) -> str:
 
 
 def save_checkpoint(module: torch.nn.Module, config: dict, d: str, prefix: str = "", dtype=None) -> None:
-    """Write config.json + model.safetensors (used for the embedded demo models and by tests)."""
-    from safetensors.torch import save_file
+    """Write config.json + model.safetensors, each atomically (the embedded demo models, tests)."""
+    from safetensors.torch import save
 
-    os.makedirs(d, exist_ok=True)
-    tensors = {}
-    for n, p in module.named_parameters(remove_duplicate=True):
-        key = n if n == "lm_head.weight" else prefix + n
-        tensors[key] = (p.detach().to(dtype) if dtype else p.detach()).contiguous().clone()
-    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    tensors = {(n if n == "lm_head.weight" else prefix + n): (p.detach().to(dtype) if dtype else p.detach()).clone()
+               for n, p in module.named_parameters(remove_duplicate=True)}
+    write_bytes(os.path.join(d, "model.safetensors"), save(tensors, metadata={"format": "pt"}))
+    write_json(os.path.join(d, "config.json"), config, indent=2)

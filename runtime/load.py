@@ -70,9 +70,9 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     auto draft length weighs; None: the default cost model).
     torch: the reference modules; on device="cpu" in float32 with numpy pools, on device="cuda" (dtype
     float32 / bfloat16 / float16) with pools owned by a CudaDevice and one CUDA graph per step.
-    ort: the ONNX graphs for verify widths `ks` (CPU; None: the default widths), exported once into the cache (keyed
-    by both checkpoint hashes, sizes and exporter version) and reused after. trt: that export's TensorRT engines (built once into the
-    cache entry) on a CudaDevice's pools, one CUDA graph per step; refused in one line where engines cannot run.
+    ort: the ONNX graphs for verify widths `ks` (CPU; None: the default widths), exported once into the cache
+    (keyed by both checkpoint hashes, sizes and exporter version) and reused after. trt: that export's TensorRT
+    engines (built once into the cache entry) on a CudaDevice's pools, one CUDA graph per step; refused in one line where engines cannot run.
     export_dir (ort, trt): a `dflash-trt export --out` directory of these checkpoints used instead of the cache
     (checked against the checkpoints' hashes, the widths ks (None: K=1, the run takes the widths it holds), the
     sizes when given and the dtype).
@@ -84,27 +84,36 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     tensor_parallel_size N > 1 (torch): called on every rank of an initialised torch.distributed group of N
     processes (runtime/parallel/launch.py starts them), each loads its shard of the target (runtime/parallel/shard.py;
     pools sized by its heads) and the whole drafter; on CUDA rank r takes GPU r of the node."""
-    from dflash_trt.runtime.backends import make_backend
-
-    need = (1,) if ks is None else ks  # what a user's export must hold
-    ks = DEFAULT_KS if ks is None else ks  # what the cache's export gets
     check_checkpoint_dir(model_dir, "target checkpoint")
     if drafter_dir:
         check_checkpoint_dir(drafter_dir, "drafter checkpoint")
+    device, dtype = _checked_placement(backend, device, dtype or "float32", tensor_parallel_size)
+    if gpu_memory_utilization is not None and not (device != "cpu" and backend == "torch"):
+        raise UsageError("--gpu-memory-utilization sizes the pools of the torch backend on cuda (ort and trt take "
+                         "the pool sizes their graphs were exported with)")
+    codec = load_codec(model_dir)
+    if backend in ("ort", "trt"):
+        return _graphs_runtime(backend, model_dir, drafter_dir, sizes, step_costs, ks, device, dtype, export_dir), codec
+    if export_dir is not None:
+        raise UsageError(f"an export directory ({export_dir}) runs on the ort or trt backend, not '{backend}'")
+    return _torch_runtime(backend, model_dir, drafter_dir, sizes, step_costs, device, dtype, compile_steps,
+                          gpu_memory_utilization, tensor_parallel_size), codec
+
+
+def _checked_placement(backend: str, device: str, dtype: str, world: int) -> tuple[str, str]:
+    """(device, dtype) this backend runs on, or one UsageError line before anything is read or built."""
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise UsageError(f"device '{device}' not supported (cpu, cuda, cuda:N)")
-    if tensor_parallel_size != 1:
-        device = _rank_device(tensor_parallel_size, backend, device)
+    if world != 1:
+        device = _rank_device(world, backend, device)
     if backend == "trt":  # before anything exports, builds or loads: one line if engines cannot run here
         from dflash_trt.engines.load import check_can_execute
 
         check_can_execute()
         device = "cuda" if device == "cpu" else device  # engines run on the GPU only
-    on_gpu = device != "cpu"
-    dtype = dtype or "float32"
     if dtype not in DTYPES:
         raise UsageError(f"dtype '{dtype}' not supported ({', '.join(DTYPES)})")
-    if on_gpu:
+    if device != "cpu":
         require_torch(f"--device {device}", UsageError)  # the GPU pools are torch tensors
         from dflash_trt.runtime.devices.cuda import require_cuda
 
@@ -113,36 +122,47 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
             raise UsageError(f"device '{device}' runs the torch or trt backend (got backend '{backend}')")
     elif dtype != "float32":
         raise UsageError(f"on CPU the runtime computes in float32 (got dtype '{dtype}'); use --device cuda")
-    if gpu_memory_utilization is not None and not (on_gpu and backend == "torch"):
-        raise UsageError("--gpu-memory-utilization sizes the pools of the torch backend on cuda (ort and trt take "
-                         "the pool sizes their graphs were exported with)")
-    codec = load_codec(model_dir)
+    return device, dtype
+
+
+def _cuda_device(device: str):
+    from dflash_trt.runtime.devices.cuda import CudaDevice
+
+    return CudaDevice(int(device.split(":")[1]) if ":" in device else 0)
+
+
+def _graphs_runtime(backend, model_dir, drafter_dir, sizes, step_costs, ks, device, dtype, export_dir) -> Runtime:
+    """ort: the ONNX export on the CPU; trt: that export's engines (built once) on the GPU pools. The export is the
+    user's export_dir (checked against these checkpoints) or the cache's."""
+    from dflash_trt.export.onnx_export import ensure_export
+    from dflash_trt.runtime.backends import make_backend
+
+    need = (1,) if ks is None else ks  # what a user's export must hold
+    ks = DEFAULT_KS if ks is None else ks  # what the cache's export gets
+    exp = dict(dtype=dtype) if backend == "trt" else {}
+    man = export_dir and checked_export(export_dir, model_dir, drafter_dir, need, sizes, dtype) \
+        or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes(), **exp)
     if backend == "ort":
-        from dflash_trt.export.onnx_export import ensure_export
+        be = make_backend("ort", manifest=man)
+        return Runtime(be, be.tcfg, be.dcfg, be.sizes, step_costs=step_costs)
+    from dflash_trt.engines.build import ensure_engines
 
-        be = make_backend("ort", manifest=export_dir and checked_export(export_dir, model_dir, drafter_dir, need, sizes,
-                                                                         dtype)
-                          or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes()))
-        return Runtime(be, be.tcfg, be.dcfg, be.sizes, step_costs=step_costs), codec
-    if backend == "trt":  # the ONNX export (cached) -> its engines (built once) -> a runtime on the GPU pools
-        from dflash_trt.engines.build import ensure_engines
-        from dflash_trt.export.onnx_export import ensure_export
-        from dflash_trt.runtime.devices.cuda import CudaDevice
+    man = ensure_engines(man)
+    dev = _cuda_device(device)
+    be = make_backend("trt", manifest=man, device=dev)
+    return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, step_costs=step_costs)
 
-        man = ensure_engines(export_dir and checked_export(export_dir, model_dir, drafter_dir, need, sizes, dtype)
-                             or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes(), dtype=dtype))
-        dev = CudaDevice(int(device.split(":")[1]) if ":" in device else 0)
-        be = make_backend("trt", manifest=man, device=dev)
-        return Runtime(be, be.tcfg, be.dcfg, be.sizes, device=dev, step_costs=step_costs), codec
-    if export_dir is not None:
-        raise UsageError(f"an export directory ({export_dir}) runs on the ort or trt backend, not '{backend}'")
+
+def _torch_runtime(backend, model_dir, drafter_dir, sizes, step_costs, device, dtype, compile_steps,
+                   gpu_memory_utilization, world) -> Runtime:
+    """The torch modules of the checkpoints (this rank's shard under tensor parallelism) on `device`."""
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
+    from dflash_trt.runtime.backends import make_backend
 
     torch = require_torch(f"--backend {backend}", UsageError)
-
     dt = getattr(torch, dtype)
     split = None
-    if tensor_parallel_size != 1:  # this rank reads only its slices; before the drafter binds embed / lm_head
+    if world != 1:  # this rank reads only its slices; before the drafter binds embed / lm_head
         from dflash_trt.runtime.parallel.shard import shard_target as split
     target = load_target(model_dir, dt, split=split)
     drafter = load_drafter(drafter_dir, target, dt) if drafter_dir else None
@@ -151,24 +171,22 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     if drafter is not None:
         hashes["drafter"] = checkpoint_hash(drafter_dir)
     dev = None
-    if on_gpu:
-        from dflash_trt.runtime.devices.cuda import CudaDevice
-
-        dev = CudaDevice(int(device.split(":")[1]) if ":" in device else 0)
+    if device != "cpu":
+        dev = _cuda_device(device)
         target.to(dev.device)
         if drafter is not None:
             drafter.to(dev.device)
         if gpu_memory_utilization is not None:
             sizes = _sized_for_gpu(target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(),
                                    gpu_memory_utilization, dev.device, dtype)
-    be = make_backend(backend, target=target, drafter=drafter, compile_steps=compile_steps and on_gpu,
+    be = make_backend(backend, target=target, drafter=drafter, compile_steps=compile_steps and dev is not None,
                       checkpoint_hashes=hashes)
-    if tensor_parallel_size != 1:
+    if world != 1:
         from dflash_trt.runtime.parallel.launch import abort_group_on_error
 
         abort_group_on_error(be)
     return Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(), device=dev,
-                   step_costs=step_costs), codec
+                   step_costs=step_costs)
 
 
 def check_tensor_parallel(world, backend: str) -> None:

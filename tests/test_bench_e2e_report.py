@@ -249,7 +249,7 @@ def test_serving_rows_say_what_the_joiners_prefills_took(capsys):
 def test_idle_is_the_wall_time_no_launch_covers():
     """Prefills on the second stream overlap the steps: idle is what the union of launches leaves uncovered, not
     the sum of gaps between consecutive ones (hand-written event times, ms)."""
-    from dflash_trt.tools.bench_e2e import idle_pct, prefill_beside_steps_ms
+    from dflash_trt.tools.run_trace import idle_pct, prefill_beside_steps_ms
 
     class Clock:  # events are their times; elapsed_ms is their difference
         def sync_all(self):
@@ -273,7 +273,7 @@ def test_gc_pauses_counts_the_collections_inside_it():
     none leak in after it."""
     import gc
 
-    from dflash_trt.tools.bench_e2e import GcPauses
+    from dflash_trt.tools.run_trace import GcPauses
 
     with GcPauses() as p:
         gc.collect(0)
