@@ -72,27 +72,29 @@ class CandidateSelector(nn.Module):
         unary, cand = torch.topk(logits.float(), self.top_k, dim=-1)
         hp = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()
         succ = self.successor_codebook(cand).float()  # [B,γ,k,r]
+        # Every score the path can need, before it is walked: slot 0 after the anchor [B,k], and slot j after
+        # candidate i of slot j-1 [B,γ-1,k,k]. The walk is then one gather per slot (few launches in the graph).
+        first = unary[:, 0] + (succ[:, 0] @ (self.predecessor_codebook(anchor).float() * hp[:, 0])[:, :, None])[..., 0]
+        after = self.predecessor_codebook(cand[:, :-1]).float() * hp[:, 1:, None, :]  # [B,γ-1,k,r]
+        pair = unary[:, 1:, None, :] + after @ succ[:, 1:].transpose(-1, -2)
         if temperature is None:
             temperature = torch.zeros(anchor.shape[0], device=anchor.device)
         t = temperature.to(torch.float32)[:, None]
         greedy = t <= 0
         t = torch.where(greedy, torch.ones_like(t), t)
-        prev, path, qs = anchor, [], []
+        picks, qs, scores = [], [], first
         for j in range(cand.shape[1]):
-            a = self.predecessor_codebook(prev).float() * hp[:, j]  # [B,r]
-            scores = unary[:, j] + torch.matmul(succ[:, j], a[:, :, None])[..., 0]
+            if j:  # the row of slot j's pair scores that follows slot j-1's pick
+                scores = pair[:, j - 1].gather(1, picks[-1][:, None, None].expand(-1, 1, self.top_k))[:, 0]
             best = scores.argmax(-1)
-            q = torch.softmax(scores / t, -1)
             if u is not None:
-                pick = torch.where(greedy[:, 0], best, _inverse_cdf(q, u[:, j]))
-                onehot = nn.functional.one_hot(best, self.top_k).to(q.dtype)
-                qs.append(torch.where(greedy, onehot, q))
+                q = torch.softmax(scores / t, -1)
+                picks.append(torch.where(greedy[:, 0], best, _inverse_cdf(q, u[:, j])))
+                qs.append(torch.where(greedy, nn.functional.one_hot(best, self.top_k).to(q.dtype), q))
             else:
-                pick = best
-            prev = cand[:, j].gather(-1, pick[:, None])[:, 0]
-            path.append(prev)
-        q = torch.stack(qs, 1) if qs else None
-        return torch.stack(path, 1), cand, q
+                picks.append(best)
+        drafts = cand.gather(-1, torch.stack(picks, 1)[..., None])[..., 0]
+        return drafts, cand, torch.stack(qs, 1) if qs else None
 
 
 def _inverse_cdf(q, u):

@@ -109,13 +109,13 @@ def test_codebooks_stored_without_weight_suffix(ref, ours, tmp_path):
 
 
 def _paged_block(d, ctx_hidden, block_ids, **kw):
-    """Our graph path: ctx rows -> drafter pages -> block over the pages."""
-    cfg, R, Bs = d.cfg, ctx_hidden.shape[1], block_ids.shape[1]
-    pool = torch.zeros(cfg.num_layers, 2, 16, 8, cfg.num_kv_heads, cfg.head_dim)
-    bt = torch.randperm(16, generator=torch.Generator().manual_seed(3))[None]
-    kv_write(pool, d.ctx(ctx_hidden, torch.arange(R)[None])["dkv_rows"], bt, torch.tensor([0]), torch.tensor([R]))
-    return d.block(block_ids, R + torch.arange(Bs)[None], bt, torch.tensor([0]), torch.tensor([R]), pool,
-                   want_logits=True, **kw)
+    """Our graph path: ctx rows -> drafter pages -> block over the pages (on ctx_hidden's device)."""
+    cfg, R, Bs, dev = d.cfg, ctx_hidden.shape[1], block_ids.shape[1], ctx_hidden.device
+    pool = torch.zeros(cfg.num_layers, 2, 16, 8, cfg.num_kv_heads, cfg.head_dim, device=dev)
+    bt = torch.randperm(16, generator=torch.Generator().manual_seed(3))[None].to(dev)
+    zero, rows = torch.tensor([0], device=dev), torch.tensor([R], device=dev)
+    kv_write(pool, d.ctx(ctx_hidden, torch.arange(R, device=dev)[None])["dkv_rows"], bt, zero, rows)
+    return d.block(block_ids, R + torch.arange(Bs, device=dev)[None], bt, zero, rows, pool, want_logits=True, **kw)
 
 
 def test_block_logits_and_selector_equal_reference(ref, ours, monkeypatch):
@@ -219,3 +219,38 @@ def test_saved_config_is_the_reference_format(ref):
         raw = json.load(f)
     assert raw["architectures"] == ["DFlash2DraftModel"] and "conv_kernel_size" in raw["dflash_config"]
     assert DrafterConfig.from_dict(raw).dflash2
+
+
+@pytest.mark.gpu
+def test_cuda_block_and_steps_equal_the_cpu_module(tmp_path):
+    """A DFlash2 pair in our kernels' shapes, float32. The block on the GPU (our paged-attention kernel) equals the
+    CPU module: logits, candidates, the selector's path and q. The CUDA-graph steps (block, selector walk and
+    sparse-q rejection inside the graph) emit the CPU runtime's tokens with its accepted counts, greedy and sampled."""
+    from dflash_trt.runtime.load import load_runtime
+    from dflash_trt.tools.tiny import KERNEL_SHAPES, make_tiny_pair
+
+    tdir, ddir = make_tiny_pair(str(tmp_path), target_over=KERNEL_SHAPES["target_over"],
+                                drafter_over=dict(KERNEL_SHAPES["drafter_over"], **DFLASH2))
+    t = load_target(tdir, torch.float32)
+    d = load_drafter(ddir, t, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randn(1, 24, len(d.cfg.target_layer_ids) * t.cfg.hidden_size, generator=g)
+    block = torch.tensor([[5] + [d.cfg.mask_token_id] * (d.cfg.block_size - 1)])
+    draw = dict(temperature=torch.tensor([0.8]), draft_u=torch.rand(1, d.cfg.block_size - 1, generator=g))
+    with torch.no_grad():
+        for kw in ({}, draw):
+            cpu = _paged_block(d, ctx, block, **kw)
+            gpu = _paged_block(d.to("cuda"), ctx.cuda(), block.cuda(), **{k: v.cuda() for k, v in kw.items()})
+            d.to("cpu")
+            torch.testing.assert_close(gpu["logits"].cpu(), cpu["logits"], rtol=1e-4, atol=1e-4)
+            for k in ("drafts", "cand"):
+                assert torch.equal(gpu[k].cpu(), cpu[k]), k
+            if kw:  # q over the candidates: the draw's distribution (greedy rows return none)
+                torch.testing.assert_close(gpu["cand_q"].cpu(), cpu["cand_q"], rtol=1e-4, atol=1e-5)
+    sizes = PoolSizes(kv_blocks=32, page_size=8, max_seq_len=128, max_seqs=2, dkv_blocks=32, prefill_chunk=16)
+    prompt = torch.randint(0, 250, (20,), generator=g).tolist()
+    cpu, gpu = (load_runtime(tdir, ddir, sizes=sizes, **kw)[0] for kw in ({}, dict(device="cuda", dtype="float32")))
+    for kw in ({}, dict(temperature=0.8, seed=7)):
+        want, st = cpu.generate(prompt, 40, gamma=d.cfg.block_size - 1, **kw)
+        got, gst = gpu.generate(prompt, 40, gamma=d.cfg.block_size - 1, **kw)
+        assert got == want and gst.accepted == st.accepted, kw
