@@ -240,8 +240,9 @@ def test_cuda_block_and_steps_equal_the_cpu_module(tmp_path):
     with torch.no_grad():
         for kw in ({}, draw):
             cpu = _paged_block(d, ctx, block, **kw)
-            gpu = _paged_block(d.to("cuda"), ctx.cuda(), block.cuda(), **{k: v.cuda() for k, v in kw.items()})
-            d.to("cpu")
+            t.to("cuda"), d.to("cuda")  # the drafter reads the target's embedding and lm_head
+            gpu = _paged_block(d, ctx.cuda(), block.cuda(), **{k: v.cuda() for k, v in kw.items()})
+            t.to("cpu"), d.to("cpu")
             torch.testing.assert_close(gpu["logits"].cpu(), cpu["logits"], rtol=1e-4, atol=1e-4)
             for k in ("drafts", "cand"):
                 assert torch.equal(gpu[k].cpu(), cpu[k]), k
