@@ -79,7 +79,7 @@ class HostStepExecutor:
         write(rt.device, rt.pools, out, n, t, self._ctx_rows(x, out))
 
     # ---- the executor interface ----------------------------------------------------------
-    def launch_prefill(self, seqs, chunks: list[list[int]]) -> list[int]:
+    def launch_prefill(self, seqs, chunks: list[list[int]]) -> list:
         """One prefill chunk of each of `seqs` (pages reserved by the caller), batched in their bucket; returns the
         first token of each (the one a sequence keeps is its last chunk's)."""
         with self._stream():
@@ -98,9 +98,7 @@ class HostStepExecutor:
             first = self._sampler(rows).first(out["logits"][last], x["seq_len"] + valid)
         else:
             first = out["argmax"][last]
-        if lp:
-            return first_tokens(first[: len(seqs)], _logprobs(out["logits"][last], first))
-        return [int(t) for t in first[: len(seqs)]]
+        return first_tokens(first[: len(seqs)], _logprobs(out["logits"][last], first) if lp else None)
 
     def _sampler(self, rows):
         from dflash_trt.runtime.sampling import HostSampler

@@ -64,7 +64,8 @@ class Executor(Protocol):
         """One prefill chunk of each sequence as one launch; a pending handle per sequence (collect: first token)."""
 
     def collect(self, pending) -> Any:
-        """The result of a launch (waits for it): batching.StepResult, or a prefill row's first token (int)."""
+        """The result of a launch (waits for it): batching.StepResult, or a prefill row's first token
+        (logprobs.FirstToken: an int with its logprobs, or None)."""
 
     def landed(self, pending) -> bool:
         """Whether collect(pending) would return without waiting."""

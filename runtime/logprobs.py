@@ -90,11 +90,12 @@ class FirstToken(int):
     logprobs = None
 
 
-def first_tokens(firsts, triple) -> list:
-    """Per row, the prefill's first token with its own row of `triple` ([B] / [B, L] numpy arrays) attached."""
+def first_tokens(firsts, triple=None) -> list:
+    """Per row, the prefill's first token with its own row of `triple` ([B] / [B, L] numpy arrays) attached (None:
+    no row asked for logprobs)."""
     out = []
     for b, tok in enumerate(firsts):
         t = FirstToken(int(tok))
-        t.logprobs = tuple(x[b][None, None] for x in triple)
+        t.logprobs = None if triple is None else tuple(x[b][None, None] for x in triple)
         out.append(t)
     return out

@@ -290,7 +290,7 @@ class Scheduler:
             self._launch_collected(launch.req)
             if launch.req.status == RUNNING:  # else it left while its prefill was in flight
                 launch.req.seq.bonus = int(result)
-                self._emit(launch.req, [launch.req.seq.bonus], touched, getattr(result, "logprobs", None), 0)
+                self._emit(launch.req, [launch.req.seq.bonus], touched, result.logprobs, 0)
             return
         self._collect_step(launch, result, touched)
 

@@ -328,7 +328,7 @@ class GraphStepExecutor:
             self._unlanded.discard(pending.slot)  # its sequence's last chunk: the earlier ones ran before it
             r = pending.p.buf.take(pending.p)[pending.row:pending.row + 1]
             if not pending.p.buf.lp:
-                return int(r[0, 0])
+                return first_tokens(r[:, 0])[0]
             lp, ids, tlp = unpack(r[:, 2:], 1, self.top_width)
             return first_tokens(r[:, 0], (lp[:, 0], ids[:, 0], tlp[:, 0]))[0]
         r = pending.buf.take(pending)
