@@ -4,6 +4,13 @@ state the step left — host bookkeeping, the window the device attended, the dr
 and (with nothing else in flight) the per-slot device state."""
 import numpy as np
 import torch
+from spec_helpers import TableDrafter
+
+from dflash_trt.abi import PoolSizes
+from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
+from dflash_trt.runtime.backends.torch_backend import TorchBackend
+from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
+from dflash_trt.runtime.runtime import Runtime
 
 
 def dense_ctx_rows(target, drafter, tokens):
@@ -62,3 +69,23 @@ def run_batch(rt, prompts, max_new, joins, gamma, spec=True, release_at=None, ch
             break
         assert step < 10_000
     return {i: r.tokens for i, r in reqs.items()}, reqs
+
+
+# ---- the batch tests' sizes and requests, and a runtime over the GPU executor's CPU twin ----
+SIZES = PoolSizes(kv_blocks=160, page_size=4, max_seq_len=128, max_seqs=6, dkv_blocks=160, ctx_window=12,
+                  prefill_chunk=16)
+N_NEW = [20, 9, 24, 14, 6]
+JOINS = [0, 0, 2, 5, 6]
+
+
+def graph_runtime(target, drafter, prompts, greedy, inflight=1, sizes=SIZES):
+    d = TableDrafter(drafter, [list(p) + g for p, g in zip(prompts, greedy)], target.cfg.vocab_size,
+                     sizes.max_seq_len)
+    return Runtime(TorchBackend(target, d), target.cfg, drafter.cfg, sizes, device=TorchCpuDevice(),
+                   executor=lambda rt: GraphStepExecutor(rt, inflight=inflight))
+
+
+def full(rt):
+    """Every page and state slot back in its pool."""
+    return (rt.kv_alloc.num_free == rt.kv_alloc.num_total and rt.dkv_alloc.num_free == rt.dkv_alloc.num_total
+            and rt.slots.num_free == rt.slots.num_total)
