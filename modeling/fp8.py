@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from dflash_trt.config import ConfigError
+from dflash_trt.modeling.fp8_gemm import w8a8, w8a8_takes
 from dflash_trt.modeling.fuse import Linear, fp8_takes, linear
 from dflash_trt.modeling.mlp import Experts, SparseMoE
 from dflash_trt.plugins import ops
 from dflash_trt.plugins.gemv_fp8.reference import dequantize_blockwise, scale_rows as _rows  # noqa: F401
+from dflash_trt.plugins.gemv_fp8.spec import BLOCK
 from dflash_trt.quant import Fp8Config
 
 FP8 = torch.float8_e4m3fn
@@ -62,14 +64,19 @@ class Fp8Linear(nn.Module):
         return _dequantize(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x):
-        if fp8_takes(x, self.block):
-            return torch.ops.dflash.gemv_fp8(x, self.weight, self.weight_scale_inv)
-        return linear(x, self.dequantized(x.dtype))
+        return self._project(x, False)
 
     def fp32(self, x):
+        return self._project(x, True)
+
+    def _project(self, x, fp32_out: bool):
+        """1-16 rows on CUDA: the W8A16 kernel; wider x: W8A8 where its mode is on (modeling/fp8_gemm.py), else the
+        weight dequantized and a 16-bit GEMM."""
         if fp8_takes(x, self.block):
-            return torch.ops.dflash.gemv_fp8(x, self.weight, self.weight_scale_inv, True)
-        return linear(x, self.dequantized(x.dtype), fp32_out=True)
+            return torch.ops.dflash.gemv_fp8(x, self.weight, self.weight_scale_inv, fp32_out)
+        if self.block == (BLOCK, BLOCK) and w8a8_takes(x, self.weight):
+            return w8a8(x, self.weight, self.weight_scale_inv, fp32_out)
+        return linear(x, self.dequantized(x.dtype), fp32_out=fp32_out)
 
 
 class Fp8Experts(nn.Module):

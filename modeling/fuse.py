@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trt.modeling.fp8_gemm import w8a8, w8a8_takes
 from dflash_trt.plugins import torch_ops  # noqa: F401  (registers torch.ops.dflash.gemv)
 from dflash_trt.plugins.gemv import reference as gemv_reference
 from dflash_trt.plugins.gemv import spec as gemv_spec
@@ -124,10 +125,13 @@ def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> None:
 def linears(owner: nn.Module, names: tuple[str, ...], x) -> list:
     """[layer(x) for layer in names], as one GEMM when fuse_linears(owner, names) ran."""
     w = getattr(owner, BUFFER + names[0], None)
-    if w is not None and w.dtype == FP8:  # the fused FP8 GEMM where the kernel takes x, else each layer dequantizes
-        if not fp8_takes(x):
+    if w is not None and w.dtype == FP8:  # one FP8 GEMM where the kernel or W8A8 takes x, else each layer dequantizes
+        if fp8_takes(x):
+            y = torch.ops.dflash.gemv_fp8(x, w, getattr(owner, BUFFER + names[0] + SCALES))
+        elif w8a8_takes(x, w):
+            y = w8a8(x, w, getattr(owner, BUFFER + names[0] + SCALES))
+        else:
             return [getattr(owner, n)(x) for n in names]
-        y = torch.ops.dflash.gemv_fp8(x, w, getattr(owner, BUFFER + names[0] + SCALES))
     elif w is None:
         return [getattr(owner, n)(x) for n in names]
     else:

@@ -4,7 +4,7 @@ import torch
 
 # sparse MoE: 6 experts, top-3 (more than one selected, fewer than all), expert / shared widths unlike the dense one
 MOE = dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=40)
-# FP8 block-wise checkpoints (tests/test_fp8_checkpoint.py): every projection width a multiple of the 128 block
+# FP8 block-wise checkpoints (tests/fp8_helpers.py): every projection width a multiple of the 128 block
 # (the GDN b/a and router widths aside, kept unquantized as Qwen's releases do), 4 layers: still fast on a CPU
 FP8_DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=128, linear_key_head_dim=64, linear_value_head_dim=128,

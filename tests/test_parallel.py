@@ -318,7 +318,7 @@ def test_fp8_target_under_tp_matches_one_process(kind, tmp_path):
     """FP8 block-wise weights split with their 128x128 scale blocks (every split on a block boundary; the MoE's
     experts whole per rank, their scales with them): greedy tokens under TP 2 equal the single process's."""
     from hf_tiny import FP8_DIMS
-    from test_fp8_checkpoint import fp8_checkpoint, skip_list
+    from fp8_helpers import fp8_checkpoint, skip_list
 
     torch.set_num_threads(1)
     make_hf_model(kind, 1, str(tmp_path / "hf"), dims=dict(FP8_DIMS, **FP8_TP))
@@ -336,7 +336,7 @@ def test_fp8_split_inside_a_scale_block_refused_by_name(kind, dims, msg, tmp_pat
     """Key heads of 64 rows (in_proj_qkv), Qwen3-Next's 4-row in_proj_ba quantized as one partial block: refused
     before any rank starts."""
     from hf_tiny import FP8_DIMS
-    from test_fp8_checkpoint import fp8_checkpoint, skip_list
+    from fp8_helpers import fp8_checkpoint, skip_list
 
     make_hf_model(kind, 1, str(tmp_path / "hf"), dims={**FP8_DIMS, "num_key_value_heads": 2, **dims})
     fp8_checkpoint(str(tmp_path / "hf"), str(tmp_path / "fp8"), str(tmp_path / "ref"), skip_list(4))
