@@ -22,7 +22,6 @@ from dflash_trt.modeling.fuse import Linear, fp8_takes, linear
 from dflash_trt.modeling.mlp import Experts, SparseMoE
 from dflash_trt.plugins import ops
 from dflash_trt.plugins.gemv_fp8.reference import dequantize_blockwise, scale_rows as _rows  # noqa: F401
-from dflash_trt.plugins.gemv_fp8.spec import BLOCK
 from dflash_trt.quant import Fp8Config
 
 FP8 = torch.float8_e4m3fn
@@ -74,7 +73,7 @@ class Fp8Linear(nn.Module):
         weight dequantized and a 16-bit GEMM."""
         if fp8_takes(x, self.block):
             return torch.ops.dflash.gemv_fp8(x, self.weight, self.weight_scale_inv, fp32_out)
-        if self.block == (BLOCK, BLOCK) and w8a8_takes(x, self.weight):
+        if w8a8_takes(x, self.weight, self.block):
             return w8a8(x, self.weight, self.weight_scale_inv, fp32_out)
         return linear(x, self.dequantized(x.dtype), fp32_out=fp32_out)
 

@@ -27,24 +27,23 @@ E4M3_MAX = 448.0
 MIN_AMAX = 1e-10  # a group of zeros: scale from this, not 0 (its values quantize to 0 either way)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _groups(x, group: int):
+    """x [..., K] -> fp32 [..., ceil(K/group), group], the last group zero-padded."""
+    return F.pad(x.float(), (0, (-x.shape[-1]) % group)).unflatten(-1, (-1, group))
 
 
 def quantize_activations(x, group: int = BLOCK):
     """x [..., K] -> (xq float8_e4m3fn [..., K], scales fp32 [..., ceil(K/group)]): each token's channels in groups of
     `group`, scale = amax / 448, xq = clamp(x / scale) rounded to e4m3 (x ~= xq * scale)."""
-    K = x.shape[-1]
-    xf = F.pad(x.float(), (0, (-K) % group)).unflatten(-1, (-1, group))
+    xf = _groups(x, group)
     s = xf.abs().amax(-1).clamp(min=MIN_AMAX) / E4M3_MAX
     xq = (xf / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return xq.flatten(-2)[..., :K], s
+    return xq.flatten(-2)[..., :x.shape[-1]], s
 
 
 def dequantize_activations(xq, s, group: int = BLOCK):
-    K = xq.shape[-1]
-    xf = F.pad(xq.float(), (0, (-K) % group)).unflatten(-1, (-1, group)) * s[..., None]
-    return xf.flatten(-2)[..., :K]
+    """fp32 xq * its group's scale: the activations W8A8 multiplies."""
+    return (_groups(xq, group) * s[..., None]).flatten(-2)[..., :xq.shape[-1]]
 
 
 def w8a8_reference(x, w, scale_inv, fp32_out: bool = False):
@@ -67,13 +66,13 @@ def _scaled_mm(x, w, scale_inv, fp32_out: bool):
     return y.reshape(*x.shape[:-1], N)
 
 
-def w8a8_takes(x, w) -> bool:
-    """Whether an FP8 projection of weight w [N, K] runs x as W8A8: the mode is w8a8, x has more rows than the W8A16
-    kernel takes, K is whole 128-blocks, no autograd, not an ONNX export (graphs carry the W8A16 reference); on CUDA
-    where scaled_mm's block scaling runs (sm_90)."""
+def w8a8_takes(x, w, block=(BLOCK, BLOCK)) -> bool:
+    """Whether an FP8 projection of weight w [N, K] with scale blocks `block` runs x as W8A8: the mode is w8a8, the
+    blocks are 128x128, x has more rows than the W8A16 kernel takes, K is whole 128-blocks, no autograd, not an ONNX
+    export (graphs carry the W8A16 reference); on CUDA where scaled_mm's block scaling runs (sm_90)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if (MODE != "w8a8" or rows <= MAX_ROWS or x.shape[-1] % BLOCK or torch.is_grad_enabled()
-            or torch.onnx.is_in_onnx_export()):
+    if (MODE != "w8a8" or tuple(block) != (BLOCK, BLOCK) or rows <= MAX_ROWS or x.shape[-1] % BLOCK
+            or torch.is_grad_enabled() or torch.onnx.is_in_onnx_export()):
         return False
     if not x.is_cuda:
         return True

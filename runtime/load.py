@@ -72,7 +72,8 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     float32 / bfloat16 / float16) with pools owned by a CudaDevice and one CUDA graph per step.
     ort: the ONNX graphs for verify widths `ks` (CPU; None: the default widths), exported once into the cache
     (keyed by both checkpoint hashes, sizes and exporter version) and reused after. trt: that export's TensorRT
-    engines (built once into the cache entry) on a CudaDevice's pools, one CUDA graph per step; refused in one line where engines cannot run.
+    engines (built once into the cache entry) on a CudaDevice's pools, one CUDA graph per step; refused in one line
+    where engines cannot run.
     export_dir (ort, trt): a `dflash-trt export --out` directory of these checkpoints used instead of the cache
     (checked against the checkpoints' hashes, the widths ks (None: K=1, the run takes the widths it holds), the
     sizes when given and the dtype).
@@ -139,9 +140,8 @@ def _graphs_runtime(backend, model_dir, drafter_dir, sizes, step_costs, ks, devi
 
     need = (1,) if ks is None else ks  # what a user's export must hold
     ks = DEFAULT_KS if ks is None else ks  # what the cache's export gets
-    exp = dict(dtype=dtype) if backend == "trt" else {}
     man = export_dir and checked_export(export_dir, model_dir, drafter_dir, need, sizes, dtype) \
-        or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes(), **exp)
+        or ensure_export(model_dir, drafter_dir, ks=ks, sizes=sizes or PoolSizes(), dtype=dtype)
     if backend == "ort":
         be = make_backend("ort", manifest=man)
         return Runtime(be, be.tcfg, be.dcfg, be.sizes, step_costs=step_costs)
