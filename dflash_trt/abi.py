@@ -10,6 +10,7 @@ target_k{K} / target_prefill (T = K, or the prefill chunk):
        gdn_k[Lg,B,T,Hk,dk], gdn_v[Lg,B,T,Hv,dv], gdn_g[Lg,B,T,Hv], gdn_beta[Lg,B,T,Hv]   (verify: fold data)
        gdn_state[Lg,B,Hv,dk,dv]                                          (prefill: final state instead)
        (+ logits[B,T,V] f32 when sampling)
+       prefill: argmax[B,1] and logits[B,1,V] of row valid_len-1 only (the next token; the lm_head on one row)
 drafter_ctx (R rows):  in: ctx_hidden[B,R,n_taps*H], positions[B,R]  out: dkv_rows[Ld,2,B,R,Hkv_d,hd_d]
 drafter_block:         in: block_ids[B,Bs], positions[B,Bs], block_table[B,MBd], kv_start[B], kv_len[B], dkv_pool
                        out: drafts[B,Bs-1] i64 (+ logits[B,Bs,V])          Bs = the drafter's block_size
@@ -166,7 +167,8 @@ def graph_io(name: str, t: TargetConfig, d: DrafterConfig | None, s: PoolSizes, 
         ins = [("input_ids", (B, T), "int64"), ("positions", (B, T), "int64"), ("slot", (B,), "int64"),
                ("seq_len", (B,), "int64"), ("block_table", (B, s.max_blocks), "int64")]
         ins += [(p, *pools[p]) for p in ("kv_pool", "gdn_pool", "conv_pool")]
-        outs = [("argmax", (B, T), "int64"),
+        rows = 1 if name == PREFILL else T  # a prefill chunk's logits: its last valid row only (the next token)
+        outs = [("argmax", (B, rows), "int64"),
                 ("kv_rows", (La, 2, B, T, t.num_kv_heads, t.head_dim), kv_dtype),
                 ("conv_cols", (Lg, B, T, t.conv_dim), kv_dtype)]
         if n_taps:
@@ -180,7 +182,7 @@ def graph_io(name: str, t: TargetConfig, d: DrafterConfig | None, s: PoolSizes, 
                      ("gdn_g", (Lg, B, T, t.lin_num_v_heads), "float32"),
                      ("gdn_beta", (Lg, B, T, t.lin_num_v_heads), "float32")]
         if want_logits:
-            outs.append(("logits", (B, T, t.vocab_size), "float32"))
+            outs.append(("logits", (B, rows, t.vocab_size), "float32"))
         return ins, outs
     if d is None:
         raise ValueError(f"graph '{name}' needs a drafter config")

@@ -24,7 +24,7 @@ from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig, read_jso
 from dflash_trt.hashing import sha256_files
 
 FORMAT = "dflash-trt-manifest"
-VERSION = 2  # 2: every graph record carries the sha256 of its files
+VERSION = 3  # 2: every graph record carries the sha256 of its files; 3: target_prefill's argmax/logits are [B, 1]
 FILENAME = "manifest.json"
 
 
@@ -115,7 +115,8 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise ManifestError(f"{path}: not a dflash-trt manifest (format {data.get('format')!r}, expected {FORMAT!r})")
         if data.get("version") != VERSION:
-            raise ManifestError(f"{path}: manifest version {data.get('version')} but this dflash-trt reads {VERSION}")
+            raise ManifestError(f"{path}: manifest version {data.get('version')} but this dflash-trt reads {VERSION}; "
+                                f"re-run `dflash-trt export`")
         for key in ("ks", "batch", "sizes", "target", "graphs", "kv_dtype", "want_logits", "pools"):
             if key not in data:
                 raise ManifestError(f"{path}: missing field '{key}'")

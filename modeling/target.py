@@ -69,6 +69,13 @@ def apply_rope(x, cos, sin):
 ARGMAX_SPLIT = 4096  # a CUDA argmax over more columns than this runs in two stages
 
 
+def last_rows(h, valid_len):
+    """h [B, T, H] -> [B, 1, H]: row valid_len - 1 of each sequence (row 0 where valid_len is 0), the one row of a
+    prefill chunk whose logits are read (the next token); the lm_head then runs on B rows, not B x chunk."""
+    idx = (valid_len - 1).clamp(min=0).view(-1, 1, 1).expand(-1, 1, h.shape[-1])
+    return h.gather(1, idx)
+
+
 def argmax_last(logits):
     """logits.argmax(-1), the first index among equal maxima. On CUDA, a large vocabulary is reduced in two stages
     (per 4096-column chunk, then over chunks): Inductor gives a one-row argmax one thread block (figures:
@@ -358,7 +365,8 @@ class TargetModel(nn.Module):
         """One target graph. input_ids/positions [B,T] int64; slot, seq_len [B]; block_table [B,max_blocks];
         kv_pool [La,2,blocks,bs,Hkv,hd]; gdn_pool [Lg,slots,Hv,dk,dv] fp32; conv_pool [Lg,slots,C,W-1].
         valid_len [B] (prefill only): rows >= valid_len are padding; the GDN state is then returned as the
-        final state after valid_len rows ('gdn_state') instead of fold data."""
+        final state after valid_len rows ('gdn_state') instead of fold data, and argmax / logits are row
+        valid_len - 1's alone ([B, 1]: the next token)."""
         cfg = self.cfg
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, h.dtype)
@@ -382,7 +390,7 @@ class TargetModel(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in self.tap_ids:
                 taps[i] = self._tap(i, h)
-        logits = self.logits(h)
+        logits = self.logits(h if valid_len is None else last_rows(h, valid_len))
         out = {
             "argmax": argmax_last(logits),
             "kv_rows": torch.stack(kv_rows) if kv_rows else None,

@@ -93,12 +93,12 @@ class HostStepExecutor:
         sampled, lp = samples(rows), logprobs_k(rows) is not None
         out = self._target(PREFILL, x, pr["ids"], valid, logits=sampled or lp)
         self._commit(x, out, valid)
-        last = (np.arange(len(rows)), np.maximum(valid - 1, 0))
+        last = out["logits"][:, 0] if sampled or lp else None  # the chunk's last valid row
         if sampled:  # the first new token, at position seq_len + len(chunk)
-            first = self._sampler(rows).first(out["logits"][last], x["seq_len"] + valid)
+            first = self._sampler(rows).first(last, x["seq_len"] + valid)
         else:
-            first = out["argmax"][last]
-        return first_tokens(first[: len(seqs)], _logprobs(out["logits"][last], first) if lp else None)
+            first = out["argmax"][:, 0]
+        return first_tokens(first[: len(seqs)], _logprobs(last, first) if lp else None)
 
     def _sampler(self, rows):
         from dflash_trt.runtime.sampling import HostSampler

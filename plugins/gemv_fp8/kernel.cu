@@ -25,3 +25,5 @@ FP8_U(1, bf16, false)
 FP8_U(2, bf16, false)
 FP8_U(1, f16, true)
 FP8_U(2, f16, true)
+
+#include "gemv_fp8/quant.cuh"  // fp8_quant_groups_{bf16,f16}: W8A8's activations (reference.quantize_activations)

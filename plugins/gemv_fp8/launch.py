@@ -17,3 +17,17 @@ def gemv_fp8(w, scale, x, y, *, M, N, K, dtype="bfloat16", y_fp32=False, stream=
     threads = spec.warps(N, K) * 32
     launch(fn, (min(tiles, resident_ctas(fn, threads)), 1, 1), (threads, 1, 1), 0, stream,
            [(w, P), (scale, P), (x, P), (y, P), (M, I), (N, I), (K, I), (int(bool(y_fp32)), I)], pdl=True)
+
+
+QUANT_WARPS = 8  # warps per CTA of the quantization kernel: one warp per (row, 128-channel group)
+
+
+def quantize_groups(x, xq, s, *, M, K, ld_s, dtype="bfloat16", stream=0):
+    """xq [M,K] e4m3, s [K/128][ld_s] fp32 <- x [M,K] 16-bit (K % 128 == 0; quant.cuh), all contiguous."""
+    kernel_need(K % spec.BLOCK == 0 and ld_s >= M and dtype in spec.DTYPES,
+                f"fp8_quant_groups: needs K a multiple of {spec.BLOCK}, ld_s >= M and a 16-bit x "
+                f"(got M={M}, K={K}, ld_s={ld_s}, {dtype})")
+    fn = get_function("gemv_fp8", spec.quant_kernel_name(dtype))
+    warps = M * (K // spec.BLOCK)
+    launch(fn, (-(-warps // QUANT_WARPS), 1, 1), (QUANT_WARPS * 32, 1, 1), 0, stream,
+           [(x, P), (xq, P), (s, P), (M, I), (K, I), (ld_s, I)])

@@ -3,7 +3,8 @@
 
 gemv_fp8: W = dequantize_blockwise(w, scale_inv) in fp32 (one fp32 product per weight), then x @ W.T in fp32,
 rounded once to x's dtype unless fp32_out. gemv_fp8_swiglu: gate and up rounded to x's dtype, then silu(gate) * up as
-eager torch rounds the unfused MLP (gemv/reference.py)."""
+eager torch rounds the unfused MLP (gemv/reference.py). w8a8_gemm: the activations quantized to e4m3 per token and
+group of 128 channels (quantize_activations), both operands dequantized, x @ W.T in fp32 (the W8A8 op's math)."""
 from __future__ import annotations
 
 import torch
@@ -42,3 +43,32 @@ def gemv_fp8(x, w, scale_inv, fp32_out=False):
 def gemv_fp8_swiglu(x, w, scale_inv):
     gate, up = gemv_fp8(x, w, scale_inv).chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+E4M3_MAX = 448.0
+MIN_AMAX = 1e-10  # a group of zeros: scale from this, not 0 (its values quantize to 0 either way)
+
+
+def _groups(x, group: int):
+    """x [..., K] -> fp32 [..., ceil(K/group), group], the last group zero-padded."""
+    return F.pad(x.float(), (0, (-x.shape[-1]) % group)).unflatten(-1, (-1, group))
+
+
+def quantize_activations(x, group: int = BLOCK):
+    """x [..., K] -> (xq float8_e4m3fn [..., K], scales fp32 [..., ceil(K/group)]): each token's channels in groups of
+    `group`, scale = amax / 448, xq = clamp(x / scale) rounded to e4m3 (x ~= xq * scale)."""
+    xf = _groups(x, group)
+    s = xf.abs().amax(-1).clamp(min=MIN_AMAX) / E4M3_MAX
+    xq = (xf / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return xq.flatten(-2)[..., :x.shape[-1]], s
+
+
+def dequantize_activations(xq, s, group: int = BLOCK):
+    """fp32 xq * its group's scale: the activations W8A8 multiplies."""
+    return (_groups(xq, group) * s[..., None]).flatten(-2)[..., :xq.shape[-1]]
+
+
+def w8a8_gemm(x, w, scale_inv, fp32_out=False):
+    xq, s = quantize_activations(x)
+    y = F.linear(dequantize_activations(xq, s), dequantize_blockwise(w, scale_inv, (BLOCK, BLOCK)))
+    return y if fp32_out else y.to(x.dtype)

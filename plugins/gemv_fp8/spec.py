@@ -74,7 +74,12 @@ def kernel_variants() -> list[str]:
     """Every entry kernel.cu instantiates (the NVRTC test checks the PTX against this list)."""
     uw = [(1, gemv_spec.WARPS), (2, gemv_spec.WARPS), (4, gemv_spec.WARPS), (2, gemv_spec.NARROW_WARPS)]
     return [f"fp8_n{n}_u{u}_w{w}_{d}{s}" for n in (1, 2) for u, w in uw for d in ("bf16", "f16")
-            for s in ("", "_swiglu")]
+            for s in ("", "_swiglu")] + [quant_kernel_name(d) for d in DTYPES]
+
+
+def quant_kernel_name(dtype: str) -> str:
+    """quant.cuh's entry for x of `dtype`: W8A8's activation quantization."""
+    return f"fp8_quant_groups_{'bf16' if dtype == 'bfloat16' else 'f16'}"
 
 
 def tiles(N: int, swiglu: bool = False) -> int:

@@ -4,10 +4,17 @@ reach them through modeling/fp8.py (Fp8Linear), which sends only the calls the k
 
   gemv_fp8(x [*,K], w [N,K] e4m3, scale_inv [ceil(N/128),ceil(K/128)] fp32, fp32_out=False) -> y [*,N]
   gemv_fp8_swiglu(x [*,K], w [2I,K], scale_inv [2I/128,ceil(K/128)]) -> y [*,I] = silu(x @ gate.T) * (x @ up.T)
+  w8a8_gemm(x [*,K], w [N,K], scale_inv [ceil(N/128),K/128], fp32_out=False) -> y [*,N]: W8A8 (reference.w8a8_gemm),
+    K a multiple of 128, any number of rows. CUDA: quant.cuh's activation quantization, then torch's block-scaled
+    scaled_mm (cuBLASLt, 1x128 x 128x128 scales) where it runs (compute capability 9.0, N % 16 == 0), else the
+    reference math on the device.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_trt.plugins import torch_util as U
@@ -72,3 +79,57 @@ def _gemv_fp8_swiglu_cuda(x, w, scale_inv):
 @gemv_fp8_swiglu.register_fake
 def _gemv_fp8_swiglu_fake(x, w, scale_inv):
     return x.new_empty(*x.shape[:-1], w.shape[0] // 2)
+
+
+@torch.library.custom_op("dflash::w8a8_gemm", mutates_args=())
+def w8a8_gemm(x: Tensor, w: Tensor, scale_inv: Tensor, fp32_out: bool = False) -> Tensor:
+    raise NotImplementedError("dflash::w8a8_gemm: no kernel for this device")
+
+
+@w8a8_gemm.register_kernel("cpu")
+def _w8a8_gemm_cpu(x, w, scale_inv, fp32_out=False):
+    return reference.w8a8_gemm(x, w, scale_inv, fp32_out)
+
+
+@functools.lru_cache(maxsize=None)
+def block_scaled_mm_runs(device_index: int) -> bool:
+    """torch's block-scaled FP8 GEMM (F.scaled_mm with BlockWise1x128 x BlockWise128x128) runs on sm_90 only."""
+    return hasattr(F, "scaled_mm") and torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@w8a8_gemm.register_kernel("cuda")
+def _w8a8_gemm_cuda(x, w, scale_inv, fp32_out=False):
+    K, N = x.shape[-1], w.shape[0]
+    need(K % spec.BLOCK == 0 and scale_inv.shape == spec.scale_shape(N, K),
+         f"w8a8_gemm: K={K} must be whole {spec.BLOCK}-blocks and scale_inv {tuple(scale_inv.shape)} "
+         f"{spec.scale_shape(N, K)}")
+    if (not block_scaled_mm_runs(x.device.index or 0) or N % 16 or x.dtype not in (torch.bfloat16, torch.float16)):
+        return reference.w8a8_gemm(x, w, scale_inv, fp32_out)
+    xq, s = quantize_activations_cuda(x.reshape(-1, K))
+    # B = w.T [K, N] column-major; its scales [round_up(kb, 4), N/128] column-major (zero rows past kb)
+    sb = F.pad(scale_inv.float(), (0, (-scale_inv.shape[1]) % 4)).t()
+    y = F.scaled_mm(xq, w.t(), s, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
+                    output_dtype=torch.float32 if fp32_out else x.dtype)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def quantize_activations_cuda(x2):
+    """reference.quantize_activations of a 16-bit x2 [M, K] (K % 128 == 0) by quant.cuh: (xq [M, K] e4m3, s [M, K/128]
+    fp32), s column-major with a leading dimension of whole 4-row groups (the A-scale layout scaled_mm checks)."""
+    x2 = x2.contiguous()
+    (M, K), ld = x2.shape, _round_up(max(x2.shape[0], 1), 4)
+    xq = torch.empty(M, K, device=x2.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(K // spec.BLOCK, ld, device=x2.device, dtype=torch.float32)
+    if M:
+        launch.quantize_groups(x2.data_ptr(), xq.data_ptr(), s.data_ptr(), M=M, K=K, ld_s=ld, dtype=U.dname(x2),
+                               stream=U.stream(x2))
+    return xq, s[:, :M].t()
+
+
+@w8a8_gemm.register_fake
+def _w8a8_gemm_fake(x, w, scale_inv, fp32_out=False):
+    return x.new_empty(*x.shape[:-1], w.shape[0], dtype=torch.float32 if fp32_out else x.dtype)

@@ -169,10 +169,9 @@ class FusedSteps:
         ix, gi = self._index(b, start)
         out = self._target(PREFILL, ids, pos, gi, valid, logits=rp is not None or "logprobs" in b)
         self._commit(out, valid, b, ix, start, pos)
-        last = (valid - 1).clamp(min=0)
-        lg = None if "logits" not in out else out["logits"][torch.arange(ids.shape[0], device=ids.device), last]
+        lg = None if "logits" not in out else out["logits"][:, 0]  # the chunk's last valid row
         if rp is None:
-            first = out["argmax"].gather(1, last[:, None])[:, 0]
+            first = out["argmax"][:, 0]
         else:  # the first new token, at position start + valid
             first = sample(token_probs(lg, rp), uniform(rp["seed"], start + valid, TOKEN))
         lp = _logprobs(b, lg, first)
