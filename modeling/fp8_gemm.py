@@ -16,19 +16,21 @@ import os
 import torch
 
 from dflash_trt.config import ConfigError
-from dflash_trt.plugins.gemv_fp8.spec import BLOCK, MAX_ROWS
+from dflash_trt.abi import MAX_K
+from dflash_trt.plugins.gemv_fp8.spec import BLOCK
 
 MODES = ("w8a16", "w8a8")
 MODE = os.environ.get("DFLASH_TRT_FP8_GEMM", "w8a16")
 
 
 def w8a8_takes(x, w, block=(BLOCK, BLOCK)) -> bool:
-    """Whether an FP8 projection of weight w [N, K] with scale blocks `block` runs x as W8A8: the mode is w8a8, the
-    blocks are 128x128, x has more rows than the W8A16 kernel takes, K is whole 128-blocks, no autograd, not an ONNX
-    export (graphs carry the W8A16 reference)."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return not (MODE != "w8a8" or tuple(block) != (BLOCK, BLOCK) or rows <= MAX_ROWS or x.shape[-1] % BLOCK
-                or torch.is_grad_enabled() or torch.onnx.is_in_onnx_export())
+    """Whether an FP8 projection of weight w [N, K] with scale blocks `block` runs x [..., T, K] as W8A8: the mode is
+    w8a8, the blocks are 128x128, T (rows of one sequence) is wider than any verify step (abi.MAX_K), K is whole
+    128-blocks, no autograd, not an ONNX export (graphs carry the W8A16 reference).
+    Why T and not all rows: decode and verify steps then never run W8A8 at any batch size, so a verify computes
+    the rows a plain decode would (spec == plain greedy); only prefill chunks take it."""
+    return not (MODE != "w8a8" or tuple(block) != (BLOCK, BLOCK) or x.dim() < 2 or x.shape[-2] <= MAX_K
+                or x.shape[-1] % BLOCK or torch.is_grad_enabled() or torch.onnx.is_in_onnx_export())
 
 
 def w8a8(x, w, scale_inv, fp32_out: bool = False):

@@ -1,6 +1,6 @@
 """W8A8 for FP8 projections wider than the W8A16 kernel's 16 rows (modeling/fp8_gemm.py, DFLASH_TRT_FP8_GEMM=w8a8):
 activations quantized per token and 128-channel group within e4m3's rounding, the product exactly that math in fp32,
-its distance to W8A16 inside the activation-rounding bound, the dispatch (wide rows only; never under autograd or in
+its distance to W8A16 inside the activation-rounding bound, the dispatch (prefill-wide rows of a sequence only; never under autograd or in
 an ONNX export), and on a tiny FP8 model the prefill logits' top-10 KL to W8A16 and top-1 agreement. On a GPU: the
 activation quantization kernel bit for bit, and dflash::w8a8_gemm (scaled_mm on Hopper) against the same math.""" 
 import pytest
@@ -56,11 +56,15 @@ def test_product_is_its_math_and_within_the_rounding_bound():
     assert w8a8_reference(x, w, s).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("mode,rows,grad,taken", [("w8a8", 17, False, True), ("w8a8", 16, False, False),
-                                                  ("w8a16", 17, False, False), ("w8a8", 17, True, False)])
-def test_dispatch(monkeypatch, mode, rows, grad, taken):
+# (batch, rows of a sequence): a 17-row prefill chunk takes W8A8; a batch of 4 verify steps of 16 rows (64 rows)
+# does not, so verify and decode compute the same rows at any batch
+@pytest.mark.parametrize("mode,shape,grad,taken", [("w8a8", (1, 17), False, True), ("w8a8", (1, 16), False, False),
+                                                   ("w8a8", (4, 16), False, False), ("w8a16", (1, 17), False, False),
+                                                   ("w8a8", (1, 17), True, False)])
+def test_dispatch(monkeypatch, mode, shape, grad, taken):
     monkeypatch.setattr(fp8_gemm, "MODE", mode)
-    x, w, s = _operands(rows=rows, dtype=torch.float32)
+    x, w, s = _operands(rows=shape[0] * shape[1], dtype=torch.float32)
+    x = x.view(*shape, -1)
     lin = Fp8Linear(512, 384, (128, 128))
     lin.weight.data, lin.weight_scale_inv.data = w, s
     with torch.set_grad_enabled(grad):
