@@ -57,10 +57,11 @@ def test_product_is_its_math_and_within_the_rounding_bound():
 
 
 # (batch, rows of a sequence): a 17-row prefill chunk takes W8A8; a batch of 4 verify steps of 16 rows (64 rows)
-# does not, so verify and decode compute the same rows at any batch
+# does not, so verify and decode compute the same rows at any batch; auto is W8A16 on the CPU (W8A8 only where
+# the block-scaled GEMM runs)
 @pytest.mark.parametrize("mode,shape,grad,taken", [("w8a8", (1, 17), False, True), ("w8a8", (1, 16), False, False),
                                                    ("w8a8", (4, 16), False, False), ("w8a16", (1, 17), False, False),
-                                                   ("w8a8", (1, 17), True, False)])
+                                                   ("w8a8", (1, 17), True, False), ("auto", (1, 17), False, False)])
 def test_dispatch(monkeypatch, mode, shape, grad, taken):
     monkeypatch.setattr(fp8_gemm, "MODE", mode)
     x, w, s = _operands(rows=shape[0] * shape[1], dtype=torch.float32)
@@ -105,7 +106,7 @@ def test_prefill_logits_close_to_w8a16(fp8_model, monkeypatch):
 # Hopper's FP8 MMA keeps about 14 bits of its running sum inside a 128-column block (DeepSeek-V3's report; measured
 # 7e-5 of sum |x||w| here), so the GEMM is held to 2^-12 of that sum, bf16 output rounding on top
 ACCUMULATION = 2.0 ** -12
-GPU_SHAPES = ((17, 512), (40, 512), (301, 640))  # 301 rows: A's scale columns padded to 4-row groups; K/128 = 5
+GPU_SHAPES = ((17, 512), (40, 512), (301, 640))  # 17, 301 rows: padded to whole 4-row groups; K/128 = 5
 
 
 @pytest.mark.gpu
@@ -135,3 +136,15 @@ def test_cuda_w8a8_is_the_reference(fp32_out):
         scale = dequantize_activations(xq, sx).abs() @ dequantize_blockwise(w, s, (128, 128)).abs().T
         tol = (2.0 ** -8 * want.abs() if not fp32_out else 0) + ACCUMULATION * scale
         assert ((got - want).abs() <= tol).all(), (rows, K, float(((got - want).abs() / scale).max()))
+
+
+@pytest.mark.gpu
+def test_auto_takes_w8a8_where_the_block_scaled_gemm_runs(monkeypatch):
+    """The default mode on a GPU: prefill-wide rows run W8A8 exactly where torch's block-scaled GEMM runs (sm_90)."""
+    from dflash_trt.plugins.gemv_fp8.torch_op import block_scaled_mm_runs
+
+    monkeypatch.setattr(fp8_gemm, "MODE", "auto")
+    x, w, _ = _operands(rows=17, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert w8a8_takes(x.cuda()[None], w.cuda()) == block_scaled_mm_runs(torch.cuda.current_device())
+        assert not w8a8_takes(x.cuda()[None, :16], w.cuda())

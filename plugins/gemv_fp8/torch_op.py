@@ -109,12 +109,16 @@ def _w8a8_gemm_cuda(x, w, scale_inv, fp32_out=False):
          f"{spec.scale_shape(N, K)}")
     if (not block_scaled_mm_runs(x.device.index or 0) or N % 16 or x.dtype not in (torch.bfloat16, torch.float16)):
         return reference.w8a8_gemm(x, w, scale_inv, fp32_out)
-    xq, s = quantize_activations_cuda(x.reshape(-1, K))
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    # A's scales column-major with a leading dimension of exactly its rows, a multiple of 4 (torch versions check
+    # one or the other): rows padded with zeros to whole groups of 4 where M is not
+    xq, s = quantize_activations_cuda(F.pad(x2, (0, 0, 0, (-M) % 4)))
     # B = w.T [K, N] column-major; its scales [round_up(kb, 4), N/128] column-major (zero rows past kb)
     sb = F.pad(scale_inv.float(), (0, (-scale_inv.shape[1]) % 4)).t()
     y = F.scaled_mm(xq, w.t(), s, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
                     output_dtype=torch.float32 if fp32_out else x.dtype)
-    return y.reshape(*x.shape[:-1], N)
+    return y[:M].reshape(*x.shape[:-1], N)
 
 
 def quantize_activations_cuda(x2):
