@@ -76,7 +76,9 @@ class SparseMoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        logits, shared_gate = linears(self, self.GATES, xf)
+        # the dense projections see x's rows per sequence [..., T, H] (FP8 prefill-only W8A8 keys on T:
+        # modeling/fp8_gemm.w8a8_takes), the routed experts its rows flat
+        logits, shared_gate = (y.reshape(-1, y.shape[-1]) for y in linears(self, self.GATES, x))
         routed = self.experts(xf, *self.top_k_of(logits))
-        shared = torch.sigmoid(shared_gate) * self.shared_expert(xf)
+        shared = torch.sigmoid(shared_gate) * self.shared_expert(x).reshape(-1, shape[-1])
         return (routed + shared).reshape(shape)

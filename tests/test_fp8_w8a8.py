@@ -1,8 +1,9 @@
 """W8A8 for FP8 projections wider than the W8A16 kernel's 16 rows (modeling/fp8_gemm.py, DFLASH_TRT_FP8_GEMM=w8a8):
 activations quantized per token and 128-channel group within e4m3's rounding, the product exactly that math in fp32,
-its distance to W8A16 inside the activation-rounding bound, the dispatch (prefill-wide rows of a sequence only; never under autograd or in
-an ONNX export), and on a tiny FP8 model the prefill logits' top-10 KL to W8A16 and top-1 agreement. On a GPU: the
-activation quantization kernel bit for bit, and dflash::w8a8_gemm (scaled_mm on Hopper) against the same math.""" 
+its distance to W8A16 inside the activation-rounding bound, the dispatch (prefill-wide rows of a sequence only, MoE
+blocks included; never under autograd or in an ONNX export), and on a tiny FP8 model the prefill logits' top-10 KL
+to W8A16 and top-1 agreement. On a GPU: the activation quantization kernel bit for bit, and dflash::w8a8_gemm
+(scaled_mm on Hopper) against the same math."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,6 +102,25 @@ def test_prefill_logits_close_to_w8a16(fp8_model, monkeypatch):
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean()
     assert kl.mean() < 1e-2 and agree >= 0.9, (float(kl.mean()), float(agree))
     assert (got - ref).abs().max() > 0
+
+
+def test_verify_batches_never_take_w8a8(tmp_path, monkeypatch):
+    """An FP8 MoE model (Qwen3-Next layout): a batch of verify-wide steps (4 sequences x 16 rows) takes no W8A8 in any projection, the MoE blocks' dense
+    ones (shared expert, gates) included though the routed experts see the 64 rows flat."""
+    calls = []
+    monkeypatch.setattr(reference, "w8a8_gemm", lambda *a, **k: calls.append(1) or w8a8_reference(*a, **k))
+    monkeypatch.setattr(fp8_gemm, "MODE", "w8a8")
+    make_hf_model("qwen3_next_moe", 1, str(tmp_path / "hf"), dims=FP8_DIMS)
+    fp8_checkpoint(str(tmp_path / "hf"), str(tmp_path / "fp8"), str(tmp_path / "ref"), skip_list(4))
+    model = load_target(str(tmp_path / "fp8"), torch.float32)
+    assert any(isinstance(m, Fp8Linear) for m in model.layers[3].mlp.shared_expert.modules())
+    ids = torch.randint(0, 250, (4, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.forward_full(ids, want_logits=False)
+    assert calls == []
+    with torch.no_grad():  # the same rows as one 64-row prefill chunk do take it
+        model.forward_full(ids.view(1, 64), want_logits=False)
+    assert calls
 
 
 # Hopper's FP8 MMA keeps about 14 bits of its running sum inside a 128-column block (DeepSeek-V3's report; measured
