@@ -62,14 +62,15 @@ def check_checkpoint_dir(d: str, what: str) -> None:
 
 def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = "torch",
                  sizes: PoolSizes | None = None, step_costs=None, ks=DEFAULT_KS, device: str = "cpu",
-                 dtype: str | None = None, compile_steps: bool = False,
+                 dtype: str | None = None, compile_steps: bool = True,
                  export_dir: str | None = None,
                  gpu_memory_utilization: float | None = None,
                  tensor_parallel_size: int = 1) -> tuple[Runtime, object]:
     """Build a Runtime over the chosen backend; returns (runtime, codec). step_costs: as for Runtime (the step times
     auto draft length weighs; None: the default cost model).
     torch: the reference modules; on device="cpu" in float32 with numpy pools, on device="cuda" (dtype
-    float32 / bfloat16 / float16) with pools owned by a CudaDevice and one CUDA graph per step.
+    float32 / bfloat16 / float16; None: the checkpoint's own, default_dtype) with pools owned by a CudaDevice and one
+    CUDA graph per step.
     ort: the ONNX graphs for verify widths `ks` (CPU; None: the default widths), exported once into the cache
     (keyed by both checkpoint hashes, sizes and exporter version) and reused after. trt: that export's TensorRT
     engines (built once into the cache entry) on a CudaDevice's pools, one CUDA graph per step; refused in one line
@@ -77,8 +78,9 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     export_dir (ort, trt): a `dflash-trt export --out` directory of these checkpoints used instead of the cache
     (checked against the checkpoints' hashes, the widths ks (None: K=1, the run takes the widths it holds), the
     sizes when given and the dtype).
-    compile_steps (torch on CUDA): the steps through Inductor, faster steps for a compile per step key on first use
-    (runtime/backends/torch_compile.py; figures: docs/PERF.md). A missing GPU fails with one clear line.
+    compile_steps (torch on CUDA; on by default): the steps through Inductor, faster steps for a compile per step key
+    on first use, kept in the cache for later processes (runtime/backends/torch_compile.py; figures: docs/PERF.md);
+    False: eager steps. Ignored on the CPU. A missing GPU fails with one clear line.
     gpu_memory_utilization (torch on CUDA): the KV pools take what this fraction of the GPU's memory leaves once
     the weights are loaded (runtime/memory.py); `sizes` then gives only their shape (max_seq_len, max_seqs, page
     size, prefill chunk, ctx window).
@@ -88,7 +90,8 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     check_checkpoint_dir(model_dir, "target checkpoint")
     if drafter_dir:
         check_checkpoint_dir(drafter_dir, "drafter checkpoint")
-    device, dtype = _checked_placement(backend, device, dtype or "float32", tensor_parallel_size)
+    device, dtype = _checked_placement(backend, device, dtype or default_dtype(model_dir, backend, device),
+                                       tensor_parallel_size)
     if gpu_memory_utilization is not None and not (device != "cpu" and backend == "torch"):
         raise UsageError("--gpu-memory-utilization sizes the pools of the torch backend on cuda (ort and trt take "
                          "the pool sizes their graphs were exported with)")
@@ -99,6 +102,21 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         raise UsageError(f"an export directory ({export_dir}) runs on the ort or trt backend, not '{backend}'")
     return _torch_runtime(backend, model_dir, drafter_dir, sizes, step_costs, device, dtype, compile_steps,
                           gpu_memory_utilization, tensor_parallel_size), codec
+
+
+def default_dtype(model_dir: str, backend: str, device: str) -> str:
+    """The dtype of a run given none: on a GPU the torch backend takes the checkpoint's own 16-bit dtype (config.json
+    torch_dtype or dtype, at top level or in text_config: what the weights were trained and shipped in; an FP8
+    checkpoint names its 16-bit compute dtype there); float32 otherwise (the CPU computes in float32; exported
+    graphs for ort / trt are float32 unless asked)."""
+    if device == "cpu" or backend != "torch":
+        return "float32"
+    cfg = read_json(os.path.join(model_dir, "config.json"))
+    for c in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):
+        for key in ("torch_dtype", "dtype"):
+            if c.get(key) in ("bfloat16", "float16"):
+                return c[key]
+    return "float32"
 
 
 def _checked_placement(backend: str, device: str, dtype: str, world: int) -> tuple[str, str]:

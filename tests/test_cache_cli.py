@@ -45,6 +45,27 @@ def test_list_and_clear_free_only_what_dflash_trt_wrote(tmp_path, monkeypatch, c
     assert not (nv / "gemv-sm_90-0123456789abcdef0123456789abcdef.cubin").exists()
 
 
+def test_the_compiled_steps_cache_is_listed_and_cleared_only_when_ours(tmp_path, monkeypatch, capsys):
+    """The Inductor directory our compiled steps create (with its marker) is listed and freed; a user's own folder
+    of that name is left alone."""
+    from dflash_trt.runtime.backends.torch_compile import use_cache_dir
+
+    root = tmp_path / "cache"
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(root))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    ind = use_cache_dir()
+    (root / "inductor" / "fxgraph").mkdir()
+    (root / "inductor" / "fxgraph" / "entry").write_bytes(b"g" * 2_000_000)
+    assert main(["cache", "list"]) == 0
+    assert "inductor: compiled GPU steps, 1.9 MB" in capsys.readouterr().out
+    assert main(["cache", "clear"]) == 0 and not os.path.exists(ind)
+
+    mine = root / "inductor"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert main(["cache", "clear"]) == 0 and (mine / "notes.txt").exists()
+
+
 def test_a_real_export_entry_is_listed_with_its_widths(tmp_path, monkeypatch, capsys):
     from dflash_trt.export.onnx_export import ensure_export
     from dflash_trt.tools.tiny import make_tiny_pair

@@ -3,6 +3,8 @@
 through their fake impls, exactly what Inductor receives, without generating code. A graph break or an op
 without a usable fake impl fails here; the compiled steps' tokens (greedy and sampled) equal the uncompiled
 steps'. (The Inductor code itself runs on the GPU: tests/test_gpu_compiled_steps.py.)"""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -52,11 +54,35 @@ def _traced(pair, runs, prompt, graphs: int):
     return got, want, rt
 
 
-def test_compiled_steps_trace_whole_and_match_uncompiled(pair):
+def test_compiled_steps_trace_whole_and_match_uncompiled(pair, capsys):
     prompt = [int(x) for x in np.random.default_rng(2).integers(0, 250, 9)]
     # prefill and decode K=1 greedy and sampled, spec K=4 greedy and sampled: one whole graph each (fullgraph)
     got, want, _ = _traced(pair, _runs, prompt, 5)
     assert got == want
+    # each key's compile is announced on stderr once, then its time; a key seen again is not
+    err = capsys.readouterr().err.splitlines()
+    started = [x for x in err if x.startswith("compiling step ")]
+    done = [x for x in err if x.startswith("compiled step ")]
+    assert len(started) == len(done) == len(set(started)) >= 5, err
+    for line in ("compiling step decode batch 1 ...", "compiling step spec batch 1 K=4 ...",
+                 "compiling step spec batch 1 K=4 sampled ...", "compiling step prefill batch 1 16 rows ..."):
+        assert line in started, started
+
+
+def test_inductor_cache_goes_under_the_dflash_trt_cache(tmp_path, monkeypatch):
+    """Inductor's caches follow DFLASH_TRT_CACHE (a later process loads the compiled steps from there), unless the
+    user points TORCHINDUCTOR_CACHE_DIR elsewhere."""
+    from dflash_trt.runtime.backends.torch_compile import use_cache_dir
+
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    want = str(tmp_path / "cache" / "inductor")
+    assert use_cache_dir() == want and os.path.isdir(want)
+    import torch._inductor.runtime.runtime_utils as ru
+
+    assert ru.cache_dir() == want  # where Inductor itself now reads and writes
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_cache_dir() == str(tmp_path / "mine")
 
 
 def _logprobs_runs(rt, prompt):

@@ -250,7 +250,7 @@ def test_cuda_block_and_steps_equal_the_cpu_module(tmp_path):
                 torch.testing.assert_close(gpu["cand_q"].cpu(), cpu["cand_q"], rtol=1e-4, atol=1e-5)
     sizes = PoolSizes(kv_blocks=32, page_size=8, max_seq_len=128, max_seqs=2, dkv_blocks=32, prefill_chunk=16)
     prompt = torch.randint(0, 250, (20,), generator=g).tolist()
-    cpu, gpu = (load_runtime(tdir, ddir, sizes=sizes, **kw)[0] for kw in ({}, dict(device="cuda", dtype="float32")))
+    cpu, gpu = (load_runtime(tdir, ddir, sizes=sizes, **kw)[0] for kw in ({}, dict(device="cuda", dtype="float32", compile_steps=False)))
     for kw in ({}, dict(temperature=0.8, seed=7)):
         want, st = cpu.generate(prompt, 40, gamma=d.cfg.block_size - 1, **kw)
         got, gst = gpu.generate(prompt, 40, gamma=d.cfg.block_size - 1, **kw)

@@ -1,7 +1,7 @@
 """`dflash-trt cache list|clear`: what the artifact cache ($DFLASH_TRT_CACHE, else ~/.cache/dflash_trt) holds, and
 freeing it. Only what dflash-trt wrote is ever removed: export entries carrying our ownership marker that lists
-everything in them (dflash_trt.owned), their lock files, and NVRTC modules named as the compiler names them.
-Each export entry is removed under its lock, so an export or engine build of it in another process finishes
+everything in them (dflash_trt.owned), their lock files, NVRTC modules named as the compiler names them, and the
+Inductor cache directory the compiled GPU steps created (it carries our marker). Each export entry is removed under its lock, so an export or engine build of it in another process finishes
 first."""
 from __future__ import annotations
 
@@ -36,6 +36,13 @@ def exports(root: str) -> list[str]:
 def nvrtc_files(root: str) -> list[str]:
     d = os.path.join(root, "nvrtc")
     return sorted(os.path.join(d, f) for f in os.listdir(d) if _NVRTC_FILE.match(f)) if os.path.isdir(d) else []
+
+
+def inductor_dir(root: str) -> str | None:
+    """The Inductor cache directory the compiled GPU steps made under root (runtime/backends/torch_compile.py), when
+    it carries our marker; None otherwise. Imports no torch: its name and kind are repeated here."""
+    d = os.path.join(root, "inductor")
+    return d if (read_marker(d) or {}).get("kind") == "inductor-cache" else None
 
 
 def _bytes(path: str) -> int:
@@ -73,7 +80,10 @@ def list_cache(root: str) -> None:
     kernels = nvrtc_files(root)
     ksize = sum(map(os.path.getsize, kernels))
     print(f"  nvrtc: {len(kernels)} compiled kernels, {_mb(ksize)}")
-    print(f"{len(names)} exports, {_mb(total + ksize)} in all")
+    ind = inductor_dir(root)
+    isize = _bytes(ind) if ind else 0
+    print(f"  inductor: compiled GPU steps, {_mb(isize)}")
+    print(f"{len(names)} exports, {_mb(total + ksize + isize)} in all")
 
 
 def clear_cache(root: str, only: list[str]) -> int:
@@ -100,6 +110,10 @@ def clear_cache(root: str, only: list[str]) -> int:
         for f in nvrtc_files(root):
             freed += os.path.getsize(f)
             os.remove(f)
+        ind = inductor_dir(root)
+        if ind:  # files Inductor wrote where our compiled steps sent it; a process compiling now refills it
+            freed += _bytes(ind)
+            shutil.rmtree(ind)
     progress(f"freed {_mb(freed)} in {root}")
     return rc
 

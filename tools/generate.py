@@ -35,12 +35,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (pools on the GPU, one CUDA graph per step)")
     add_engines_arg(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="model / KV dtype on cuda (default float32; CPU runs float32)")
+                   help="model / KV dtype on cuda (default: the checkpoint's 16-bit dtype for the torch backend, else float32; "
+                        "CPU runs float32)")
     add_memory_arg(p)
-    p.add_argument("--compile", action="store_true",
-                   help="cuda + torch: prefill/decode/spec steps through Inductor "
-                        "(faster steps, after a compile per step shape)")
+    add_compile_arg(p)
     add_tensor_parallel_arg(p)
+
+
+def add_compile_arg(p) -> None:
+    """--compile / --no-compile, as generate and serve take it."""
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="cuda + torch: prefill/decode/spec steps through Inductor, the default there (a compile per "
+                        "step shape on first use, kept in the cache for later processes); --no-compile: eager steps")
+
+
+def compile_choice(args) -> bool:
+    """Whether the run compiles its steps: --compile / --no-compile as given, else wherever it applies (the torch
+    backend on a GPU). An explicit --compile where it cannot apply is one UsageError line."""
+    applies = args.device != "cpu" and args.backend == "torch"
+    if args.compile and not applies:
+        raise UsageError("--compile compiles the torch backend's GPU steps: it needs --device cuda --backend torch")
+    return applies if args.compile is None else bool(args.compile)
 
 
 def add_tensor_parallel_arg(p) -> None:
@@ -62,15 +77,15 @@ def add_engines_arg(p) -> None:
                    help="ort / trt: run this `dflash-trt export --out` directory instead of the cached export")
 
 
-def runtime_of(args, compile_steps: bool = False, max_seqs: int | None = None, tensor_parallel_size: int = 1):
+def runtime_of(args, max_seqs: int | None = None, tensor_parallel_size: int = 1):
     """(runtime, codec) of a command's --model / --drafter / --gamma / --no-spec / --backend / --device / --dtype /
-    --max-seq-len / --engines / --gpu-memory-utilization, the arguments checked before any weight loads. With
+    --max-seq-len / --engines / --gpu-memory-utilization / --compile, the arguments checked before any weight loads. With
     --engines and no --max-seq-len, the export's own sizes."""
     sizes = (run_sizes(args.max_seq_len, max_seqs) if args.engines is None or args.max_seq_len is not None
              or max_seqs is not None else None)
     ks = checked_widths(args, user_export=args.engines is not None)
     return load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
-                        dtype=args.dtype, compile_steps=compile_steps, export_dir=args.engines,
+                        dtype=args.dtype, compile_steps=compile_choice(args), export_dir=args.engines,
                         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size)
 
 
@@ -108,8 +123,7 @@ def run(args) -> int:
     # everything a user can get wrong is checked before weights load, the prompt prefills or graphs export
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.compile and (args.device == "cpu" or args.backend != "torch"):
-        raise UsageError("--compile compiles the torch backend's GPU steps: it needs --device cuda --backend torch")
+    compile_choice(args)
     sp = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed).resolved()
     try:
         text = read_prompt(args)
@@ -137,7 +151,7 @@ def run(args) -> int:
 
 def _generate(args, text: str, sp) -> tuple:
     """Load and generate (on every rank alike under --tensor-parallel): (text, stats, 'plain' | 'dflash')."""
-    rt, codec = runtime_of(args, args.compile, tensor_parallel_size=args.tensor_parallel)
+    rt, codec = runtime_of(args, tensor_parallel_size=args.tensor_parallel)
     ids = codec.encode(text)
     try:
         rt.check_prompt(ids)

@@ -35,7 +35,8 @@ class LLM:
     """A target (+ DFlash drafter) checkpoint ready to complete text.
 
     model / drafter: checkpoint directories; backend "torch" | "ort" | "trt", device, dtype, sizes (PoolSizes),
-    step_costs: as for `load_runtime`. gamma: drafts per speculative step, or None / "auto" (default): chosen per step
+    step_costs, compile_steps: as for `load_runtime` (on a GPU the torch backend compiles its steps and takes the
+    checkpoint's dtype unless told otherwise). gamma: drafts per speculative step, or None / "auto" (default): chosen per step
     for the most tokens per second (runtime/draft_length.py); spec=False: plain decoding. chat_template: Jinja source
     overriding the checkpoint's own.
     tensor_parallel_size N > 1 (torch backend): the target split over N processes (runtime/parallel). Called in one
@@ -45,7 +46,7 @@ class LLM:
 
     def __init__(self, model: str, drafter: str | None = None, backend: str = "torch", device: str = "cpu",
                  dtype: str | None = None, sizes=None, gamma: int | str | None = None, spec: bool = True,
-                 step_costs=None, compile_steps: bool = False, chat_template: str | None = None,
+                 step_costs=None, compile_steps: bool = True, chat_template: str | None = None,
                  engines: str | None = None, tensor_parallel_size: int = 1):
         self.model_dir, self._ranks = model, None
         self._template = ChatTemplate(chat_template) if chat_template is not None else None

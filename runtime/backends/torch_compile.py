@@ -6,8 +6,11 @@ RoPE, gates, SwiGLU, pool-slot gathers); Inductor fuses those elementwise/reduct
 without a second copy of the model math, and the compiled code is then captured in the step's own CUDA graph
 (graph_executor). GEMMs stay cuBLAS.
 
-Cost: one compile per step key (kind, K, batch bucket) on first use, done during the warm-up before the capture.
-The prefill chunk is compiled too: a request joining a running batch puts its prefill between the others' steps.
+Cost: one compile per step key (kind, K, batch bucket) on first use, done during the warm-up before the capture,
+each one announced on stderr with its time. The prefill chunk is compiled too: a request joining a running batch
+puts its prefill between the others' steps. Inductor's on-disk caches (FX graphs, AOTAutograd, Triton kernels) live
+under the dflash-trt cache (use_cache_dir), so a later process loads the compiled code; what every process still
+pays is Dynamo's trace of the step (figures: docs/PERF.md).
 
 fp32 targets: cuBLAS's heuristics pick slow kernels for the small fp32 GEMMs of a verify step, cuBLASLt fast ones.
 torch's BLAS preference is process-wide: `prefer_cublaslt` sets it when the GPU runtime computes in fp32.
@@ -16,10 +19,15 @@ Figures for each choice here: docs/PERF.md (runtime step).
 from __future__ import annotations
 
 import functools
+import os
+import time
 import warnings
 
 import torch
 
+from dflash_trt.config import cache_root
+from dflash_trt.log import progress
+from dflash_trt.owned import write_marker
 from dflash_trt.plugins.cuda_launch import pdl_switch
 
 COMPILED = ("prefill", "decode", "spec")  # every step the executor captures
@@ -62,6 +70,40 @@ def step_key(obj):
     return type(obj).__name__
 
 
+def describe_call(name: str, args) -> str:
+    """A step call in a few words for the compile progress lines: the step, its batch rows, K, sampled or not."""
+    b = args[0] if args and isinstance(args[0], dict) else {}
+    words = [name]
+    if isinstance(b.get("srow"), torch.Tensor):
+        words.append(f"batch {b['srow'].shape[0]}")
+    if isinstance(b.get("ids"), torch.Tensor):
+        words.append(f"{b['ids'].shape[-1]} rows")
+    if len(args) > 1 and isinstance(args[1], int):
+        words.append(f"K={args[1] + 1}")
+    if "temperature" in b:
+        words.append("sampled")
+    return " ".join(words)
+
+
+CACHE_SUBDIR = "inductor"
+CACHE_KIND = "inductor-cache"  # its ownership marker's kind (dflash_trt.owned)
+
+
+def use_cache_dir() -> str:
+    """Inductor's caches go under the dflash-trt cache root (CACHE_SUBDIR) unless TORCHINDUCTOR_CACHE_DIR is set:
+    the compiled steps then persist beside the exports and NVRTC kernels instead of in a shared /tmp directory a
+    reboot clears. Inductor keys every artifact by the traced graph, its config, the torch and Triton versions and
+    the GPU, so a stale or foreign one is never loaded. Returns the directory in use."""
+    d = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not d:
+        d = os.path.join(cache_root(), CACHE_SUBDIR)
+        if not os.path.isdir(d):  # ours: `dflash-trt cache clear` frees only a directory carrying our marker
+            os.makedirs(d)
+            write_marker(d, CACHE_KIND, [])
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
+    return d
+
+
 class CompiledStep:
     """fn through torch.compile: whole graph (a graph break would split the step), static shapes per key.
     A compile that fails (Dynamo cannot trace, the backend fails) is not the request's fault: that key (step_key of
@@ -81,12 +123,20 @@ class CompiledStep:
         self.compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, backend=backend, options=options)
         self.failures: list[str] = []
         self.eager_keys: set = set()  # step_key of the calls whose compile failed
+        self.compiled_keys: set = set()  # step_key of the calls compiled (or loaded from the cache) so far
 
     def __call__(self, *args, **kwargs):
         key = step_key((args, kwargs))
+        if key in self.compiled_keys:
+            return self.compiled(*args, **kwargs)
         if key not in self.eager_keys:
+            what, t0 = describe_call(getattr(self.fn, "__name__", "?"), args), time.perf_counter()
+            progress(f"compiling step {what} ...")
             try:
-                return self.compiled(*args, **kwargs)
+                out = self.compiled(*args, **kwargs)
+                self.compiled_keys.add(key)
+                progress(f"compiled step {what} in {time.perf_counter() - t0:.1f} s")
+                return out
             except torch._dynamo.exc.TorchDynamoException as e:  # traced before anything ran: safe to rerun
                 head = [x.strip() for x in str(e).splitlines() if x.strip()][:2]  # "backend raised:" + why
                 line = " ".join(head) or type(e).__name__
@@ -99,6 +149,8 @@ class CompiledStep:
 
 def compile_steps(steps, backend: str = "inductor") -> None:
     """Replace steps.prefill / decode / spec by their compiled versions (in place)."""
+    if backend == "inductor":
+        use_cache_dir()
     for name in COMPILED:
         setattr(steps, name, CompiledStep(getattr(steps, name), backend))
 
