@@ -142,6 +142,20 @@ class PoolSizes:
         return max(self.prefill_chunk, 16)
 
 
+WIDE_PREFILL_CHUNK = 512  # prefill rows per launch of a model from WIDE_HIDDEN on
+WIDE_HIDDEN = 2048
+
+
+def default_prefill_chunk(t: TargetConfig) -> int:
+    """The prefill chunk of a run given no sizes: WIDE_PREFILL_CHUNK rows from a hidden size of WIDE_HIDDEN on, else
+    PoolSizes' 64. Why: each chunk reads every weight once, and below ~300 rows per read (a Hopper GPU's bf16 FLOP
+    per byte of memory) a large model's prefill waits on those reads; at 512 the projections run on the tensor cores
+    (2.1x the tok/s of 64-row chunks on a 32k prompt at Qwen3.5-27B shapes: docs/PERF.md). Small models are bound by
+    launches either way, and 64 keeps their graphs small. A prompt that fits half a chunk runs at half its width
+    (runtime/batching.prefill_width), near the weight-read time of a 64-row chunk on a large model."""
+    return WIDE_PREFILL_CHUNK if t.hidden_size >= WIDE_HIDDEN else PoolSizes.prefill_chunk
+
+
 def pool_specs(t: TargetConfig, d: DrafterConfig | None, s: PoolSizes, kv_dtype="float32") -> dict:
     """name -> (shape, dtype) of every pool the graphs read."""
     La, Lg = len(t.attn_layers), len(t.gdn_layers)

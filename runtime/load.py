@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 from dflash_trt import log
-from dflash_trt.abi import DEFAULT_KS, PoolSizes
-from dflash_trt.config import DrafterConfig, read_json
+from dflash_trt.abi import DEFAULT_KS, PoolSizes, default_prefill_chunk
+from dflash_trt.config import DrafterConfig, TargetConfig, read_json
 from dflash_trt.optional import require_torch
 from dflash_trt.runtime.runtime import Runtime
 
@@ -66,7 +66,8 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
                  export_dir: str | None = None,
                  gpu_memory_utilization: float | None = None,
                  tensor_parallel_size: int = 1) -> tuple[Runtime, object]:
-    """Build a Runtime over the chosen backend; returns (runtime, codec). step_costs: as for Runtime (the step times
+    """Build a Runtime over the chosen backend; returns (runtime, codec). sizes: the pools (None: default_sizes, the
+    prefill chunk chosen from the model; with export_dir, the export's own). step_costs: as for Runtime (the step times
     auto draft length weighs; None: the default cost model).
     torch: the reference modules; on device="cpu" in float32 with numpy pools, on device="cuda" (dtype
     float32 / bfloat16 / float16; None: the checkpoint's own, default_dtype) with pools owned by a CudaDevice and one
@@ -96,6 +97,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
         raise UsageError("--gpu-memory-utilization sizes the pools of the torch backend on cuda (ort and trt take "
                          "the pool sizes their graphs were exported with)")
     codec = load_codec(model_dir)
+    sizes = sizes if sizes is not None or export_dir is not None else default_sizes(model_dir)
     if backend in ("ort", "trt"):
         return _graphs_runtime(backend, model_dir, drafter_dir, sizes, step_costs, ks, device, dtype, export_dir), codec
     if export_dir is not None:
@@ -117,6 +119,13 @@ def default_dtype(model_dir: str, backend: str, device: str) -> str:
             if c.get(key) in ("bfloat16", "float16"):
                 return c[key]
     return "float32"
+
+
+def default_sizes(model_dir: str) -> PoolSizes:
+    """The pools of a run given no sizes: PoolSizes' defaults with the prefill chunk of this model
+    (abi.default_prefill_chunk)."""
+    path = os.path.join(model_dir, "config.json")
+    return PoolSizes(prefill_chunk=default_prefill_chunk(TargetConfig.from_dict(read_json(path), path)))
 
 
 def _checked_placement(backend: str, device: str, dtype: str, world: int) -> tuple[str, str]:
@@ -195,7 +204,7 @@ def _torch_runtime(backend, model_dir, drafter_dir, sizes, step_costs, device, d
         if drafter is not None:
             drafter.to(dev.device)
         if gpu_memory_utilization is not None:
-            sizes = _sized_for_gpu(target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(),
+            sizes = _sized_for_gpu(target.cfg, drafter.cfg if drafter else None, sizes,
                                    gpu_memory_utilization, dev.device, dtype)
     be = make_backend(backend, target=target, drafter=drafter, compile_steps=compile_steps and dev is not None,
                       checkpoint_hashes=hashes)
@@ -203,7 +212,7 @@ def _torch_runtime(backend, model_dir, drafter_dir, sizes, step_costs, device, d
         from dflash_trt.runtime.parallel.launch import abort_group_on_error
 
         abort_group_on_error(be)
-    return Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes or PoolSizes(), device=dev,
+    return Runtime(be, target.cfg, drafter.cfg if drafter else None, sizes, device=dev,
                    step_costs=step_costs)
 
 

@@ -47,3 +47,20 @@ def test_steps_compile_by_default_where_they_can():
         assert compile_choice(_args("--no-compile", device=device, backend=backend)) is False
         with pytest.raises(UsageError, match="--compile compiles the torch backend's GPU steps"):
             compile_choice(_args("--compile", device=device, backend=backend))
+
+
+def test_prefill_chunk_comes_from_the_model(tmp_path):
+    """A large model prefills 512 rows a launch (its weight reads amortised over enough rows for the tensor cores),
+    a small one 64; the CLI's pools keep that chunk when --max-seq-len / --max-seqs raise them."""
+    from dflash_trt.abi import PoolSizes
+    from dflash_trt.runtime.load import default_sizes
+    from dflash_trt.tools.bench_dense import dense_target_config
+    from dflash_trt.tools.generate import run_sizes
+
+    large = _checkpoint(tmp_path, dense_target_config(4))  # Qwen3.5-27B's widths, hidden 5120
+    assert default_sizes(large) == PoolSizes(prefill_chunk=512)
+    assert default_sizes("models/target").prefill_chunk == 64  # the shipped pair: hidden 256
+    raised = run_sizes(32768, 8, 512)
+    assert (raised.prefill_chunk, raised.max_seq_len, raised.max_seqs) == (512, 32768, 8)
+    assert run_sizes(None, None, 512) == PoolSizes(prefill_chunk=512)
+    assert run_sizes(None, None) == PoolSizes()

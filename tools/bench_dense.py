@@ -13,7 +13,8 @@ Qwen's FP8 release stores it, except FP8_SKIP; --layers N builds the first N lay
                         spec/plain step ratio (= break-even τ) and DFlash tok/s at a scripted acceptance
                         (bench_moe.spec_vs_plain: a random drafter accepts nothing); the scripted fixed / auto K
                         lines and checks (tools/scripted.bench_scripted) from the measured steps
-  prefill tok/s         one PREFILL_TOKENS-token prompt through the prefill graph, chunks of PREFILL_CHUNK
+  prefill tok/s         one PREFILL_TOKENS-token prompt through the prefill graph, chunks of the model's default
+                        (abi.default_prefill_chunk: 512 rows at these widths)
 """
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ LAYERS = 64
 DRAFTER_LAYERS = 5
 TAPS = 5
 PREFILL_TOKENS = 2048
-PREFILL_CHUNK = 512
 CONTEXT = 512  # rows of context of the per-K step sweep
 # Kept 16-bit in the FP8 model (checkpoint module names, Fp8Config.converts patterns): the embedding, lm_head and
 # the GDN's per-head a/b in-projections. Norms, conv1d and the GDN's A_log/dt_bias are not linear layers and never
@@ -138,14 +138,16 @@ def floor_bytes(target, pools, ctx_rows: int, K: int) -> float:
 
 def run(a) -> int:
     """bench e2e's entry for --model random-27b (batch 1; --batch is not used)."""
-    from dflash_trt.abi import PoolSizes
+    from dflash_trt.abi import PoolSizes, default_prefill_chunk
+    from dflash_trt.config import TargetConfig
     from dflash_trt.tools.bench import hardware
     from dflash_trt.tools.bench_e2e import parse_step_ks
 
     layers = a.layers or LAYERS
     pages = (PREFILL_TOKENS + 1024) // 16
     sizes = PoolSizes(max_seq_len=pages * 16, kv_blocks=2 * pages + 64, page_size=16, max_seqs=2,
-                      dkv_blocks=2 * pages + 64, ctx_window=pages * 16, prefill_chunk=PREFILL_CHUNK)
+                      dkv_blocks=2 * pages + 64, ctx_window=pages * 16,
+                      prefill_chunk=default_prefill_chunk(TargetConfig.from_dict(dense_target_config(layers))))
     made = random_bench_runtime(a, lambda dt, d: build_random_dense(dt, d, layers, a.fp8, dflash2=a.dflash2), sizes)
     if made is None:
         return 2

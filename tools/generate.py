@@ -7,8 +7,8 @@ import argparse
 from dflash_trt.abi import PoolSizes, verify_widths
 from dflash_trt.args import GAMMA_HELP, gamma_arg
 from dflash_trt.log import progress
-from dflash_trt.runtime.load import (UsageError, check_checkpoint_dir, check_tensor_parallel, drafter_block_size,
-                                     load_runtime)
+from dflash_trt.runtime.load import (UsageError, check_checkpoint_dir, check_tensor_parallel, default_sizes,
+                                     drafter_block_size, load_runtime)
 from dflash_trt.runtime.runtime import check_gamma
 from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.runtime.sequence import TokenIdError
@@ -81,8 +81,10 @@ def runtime_of(args, max_seqs: int | None = None, tensor_parallel_size: int = 1)
     """(runtime, codec) of a command's --model / --drafter / --gamma / --no-spec / --backend / --device / --dtype /
     --max-seq-len / --engines / --gpu-memory-utilization / --compile, the arguments checked before any weight loads. With
     --engines and no --max-seq-len, the export's own sizes."""
-    sizes = (run_sizes(args.max_seq_len, max_seqs) if args.engines is None or args.max_seq_len is not None
-             or max_seqs is not None else None)
+    check_checkpoint_dir(args.model, "--model")
+    chunk = default_sizes(args.model).prefill_chunk if args.engines is None else None  # else the export's default
+    sizes = (run_sizes(args.max_seq_len, max_seqs, chunk)
+             if args.engines is None or args.max_seq_len is not None or max_seqs is not None else None)
     ks = checked_widths(args, user_export=args.engines is not None)
     return load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
                         dtype=args.dtype, compile_steps=compile_choice(args), export_dir=args.engines,
@@ -99,17 +101,20 @@ def checked_widths(args, user_export: bool = False) -> tuple | None:
     return verify_widths(args.gamma, block, not args.no_spec, user_export=user_export)
 
 
-def run_sizes(max_seq_len: int | None, max_seqs: int | None = None) -> PoolSizes:
-    """Default pools, with max_seq_len / max_seqs raised (target and drafter KV pages to match) when asked;
-    PoolSizes validates the values. ctx_window: its default (full retention)."""
-    d = PoolSizes()
+def run_sizes(max_seq_len: int | None, max_seqs: int | None = None, prefill_chunk: int | None = None) -> PoolSizes:
+    """Default pools, with max_seq_len / max_seqs raised (target and drafter KV pages to match) when asked and the
+    model's prefill chunk (abi.default_prefill_chunk; None: PoolSizes' default); PoolSizes validates the values.
+    ctx_window: its default (full retention)."""
+    d = PoolSizes() if prefill_chunk is None else PoolSizes(prefill_chunk=prefill_chunk)
     shape = PoolSizes(max_seq_len=d.max_seq_len if max_seq_len is None else max_seq_len,
-                      max_seqs=d.max_seqs if max_seqs is None else max_seqs)  # checks them
+                      max_seqs=d.max_seqs if max_seqs is None else max_seqs,
+                      prefill_chunk=d.prefill_chunk)  # checks them
     if (max_seq_len, max_seqs) == (None, None):
         return d
     pages = max(d.kv_blocks, shape.max_blocks * shape.max_seqs)
     ctx_pages = max(d.dkv_blocks, shape.max_ctx_blocks * shape.max_seqs)
-    return PoolSizes(max_seq_len=shape.max_seq_len, max_seqs=shape.max_seqs, kv_blocks=pages, dkv_blocks=ctx_pages)
+    return PoolSizes(max_seq_len=shape.max_seq_len, max_seqs=shape.max_seqs, kv_blocks=pages, dkv_blocks=ctx_pages,
+                     prefill_chunk=d.prefill_chunk)
 
 
 def read_prompt(args) -> str:
