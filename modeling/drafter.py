@@ -123,6 +123,11 @@ class Drafter(nn.Module):
             self.candidate_selector = CandidateSelector(cfg, vocab or cfg.draft_vocab_size)
         self._target = ()  # the target's embed_tokens, lm_head: a tuple keeps them out of state_dict
 
+    @property
+    def dtype(self):
+        """The dtype the drafter computes in: its norms' (never quantized; an FP8 projection keeps fp8 weights)."""
+        return self.hidden_norm.weight.dtype
+
     def bind_target(self, target) -> "Drafter":
         """Borrow the target's embedding and lm_head, and make the target emit this drafter's taps."""
         self._target = (target.embed_tokens, target.lm_head)
@@ -141,7 +146,7 @@ class Drafter(nn.Module):
 
     def ctx(self, ctx_hidden, positions):
         """ctx_hidden [B,R,n_taps*H_target], positions [B,R] -> {'dkv_rows': [Ld,2,B,R,Hkv,hd]}."""
-        c = self.hidden_norm(self.fc(ctx_hidden.to(self.fc.weight.dtype)))
+        c = self.hidden_norm(self.fc(ctx_hidden.to(self.dtype)))
         cos, sin = self._rope(positions, c.dtype)
         rows = [torch.stack(layer.self_attn.kv(c, cos, sin)) for layer in self.layers]
         return {"dkv_rows": torch.stack(rows)}
@@ -158,7 +163,7 @@ class Drafter(nn.Module):
         embed, lm_head = self._target
         cfg = self.cfg
         B, Bs = block_ids.shape
-        h = embed_block(cfg, embed, block_ids, self.fc.weight.dtype)
+        h = embed_block(cfg, embed, block_ids, self.dtype)
         cos, sin = self._rope(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             att = layer.self_attn
@@ -195,7 +200,7 @@ class Drafter(nn.Module):
         embed, lm_head = self._target
         cfg = self.cfg
         B, N = block_ids.shape
-        c = self.hidden_norm(self.fc(ctx_hidden.to(self.fc.weight.dtype)))
+        c = self.hidden_norm(self.fc(ctx_hidden.to(self.dtype)))
         ccos, csin = self._rope(ctx_positions, c.dtype)
         h = embed_block(cfg, embed, block_ids, c.dtype)
         cos, sin = self._rope(block_positions, h.dtype)

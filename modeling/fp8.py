@@ -21,7 +21,7 @@ from dflash_trt.modeling.fp8_gemm import w8a8, w8a8_takes
 from dflash_trt.modeling.fuse import Linear, fp8_takes, linear
 from dflash_trt.modeling.mlp import Experts, SparseMoE
 from dflash_trt.plugins import ops
-from dflash_trt.plugins.gemv_fp8.reference import dequantize_blockwise, scale_rows as _rows  # noqa: F401
+from dflash_trt.plugins.gemv_fp8.reference import E4M3_MAX, MIN_AMAX, dequantize_blockwise, scale_rows as _rows  # noqa: F401
 from dflash_trt.quant import Fp8Config
 
 FP8 = torch.float8_e4m3fn
@@ -126,4 +126,31 @@ def quantize_modules(model: nn.Module, q: Fp8Config, prefix: str, path: str = "c
             if twin is not None:
                 setattr(owner, child, twin)
                 done.append(prefix + full)
+    return done
+
+
+def quantize_weight(w, block=(128, 128)):
+    """w [N, K] (any float dtype) -> (float8_e4m3fn [N, K], fp32 scale_inv [ceil(N/bn), ceil(K/bk)]): each block
+    divided by its amax / 448, as the FP8 releases quantize, so W ~= fp8 * scale_inv (dequantize_blockwise)."""
+    (N, K), (bn, bk) = w.shape, block
+    blocks = torch.nn.functional.pad(w.float(), (0, -K % bk, 0, -N % bn)).unflatten(1, (-1, bk)).unflatten(0, (-1, bn))
+    s = blocks.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / E4M3_MAX  # [N/bn, K/bk]
+    q = (blocks / s[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q.flatten(2).flatten(0, 1)[:N, :K].contiguous(), s
+
+
+def quantize_projections(model: nn.Module, block=(128, 128)) -> list[str]:
+    """Every bias-free projection of a built 16/32-bit module (its own Linear children: a drafter's fc, attention
+    and MLP; not the target's embedding or lm_head it borrows) replaced by an Fp8Linear of its weights quantized
+    block-wise (quantize_weight): half the bytes a step streams, within FP8's rounding. Meant for a drafter, whose
+    drafts may change (tau), never the tokens. Call before fuse_projections. Returns the module names converted."""
+    done = []
+    for owner_name, owner in list(model.named_modules()):
+        for child, mod in list(owner.named_children()):
+            if isinstance(mod, Linear) and mod.bias is None:
+                twin = Fp8Linear(mod.in_features, mod.out_features, block)
+                w8, scale_inv = quantize_weight(mod.weight.detach(), block)
+                twin.weight, twin.weight_scale_inv = _frozen(w8), _frozen(scale_inv)
+                setattr(owner, child, twin)
+                done.append(f"{owner_name}.{child}" if owner_name else child)
     return done

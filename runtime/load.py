@@ -65,7 +65,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
                  dtype: str | None = None, compile_steps: bool = True,
                  export_dir: str | None = None,
                  gpu_memory_utilization: float | None = None,
-                 tensor_parallel_size: int = 1) -> tuple[Runtime, object]:
+                 tensor_parallel_size: int = 1, drafter_fp8: bool | None = None) -> tuple[Runtime, object]:
     """Build a Runtime over the chosen backend; returns (runtime, codec). sizes: the pools (None: default_sizes, the
     prefill chunk chosen from the model; with export_dir, the export's own). step_costs: as for Runtime (the step times
     auto draft length weighs; None: the default cost model).
@@ -85,6 +85,9 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     gpu_memory_utilization (torch on CUDA): the KV pools take what this fraction of the GPU's memory leaves once
     the weights are loaded (runtime/memory.py); `sizes` then gives only their shape (max_seq_len, max_seqs, page
     size, prefill chunk, ctx window).
+    drafter_fp8 (torch on CUDA): the drafter's projections quantized to FP8 blocks at load (modeling/fp8.py
+    quantize_projections): half its weight bytes a spec step streams; drafts may differ, the tokens never do. None:
+    on when the target is an FP8 checkpoint (trained pair with an FP8 drafter: tau 2.926 vs 2.920, docs/PERF.md).
     tensor_parallel_size N > 1 (torch): called on every rank of an initialised torch.distributed group of N
     processes (runtime/parallel/launch.py starts them), each loads its shard of the target (runtime/parallel/shard.py;
     pools sized by its heads) and the whole drafter; on CUDA rank r takes GPU r of the node."""
@@ -96,6 +99,9 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     if gpu_memory_utilization is not None and not (device != "cpu" and backend == "torch"):
         raise UsageError("--gpu-memory-utilization sizes the pools of the torch backend on cuda (ort and trt take "
                          "the pool sizes their graphs were exported with)")
+    if drafter_fp8 and not (device != "cpu" and backend == "torch" and drafter_dir):
+        raise UsageError("--drafter-fp8 quantizes the drafter of the torch backend on cuda (it needs --drafter, "
+                         "--device cuda and --backend torch)")
     codec = load_codec(model_dir)
     sizes = sizes if sizes is not None or export_dir is not None else default_sizes(model_dir)
     if backend in ("ort", "trt"):
@@ -103,7 +109,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     if export_dir is not None:
         raise UsageError(f"an export directory ({export_dir}) runs on the ort or trt backend, not '{backend}'")
     return _torch_runtime(backend, model_dir, drafter_dir, sizes, step_costs, device, dtype, compile_steps,
-                          gpu_memory_utilization, tensor_parallel_size), codec
+                          gpu_memory_utilization, tensor_parallel_size, drafter_fp8), codec
 
 
 def default_dtype(model_dir: str, backend: str, device: str) -> str:
@@ -181,7 +187,7 @@ def _graphs_runtime(backend, model_dir, drafter_dir, sizes, step_costs, ks, devi
 
 
 def _torch_runtime(backend, model_dir, drafter_dir, sizes, step_costs, device, dtype, compile_steps,
-                   gpu_memory_utilization, world) -> Runtime:
+                   gpu_memory_utilization, world, drafter_fp8=None) -> Runtime:
     """The torch modules of the checkpoints (this rank's shard under tensor parallelism) on `device`."""
     from dflash_trt.export.checkpoint import checkpoint_hash, load_drafter, load_target
     from dflash_trt.runtime.backends import make_backend
@@ -193,6 +199,11 @@ def _torch_runtime(backend, model_dir, drafter_dir, sizes, step_costs, device, d
         from dflash_trt.runtime.parallel.shard import shard_target as split
     target = load_target(model_dir, dt, split=split)
     drafter = load_drafter(drafter_dir, target, dt) if drafter_dir else None
+    if drafter is not None and device != "cpu" and (target.cfg.quant is not None if drafter_fp8 is None
+                                                    else drafter_fp8):
+        from dflash_trt.modeling.fp8 import quantize_projections
+
+        quantize_projections(drafter)
     # the weights' identity in snapshots, the one an export of these checkpoints records (runtime/snapshot.py)
     hashes = {"target": checkpoint_hash(model_dir)}
     if drafter is not None:

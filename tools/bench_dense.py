@@ -106,7 +106,8 @@ def quantize_random(target, gen) -> list[str]:
 def build_random_dense(dtype, device, layers: int = LAYERS, fp8: bool = False, dims: dict = DIMS_27B,
                        dflash2: bool = False):
     """(target, drafter) with random weights made on `device` in `dtype` (no fp32 copy of the model first), the
-    target's projections FP8 when `fp8` (quantize_random); the drafter stays 16-bit, DFlash2 when `dflash2`."""
+    target's projections FP8 when `fp8` (quantize_random) and then the drafter's too (quantize_projections, as
+    load_runtime does for an FP8 target); DFlash2 when `dflash2`."""
     import torch
 
     from dflash_trt.config import DrafterConfig, TargetConfig
@@ -126,8 +127,11 @@ def build_random_dense(dtype, device, layers: int = LAYERS, fp8: bool = False, d
         torch.set_default_dtype(default)
     random_init([*target.named_parameters(), *drafter.named_parameters()], gen, device)
     if fp8:  # made on the device, in fp32 by default (the scales)
+        from dflash_trt.modeling.fp8 import quantize_projections
+
         with torch.device(device):
             quantize_random(target, gen)
+        quantize_projections(drafter)
     return target.eval(), drafter.eval().bind_target(target)
 
 
@@ -173,7 +177,7 @@ def run(a) -> int:
 
 
 def print_table(res) -> None:
-    fp8 = (", FP8 projections" if res["fp8"] else "") + (", DFlash2 drafter" if res.get("dflash2") else "")
+    fp8 = (", FP8 projections (target and drafter)" if res["fp8"] else "") + (", DFlash2 drafter" if res.get("dflash2") else "")
     print(f"bench e2e: {res['model']} ({res['layers']} layers, {res['dtype']}{fp8}"
           f"{', compiled steps' if res['compiled'] else ''}, {res['weights_GB']:.1f} GB) on {res['hardware']}; "
           f"device copy {res['copy_bandwidth_GBps']:.0f} GB/s; drafter taps {res['drafter_taps']}")

@@ -39,7 +39,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "CPU runs float32)")
     add_memory_arg(p)
     add_compile_arg(p)
+    add_drafter_fp8_arg(p)
     add_tensor_parallel_arg(p)
+
+
+def add_drafter_fp8_arg(p) -> None:
+    """--drafter-fp8 / --no-drafter-fp8, as generate and serve take it."""
+    p.add_argument("--drafter-fp8", action=argparse.BooleanOptionalAction, default=None,
+                   help="cuda + torch: the drafter's projections in FP8 blocks (half its bytes; drafts may differ, the "
+                        "tokens never do); default: on when the target is an FP8 checkpoint")
 
 
 def add_compile_arg(p) -> None:
@@ -88,7 +96,8 @@ def runtime_of(args, max_seqs: int | None = None, tensor_parallel_size: int = 1)
     ks = checked_widths(args, user_export=args.engines is not None)
     return load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
                         dtype=args.dtype, compile_steps=compile_choice(args), export_dir=args.engines,
-                        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size)
+                        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                        drafter_fp8=args.drafter_fp8)
 
 
 def checked_widths(args, user_export: bool = False) -> tuple | None:

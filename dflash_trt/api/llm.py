@@ -35,8 +35,8 @@ class LLM:
     """A target (+ DFlash drafter) checkpoint ready to complete text.
 
     model / drafter: checkpoint directories; backend "torch" | "ort" | "trt", device, dtype, sizes (PoolSizes),
-    step_costs, compile_steps: as for `load_runtime` (on a GPU the torch backend compiles its steps and takes the
-    checkpoint's dtype unless told otherwise). gamma: drafts per speculative step, or None / "auto" (default): chosen per step
+    step_costs, compile_steps, drafter_fp8: as for `load_runtime` (on a GPU the torch backend compiles its steps
+    and takes the checkpoint's dtype unless told otherwise). gamma: drafts per speculative step, or None / "auto" (default): chosen per step
     for the most tokens per second (runtime/draft_length.py); spec=False: plain decoding. chat_template: Jinja source
     overriding the checkpoint's own.
     tensor_parallel_size N > 1 (torch backend): the target split over N processes (runtime/parallel). Called in one
@@ -47,7 +47,7 @@ class LLM:
     def __init__(self, model: str, drafter: str | None = None, backend: str = "torch", device: str = "cpu",
                  dtype: str | None = None, sizes=None, gamma: int | str | None = None, spec: bool = True,
                  step_costs=None, compile_steps: bool = True, chat_template: str | None = None,
-                 engines: str | None = None, tensor_parallel_size: int = 1):
+                 engines: str | None = None, tensor_parallel_size: int = 1, drafter_fp8: bool | None = None):
         self.model_dir, self._ranks = model, None
         self._template = ChatTemplate(chat_template) if chat_template is not None else None
         self._next_id = 0
@@ -56,13 +56,14 @@ class LLM:
             self._ranks = _start_ranks(dict(
                 model=model, drafter=drafter, backend=backend, device=device, dtype=dtype, sizes=sizes, gamma=gamma,
                 spec=spec, step_costs=step_costs, compile_steps=compile_steps, chat_template=chat_template,
-                engines=engines, tensor_parallel_size=tensor_parallel_size))
+                engines=engines, tensor_parallel_size=tensor_parallel_size, drafter_fp8=drafter_fp8))
             return
         # the graphs an ort / trt run needs
         ks = verify_widths(gamma, drafter_block_size(drafter), spec, user_export=engines is not None)
         self.runtime, self.codec = load_runtime(model, drafter, backend, sizes=sizes, step_costs=step_costs, ks=ks,
                                                 device=device, dtype=dtype, compile_steps=compile_steps,
-                                                export_dir=engines, tensor_parallel_size=tensor_parallel_size)
+                                                export_dir=engines, tensor_parallel_size=tensor_parallel_size,
+                                                drafter_fp8=drafter_fp8)
         self.engine = Engine(self.runtime, self.codec, gamma=gamma, spec=spec)
 
     def close(self) -> None:
