@@ -11,6 +11,7 @@ timestamp tick would leave every field of the key unchanged.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import time
@@ -77,3 +78,17 @@ def _write(path: str, data: dict) -> None:
         write_json(path, data, indent=None)
     except OSError:
         pass
+
+
+def source_hash(packages=(), modules=()) -> str:
+    """sha256 (16 hex) over the source files (.py, .cu, .cuh) of these packages and modules: what a cached artifact
+    built from this code (an export, a compiled step) is keyed by, so an edit rebuilds it."""
+    files = [importlib.import_module(m).__file__ for m in modules]
+    for pkg in packages:
+        top = os.path.dirname(importlib.import_module(pkg).__file__)
+        files += sorted(os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs if f.endswith((".py", ".cu", ".cuh")))
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()[:16]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import importlib
 import io
 import json
 import logging
@@ -30,6 +29,7 @@ from dflash_trt.abi import DEFAULT_KS, PoolSizes, graph_io, parse_ks
 from dflash_trt.args import ArgumentParser
 from dflash_trt.config import cache_root
 from dflash_trt.files import entry_lock
+from dflash_trt.hashing import source_hash
 from dflash_trt.owned import check_replaceable, read_marker, staged_dir
 from dflash_trt.export.graphs import run_graph
 from dflash_trt.manifest import Manifest, ManifestError, diff_io, expected_graphs
@@ -231,15 +231,7 @@ def _mb(n: int) -> str:
 
 
 def _source_hash() -> str:
-    files = [importlib.import_module(m).__file__ for m in _SOURCE_MODULES]
-    for pkg in _SOURCE_PACKAGES:
-        top = os.path.dirname(importlib.import_module(pkg).__file__)
-        files += sorted(os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs if f.endswith((".py", ".cu", ".cuh")))
-    h = hashlib.sha256()
-    for f in files:
-        with open(f, "rb") as fh:
-            h.update(fh.read())
-    return h.hexdigest()[:16]
+    return source_hash(_SOURCE_PACKAGES, _SOURCE_MODULES)
 
 
 def ensure_export(model_dir, drafter_dir, ks=DEFAULT_KS, sizes: PoolSizes | None = None, *, cache_dir=None,

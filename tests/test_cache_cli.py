@@ -57,7 +57,7 @@ def test_the_compiled_steps_cache_is_listed_and_cleared_only_when_ours(tmp_path,
     (root / "inductor" / "fxgraph").mkdir()
     (root / "inductor" / "fxgraph" / "entry").write_bytes(b"g" * 2_000_000)
     assert main(["cache", "list"]) == 0
-    assert "inductor: compiled GPU steps, 1.9 MB" in capsys.readouterr().out
+    assert "inductor: Inductor's code for the compiled steps, 1.9 MB" in capsys.readouterr().out
     assert main(["cache", "clear"]) == 0 and not os.path.exists(ind)
 
     mine = root / "inductor"

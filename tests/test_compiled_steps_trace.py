@@ -196,3 +196,77 @@ def test_step_graph_casts_indices_once_and_reads_pools_in_place(pair, monkeypatc
         convs = [n.args[1] for n in nodes if n.target == torch.ops.dflash.conv_verify.default]
         assert len(states) == len(convs) == len(pair[0].cfg.gdn_layers)
         assert {_producer(s) for s in states + convs} == {torch.ops.aten.select.int}
+
+
+def _greedy_runs(rt, prompt):
+    return [rt.generate(prompt, N_NEW, gamma=g, spec=s)[0] for g, s in ((None, False), (3, True))]
+
+
+def test_stored_steps_load_in_a_later_runtime_without_tracing(pair, tmp_path, monkeypatch, capsys):
+    """With a step store (runtime/backends/step_store.py) each key is AOT-compiled once and saved; a later runtime
+    of the same model loads the files and traces nothing, with the uncompiled steps' tokens. A torn file is compiled
+    again and replaced."""
+    from dflash_trt.runtime.backends import step_store
+
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
+    prompt = [int(x) for x in np.random.default_rng(5).integers(0, 250, 9)]
+    want = _greedy_runs(_runtime(pair), prompt)
+    first = _runtime(pair)
+    compile_steps(first.executor.steps, backend="aot_eager", store=True)
+    assert _greedy_runs(first, prompt) == want
+    files = sorted((tmp_path / step_store.SUBDIR).glob("*.aot"))
+    assert len(files) == 3, files  # prefill, decode, spec K=4
+    assert step_store.read_marker(str(tmp_path / step_store.SUBDIR))["kind"] == step_store.KIND
+    capsys.readouterr()
+
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    later = _runtime(pair)
+    compile_steps(later.executor.steps, backend="aot_eager", store=True)
+    assert _greedy_runs(later, prompt) == want
+    err = capsys.readouterr().err
+    assert err.count("loaded compiled step") == 3 and "compiling step" not in err, err
+    assert not counters["stats"]["unique_graphs"], dict(counters["stats"])  # Dynamo traced nothing
+
+    torn = next(f for f in files if f.name.startswith("decode-"))
+    torn.write_bytes(torn.read_bytes()[:100])
+    again = _runtime(pair)
+    compile_steps(again.executor.steps, backend="aot_eager", store=True)
+    assert _greedy_runs(again, prompt) == want
+    err = capsys.readouterr().err
+    assert "stored step decode batch 1 not usable" in err and err.count("compiling step") == 1, err
+    assert torn.stat().st_size > 100
+
+
+def test_stored_steps_are_keyed_by_what_the_trace_depends_on(pair, monkeypatch):
+    """Another switch of the step code (DFLASH_TRT_*) or other pool sizes give another fingerprint: no stale file."""
+    from dflash_trt.runtime.backends.step_store import fingerprint
+
+    base = fingerprint(_runtime(pair).executor.steps, "aot_eager", None)
+    assert fingerprint(_runtime(pair).executor.steps, "aot_eager", None) == base
+    assert fingerprint(_runtime(pair).executor.steps, "inductor", {"combo_kernels": True}) != base
+    monkeypatch.setenv("DFLASH_TRT_PDL", "0")
+    assert fingerprint(_runtime(pair).executor.steps, "aot_eager", None) != base
+    monkeypatch.delenv("DFLASH_TRT_PDL")
+    t, d = pair
+    other = Runtime(TorchBackend(t, d), t.cfg, d.cfg, PoolSizes(kv_blocks=96, page_size=4, max_seq_len=96, max_seqs=3,
+                    dkv_blocks=96, prefill_chunk=16), device=TorchCpuDevice(),
+                    executor=lambda rt: GraphStepExecutor(rt, inflight=1))
+    assert fingerprint(other.executor.steps, "aot_eager", None) != base
+
+
+def test_a_torch_that_cannot_aot_compile_compiles_in_process(pair, tmp_path, monkeypatch, capsys):
+    """The AOT API is experimental: where it raises, the step compiles through Dynamo's in-process cache instead,
+    once said, with the uncompiled steps' tokens."""
+    monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path))
+    prompt = [int(x) for x in np.random.default_rng(6).integers(0, 250, 9)]
+    want = _greedy_runs(_runtime(pair), prompt)
+    rt = _runtime(pair)
+    compile_steps(rt.executor.steps, backend="aot_eager", store=True)
+    for name in ("prefill", "decode", "spec"):
+        step = getattr(rt.executor.steps, name)
+        monkeypatch.setattr(step.unbound, "aot_compile", lambda *a: (_ for _ in ()).throw(NotImplementedError("no")))
+    assert _greedy_runs(rt, prompt) == want
+    err = capsys.readouterr().err
+    assert "not AOT-compiled (NotImplementedError: no): compiling it in process" in err, err
+    assert not (tmp_path / "steps").exists()

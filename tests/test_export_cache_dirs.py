@@ -14,20 +14,22 @@ MODELS = os.path.join(ROOT, "models")
 
 
 def test_a_hit_from_a_vanished_copy_records_the_callers_dirs(tmp_path):
+    from dflash_trt.tools.tiny import make_tiny_pair
+
+    kept = tmp_path / "kept"
+    target, drafter = make_tiny_pair(str(kept), seed=0)
     copy = tmp_path / "copy"
-    shutil.copytree(MODELS, copy)
+    shutil.copytree(kept, copy)
+    ct, cd = (str(copy / os.path.relpath(d, kept)) for d in (target, drafter))
     cache = str(tmp_path / "cache")
-    first = ensure_export(str(copy / "target"), str(copy / "drafter"), ks=[1], cache_dir=cache, progress=None)
-    assert Manifest.load(first).data["target"]["dir"] == str(copy / "target")
+    first = ensure_export(ct, cd, ks=[1], cache_dir=cache, progress=None)
+    assert Manifest.load(first).data["target"]["dir"] == ct
     shutil.rmtree(copy)
-    again = ensure_export(os.path.join(MODELS, "target"), os.path.join(MODELS, "drafter"), ks=[1], cache_dir=cache,
-                          progress=None)
+    again = ensure_export(target, drafter, ks=[1], cache_dir=cache, progress=None)
     assert again == first
     data = Manifest.load(again).data
-    assert data["target"]["dir"] == os.path.join(MODELS, "target")
-    assert data["drafter"]["dir"] == os.path.join(MODELS, "drafter")
-    assert ensure_export(os.path.join(MODELS, "target"), os.path.join(MODELS, "drafter"), ks=[1], cache_dir=cache,
-                         progress=None) == first  # still a valid hit after the record changed
+    assert data["target"]["dir"] == target and data["drafter"]["dir"] == drafter
+    assert ensure_export(target, drafter, ks=[1], cache_dir=cache, progress=None) == first  # still a valid hit
 
 
 def test_one_entry_per_checkpoint_grows_by_the_widths_asked(tmp_path):
@@ -57,6 +59,8 @@ def test_one_entry_per_checkpoint_grows_by_the_widths_asked(tmp_path):
     assert sorted(os.listdir(cache)) == sorted([os.path.basename(first), os.path.basename(first) + ".lock"])
 
 
+@pytest.mark.slow  # six verify widths of the shipped pair exported on ORT: ~6 min on 2 cores; the tiny-pair test
+# above checks that callers share and grow one entry
 def test_demo_generate_and_bench_share_one_export(tmp_path, monkeypatch, capsys):
     """The commands a new user runs first (demo, generate plain / DFlash / --gamma 7, bench generate on ORT) export
     the shipped pair once between them: one cache entry, grown by the widths they ask for."""

@@ -121,7 +121,7 @@ def step_latency_ms(rt, seq, K: int, reps: int = 20, compiled: bool = False) -> 
     if compiled:
         from dflash_trt.runtime.backends.torch_compile import CompiledStep
 
-        step = CompiledStep(t.step)
+        step = CompiledStep(t, "step")
     fn = lambda: step(**x, kv_pool=rt.pools["kv_pool"], gdn_pool=rt.pools["gdn_pool"], conv_pool=rt.pools["conv_pool"])
     replay = dev.capture(fn)
     if replay is None:

@@ -123,13 +123,13 @@ def _capture(fn, reps: int = 20):
     return outs[0], ms
 
 
-def _compiled(fn, compiled: bool):
-    """fn through Inductor as the runtime's compiled steps run it (torch_compile.CompiledStep), or fn itself."""
+def _compiled(owner, name: str, compiled: bool):
+    """owner.name through Inductor as the runtime's compiled steps run it (torch_compile.CompiledStep), or itself."""
     if not compiled:
-        return fn
+        return getattr(owner, name)
     from dflash_trt.runtime.backends.torch_compile import CompiledStep
 
-    return CompiledStep(fn)
+    return CompiledStep(owner, name)
 
 
 def distinct_experts(target, fn) -> list[int]:
@@ -154,7 +154,7 @@ def verify_steps(rt, seq, ctx_rows: int, bw: float, ks, compiled: bool) -> dict:
 
     t, dev = rt.backend.target, rt.device.device
     gen = torch.Generator(device=dev).manual_seed(1)
-    step = _compiled(t.step, compiled)  # one compiled function, one static-shape entry per K
+    step = _compiled(t, "step", compiled)  # one compiled function, one static-shape entry per K
     moe = any(hasattr(layer.mlp, "experts") for layer in t.layers)  # dense: no expert draws (bench_dense)
     out = {}
     for K in ks:
@@ -185,7 +185,7 @@ def moe_block(target, bw: float, compiled: bool, tokens=(1, 4, 16, 64)) -> dict:
     from dflash_trt.plugins import ops
 
     block = next(layer.mlp for layer in target.layers if hasattr(layer.mlp, "experts"))
-    run_block = _compiled(block.forward, compiled)
+    run_block = _compiled(block, "forward", compiled)
     eb = _expert_bytes(target)
     other = sum(p.numel() * p.element_size() for n, p in block.named_parameters() if not n.startswith("experts."))
     gen = torch.Generator(device="cuda").manual_seed(2)

@@ -1,8 +1,8 @@
 """`dflash-trt cache list|clear`: what the artifact cache ($DFLASH_TRT_CACHE, else ~/.cache/dflash_trt) holds, and
 freeing it. Only what dflash-trt wrote is ever removed: export entries carrying our ownership marker that lists
 everything in them (dflash_trt.owned), their lock files, NVRTC modules named as the compiler names them, and the
-Inductor cache directory the compiled GPU steps created (it carries our marker). Each export entry is removed under its lock, so an export or engine build of it in another process finishes
-first."""
+directories of compiled GPU steps (Inductor's caches, stored steps) that carry our marker. Each export entry is
+removed under its lock, so an export or engine build of it in another process finishes first."""
 from __future__ import annotations
 
 import argparse
@@ -38,11 +38,20 @@ def nvrtc_files(root: str) -> list[str]:
     return sorted(os.path.join(d, f) for f in os.listdir(d) if _NVRTC_FILE.match(f)) if os.path.isdir(d) else []
 
 
-def inductor_dir(root: str) -> str | None:
-    """The Inductor cache directory the compiled GPU steps made under root (runtime/backends/torch_compile.py), when
-    it carries our marker; None otherwise. Imports no torch: its name and kind are repeated here."""
-    d = os.path.join(root, "inductor")
-    return d if (read_marker(d) or {}).get("kind") == "inductor-cache" else None
+# directories of compiled GPU steps made under the root (runtime/backends/torch_compile.py, step_store.py): name,
+# the kind their ownership marker carries, what `list` calls them. Repeated here so that the cache CLI imports no torch.
+STEP_DIRS = (("inductor", "inductor-cache", "Inductor's code for the compiled steps"),
+             ("steps", "compiled-steps", "compiled steps (loaded without tracing)"))
+
+
+def step_dirs(root: str) -> list[tuple[str, str]]:
+    """(path, description) of the compiled-step directories under root that carry our marker."""
+    out = []
+    for name, kind, what in STEP_DIRS:
+        d = os.path.join(root, name)
+        if (read_marker(d) or {}).get("kind") == kind:
+            out.append((d, what))
+    return out
 
 
 def _bytes(path: str) -> int:
@@ -80,10 +89,12 @@ def list_cache(root: str) -> None:
     kernels = nvrtc_files(root)
     ksize = sum(map(os.path.getsize, kernels))
     print(f"  nvrtc: {len(kernels)} compiled kernels, {_mb(ksize)}")
-    ind = inductor_dir(root)
-    isize = _bytes(ind) if ind else 0
-    print(f"  inductor: compiled GPU steps, {_mb(isize)}")
-    print(f"{len(names)} exports, {_mb(total + ksize + isize)} in all")
+    ssize = 0
+    for d, what in step_dirs(root):
+        size = _bytes(d)
+        ssize += size
+        print(f"  {os.path.basename(d)}: {what}, {_mb(size)}")
+    print(f"{len(names)} exports, {_mb(total + ksize + ssize)} in all")
 
 
 def clear_cache(root: str, only: list[str]) -> int:
@@ -110,10 +121,9 @@ def clear_cache(root: str, only: list[str]) -> int:
         for f in nvrtc_files(root):
             freed += os.path.getsize(f)
             os.remove(f)
-        ind = inductor_dir(root)
-        if ind:  # files Inductor wrote where our compiled steps sent it; a process compiling now refills it
-            freed += _bytes(ind)
-            shutil.rmtree(ind)
+        for d, _ in step_dirs(root):  # written where our compiled steps sent them; a process compiling refills them
+            freed += _bytes(d)
+            shutil.rmtree(d)
     progress(f"freed {_mb(freed)} in {root}")
     return rc
 

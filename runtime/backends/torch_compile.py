@@ -105,7 +105,9 @@ def use_cache_dir() -> str:
 
 
 class CompiledStep:
-    """fn through torch.compile: whole graph (a graph break would split the step), static shapes per key.
+    """A step method through torch.compile: whole graph (a graph break would split the step), static shapes per key.
+    With a StepStore (runtime/backends/step_store.py) each key is AOT-compiled once, saved, and loaded by later
+    processes without tracing; without one, Dynamo's in-process cache holds the keys.
     A compile that fails (Dynamo cannot trace, the backend fails) is not the request's fault: that key (step_key of
     the call: batch bucket, K, greedy or sampled) runs uncompiled from then on, the reason kept in `failures` and
     warned once; every other key still compiles — the compile-time twin of the capture's brick guard. Errors the
@@ -113,46 +115,121 @@ class CompiledStep:
     backend: a torch.compile backend ("aot_eager" traces exactly as Inductor does without generating code:
     the CPU test of the tracing)."""
 
-    def __init__(self, fn, backend: str = "inductor"):
+    def __init__(self, owner, name: str, backend: str = "inductor", store=None):
         cfg = torch._dynamo.config
-        for name in ("cache_size_limit", "recompile_limit"):  # each key is a recompile of the same code object
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
-        self.fn = _no_grad(fn)
-        options = {**INDUCTOR_OPTIONS, "triton.enable_pdl": pdl_switch()} if backend == "inductor" else None
+        for limit in ("cache_size_limit", "recompile_limit"):  # each key is a recompile of the same code object
+            if hasattr(cfg, limit):
+                setattr(cfg, limit, max(getattr(cfg, limit), RECOMPILE_LIMIT))
+        self.owner, self.name, self.store = owner, name, store
+        self.fn = _no_grad(getattr(owner, name))
+        options = step_options(backend)
         self.compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, backend=backend, options=options)
+        self.unbound = torch.compile(getattr(type(owner), name), fullgraph=True, dynamic=False, backend=backend,
+                                     options=options) if store is not None else None
         self.failures: list[str] = []
         self.eager_keys: set = set()  # step_key of the calls whose compile failed
-        self.compiled_keys: set = set()  # step_key of the calls compiled (or loaded from the cache) so far
+        self.compiled_keys: set = set()  # keys in Dynamo's in-process cache
+        self.stored: dict = {}  # key -> its AOT-compiled function (loaded or compiled here), called with owner
+
+    def __reduce__(self):
+        # AOT precompile pickles what a traced step's inputs reach (its guards' state), the steps object and through
+        # it its compiled steps: those hold compiled code that does not pickle, and no trace reads them
+        return (str, (f"compiled step {self.name}",))
 
     def __call__(self, *args, **kwargs):
         key = step_key((args, kwargs))
+        if key in self.stored:
+            with torch.no_grad():  # the artifact's guards hold grad mode off
+                return self.stored[key](self.owner, *args, **kwargs)
         if key in self.compiled_keys:
             return self.compiled(*args, **kwargs)
-        if key not in self.eager_keys:
-            what, t0 = describe_call(getattr(self.fn, "__name__", "?"), args), time.perf_counter()
-            progress(f"compiling step {what} ...")
-            try:
+        if key in self.eager_keys:
+            return self.fn(*args, **kwargs)
+        return self._first_call(key, args, kwargs)
+
+    def _first_call(self, key, args, kwargs):
+        what, t0 = describe_call(self.name, args), time.perf_counter()
+        if self.store is not None:
+            hit = self._load(key, what, args, kwargs)
+            if hit is not None:
+                return hit[0]
+        progress(f"compiling step {what} ...")
+        try:
+            out = self._compile_stored(key, what, args, kwargs) if self.store is not None else None
+            if self.store is None:
                 out = self.compiled(*args, **kwargs)
-                self.compiled_keys.add(key)
-                progress(f"compiled step {what} in {time.perf_counter() - t0:.1f} s")
-                return out
-            except torch._dynamo.exc.TorchDynamoException as e:  # traced before anything ran: safe to rerun
-                head = [x.strip() for x in str(e).splitlines() if x.strip()][:2]  # "backend raised:" + why
-                line = " ".join(head) or type(e).__name__
-                self.failures.append(line)
-                self.eager_keys.add(key)
-                warnings.warn(f"compiled step {getattr(self.fn, '__name__', '?')} fell back to eager for this key "
-                              f"(others stay compiled): {line}")
-        return self.fn(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:  # traced before anything ran: safe to rerun
+            head = [x.strip() for x in str(e).splitlines() if x.strip()][:2]  # "backend raised:" + why
+            line = " ".join(head) or type(e).__name__
+            self.failures.append(line)
+            self.eager_keys.add(key)
+            warnings.warn(f"compiled step {self.name} fell back to eager for this key (others stay compiled): {line}")
+            return self.fn(*args, **kwargs)
+        if self.store is None:
+            self.compiled_keys.add(key)
+        progress(f"compiled step {what} in {time.perf_counter() - t0:.1f} s")
+        return out
+
+    def _load(self, key, what: str, args, kwargs):
+        """(the step's output,) from the stored artifact of this key, or None (absent, or refused: then compiled)."""
+        t0 = time.perf_counter()
+        fn, why = self.store.load(self.name, key)
+        if fn is not None:
+            try:
+                with torch.no_grad():
+                    out = fn(self.owner, *args, **kwargs)
+            except Exception as e:  # its guards refused this call (checked before anything ran)
+                why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            else:
+                self.stored[key] = fn
+                progress(f"loaded compiled step {what} in {time.perf_counter() - t0:.1f} s")
+                return (out,)
+        if why:
+            progress(f"stored step {what} not usable ({why}): compiling it again")
+        return None
+
+    def _compile_stored(self, key, what: str, args, kwargs):
+        """AOT-compile this key, run it, save it (a save that fails costs only the later processes' compile). Where
+        this torch cannot AOT-compile the step, the store is dropped (returns None): Dynamo's in-process cache then."""
+        try:
+            with torch.no_grad():
+                fn = self.unbound.aot_compile(((self.owner, *args), kwargs))
+        except torch._dynamo.exc.TorchDynamoException:
+            raise
+        except Exception as e:  # an experimental API of this torch: the step still compiles, in process
+            progress(f"step {what} not AOT-compiled ({type(e).__name__}: {str(e)[:160]}): compiling it in process")
+            self.store = None
+            return None
+        with torch.no_grad():
+            out = fn(self.owner, *args, **kwargs)
+        self.stored[key] = fn
+        why = self.store.save(self.name, key, fn)
+        if why:
+            progress(f"compiled step {what} not stored ({why})")
+        return out
 
 
-def compile_steps(steps, backend: str = "inductor") -> None:
-    """Replace steps.prefill / decode / spec by their compiled versions (in place)."""
+def step_options(backend: str) -> dict | None:
+    """Inductor's options for the steps (INDUCTOR_OPTIONS and the PDL switch); None for another backend."""
+    return {**INDUCTOR_OPTIONS, "triton.enable_pdl": pdl_switch()} if backend == "inductor" else None
+
+
+def compile_steps(steps, backend: str = "inductor", store: bool | None = None) -> None:
+    """Replace steps.prefill / decode / spec by their compiled versions (in place). store: keep each compiled key
+    on disk for later processes (step_store.py); None: with Inductor where this torch can (step_store.supported)
+    and the steps run torch modules."""
+    from dflash_trt.runtime.backends import step_store
+
     if backend == "inductor":
         use_cache_dir()
+    if store is None:
+        store = backend == "inductor" and step_store.supported()
+    st = None
+    if store and hasattr(steps.graphs, "target"):
+        step_store.enable()
+        st = step_store.StepStore(cache_root(), step_store.fingerprint(steps, backend, step_options(backend)))
     for name in COMPILED:
-        setattr(steps, name, CompiledStep(getattr(steps, name), backend))
+        setattr(steps, name, CompiledStep(steps, name, backend, st))
 
 
 def prefer_cublaslt(dtype) -> bool:
