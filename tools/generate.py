@@ -54,7 +54,7 @@ def add_compile_arg(p) -> None:
     """--compile / --no-compile, as generate and serve take it."""
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="cuda + torch: prefill/decode/spec steps through Inductor, the default there (a compile per "
-                        "step shape on first use, kept in the cache for later processes); --no-compile: eager steps")
+                        "step shape on first use, stored in the cache: later processes load it); --no-compile: eager steps")
 
 
 def compile_choice(args) -> bool:

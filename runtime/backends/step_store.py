@@ -30,7 +30,11 @@ MODULES = ("dflash_trt.abi", "dflash_trt.config")
 
 def supported() -> bool:
     """Whether this torch saves and loads AOT-compiled functions (torch >= 2.10; experimental there)."""
-    return hasattr(torch.compiler, "load_compiled_function") and hasattr(torch._dynamo, "aot_compile")
+    try:
+        import torch._dynamo.aot_compile  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(torch.compiler, "load_compiled_function") and hasattr(torch.compile(len), "aot_compile")
 
 
 def enable() -> None:
