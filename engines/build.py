@@ -8,6 +8,8 @@ K plus target_prefill and the drafter graphs (a dynamic batch dim becomes a 1..m
 writes OUT/engines/<graph>.engine and records each engine under "engines" in the manifest: file, K,
 TensorRT flavour and version, compute capabilities, plugin versions, the source ONNX sha256, I/O.
 `--no-plugins` builds with the ONNX function bodies inlined instead (reference / debugging).
+`dflash-trt build --backend torch --model M [--drafter D]` builds the torch backend's compiled steps instead
+(tools/prebuild.py).
 """
 from __future__ import annotations
 
@@ -220,7 +222,15 @@ def ensure_engines(manifest_dir: str, graphs=None, progress=log.progress) -> Man
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--backend" in argv and argv[argv.index("--backend") + 1:][:1] == ["torch"] or "--backend=torch" in argv:
+        from dflash_trt.tools.prebuild import main as torch_main  # the torch backend's compiled steps
+
+        return torch_main(argv)
     p = ArgumentParser(prog="dflash-trt build", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=["trt", "torch"], default="trt",
+                   help="trt (default): engines of an export; torch: the torch backend's compiled GPU steps "
+                        "(dflash-trt build --backend torch --help)")
     p.add_argument("--manifest", required=True, help="directory of `dflash-trt export` (or its manifest.json)")
     p.add_argument("--k", type=parse_ks, help="build target_k{K} for these K only (default: every exported K)")
     p.add_argument("--graphs", help="comma-separated graph names to build (overrides --k)")
