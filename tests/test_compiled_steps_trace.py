@@ -270,3 +270,20 @@ def test_a_torch_that_cannot_aot_compile_compiles_in_process(pair, tmp_path, mon
     err = capsys.readouterr().err
     assert "not AOT-compiled (NotImplementedError: no): compiling it in process" in err, err
     assert not (tmp_path / "steps").exists()
+
+
+def test_the_store_is_on_by_default_from_the_checked_torch(monkeypatch):
+    """Stored steps are the default from step_store.MIN_TORCH on (where this torch has the API); the switch decides
+    either way."""
+    from dflash_trt.runtime.backends import step_store
+
+    monkeypatch.delenv("DFLASH_TRT_STEP_STORE", raising=False)
+    assert step_store.default_on() == (step_store.supported() and tuple(
+        int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= step_store.MIN_TORCH)
+    monkeypatch.setenv("DFLASH_TRT_STEP_STORE", "0")
+    assert not step_store.default_on()
+    monkeypatch.setenv("DFLASH_TRT_STEP_STORE", "1")
+    assert step_store.default_on() == step_store.supported()
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu128")
+    monkeypatch.delenv("DFLASH_TRT_STEP_STORE")
+    assert not step_store.default_on()

@@ -10,6 +10,7 @@ step's own settings. Parameter VALUES are not in it: the artifact reads the weig
 object at each call (it is called with that object), so the same file serves any checkpoint of the same shapes.
 A file that does not load, or whose guards refuse the call, is compiled again and replaced; a stale one is never
 loaded because its name differs. Files are written under a temporary name and renamed, so readers see whole files.
+On by default from MIN_TORCH (default_on; DFLASH_TRT_STEP_STORE=1 / 0 forces it).
 """
 from __future__ import annotations
 
@@ -37,6 +38,19 @@ def supported() -> bool:
     return hasattr(torch.compiler, "load_compiled_function") and hasattr(torch.compile(len), "aot_compile")
 
 
+MIN_TORCH = (2, 13)  # the oldest torch the store was checked on (save, load in a new process, equal tokens)
+
+
+def default_on() -> bool:
+    """Whether compiled steps are stored by default: DFLASH_TRT_STEP_STORE=1 / 0 decides, else this torch supports
+    the API and is at least MIN_TORCH (the API is experimental; older releases keep Dynamo's in-process cache)."""
+    env = os.environ.get("DFLASH_TRT_STEP_STORE")
+    if env in ("0", "1"):
+        return env == "1" and supported()
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return version >= MIN_TORCH and supported()
+
+
 def enable() -> None:
     """Torch releases that gate the API behind a Dynamo config flag get it set (later ones default it on)."""
     if getattr(torch._dynamo.config, "enable_aot_compile", True) is False:
@@ -44,7 +58,8 @@ def enable() -> None:
 
 
 def _switches() -> list:
-    return sorted((k, v) for k, v in os.environ.items() if k.startswith("DFLASH_TRT_") and k != "DFLASH_TRT_CACHE")
+    skip = ("DFLASH_TRT_CACHE", "DFLASH_TRT_STEP_STORE")  # where and whether steps are stored: not what they compute
+    return sorted((k, v) for k, v in os.environ.items() if k.startswith("DFLASH_TRT_") and k not in skip)
 
 
 def _module_shape(m) -> list:

@@ -216,14 +216,14 @@ def step_options(backend: str) -> dict | None:
 
 def compile_steps(steps, backend: str = "inductor", store: bool | None = None) -> None:
     """Replace steps.prefill / decode / spec by their compiled versions (in place). store: keep each compiled key
-    on disk for later processes (step_store.py); None: with Inductor where this torch can (step_store.supported)
-    and the steps run torch modules."""
+    on disk for later processes (step_store.py); None: with Inductor where step_store.default_on() and the steps
+    run torch modules."""
     from dflash_trt.runtime.backends import step_store
 
     if backend == "inductor":
         use_cache_dir()
     if store is None:
-        store = backend == "inductor" and step_store.supported()
+        store = backend == "inductor" and step_store.default_on()
     st = None
     if store and hasattr(steps.graphs, "target"):
         step_store.enable()
