@@ -50,8 +50,17 @@ def scale_shape(N: int, K: int) -> tuple[int, int]:
     return _cdiv(N, BLOCK), _cdiv(K, BLOCK)
 
 
+NARROW_N = 16384  # up to this many rows of w (and K >= NARROW_K) a CTA runs 16 warps (warps())
+NARROW_K = 4096
+
+
 def warps(N: int, K: int) -> int:
-    """gemv's choice for the same bytes a row: an fp8 row of K columns streams as a 16-bit row of K/2."""
+    """16 warps (U = 2) for projections of up to NARROW_N rows and NARROW_K columns: at 16 rows 4-11% faster than
+    8 warps (U = 4) on the 27B shapes' projections and within 2% at 1 row (H200, docs/PERF.md); wider ones (the fused
+    gate/up of 34816 rows: 33% slower at 1 row) keep gemv's choice for the same bytes a row (an fp8 row of K columns
+    streams as a 16-bit row of K/2). Both depend on (N, K) only: a row's sums do not depend on M."""
+    if N <= NARROW_N and K >= NARROW_K:
+        return gemv_spec.NARROW_WARPS
     return gemv_spec.warps(N, K // 2)
 
 

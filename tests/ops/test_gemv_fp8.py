@@ -194,7 +194,11 @@ def test_swiglu_vs_unfused(dtype, M, I, K):
 @pytest.mark.gpu
 def test_fp8_layers_dispatch_to_the_kernel(monkeypatch):
     """Fp8Linear and a fused FP8 gate/up on CUDA: 1-16 rows through the kernels, 40 rows through the dequantizing
-    path; the results agree within the bound either way."""
+    path (W8A16 forced: where the block-scaled GEMM runs, wider calls take W8A8 by default, tests/test_fp8_w8a8.py);
+    the results agree within the bound either way."""
+    from dflash_trt.modeling import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "MODE", "w8a16")
     owner = _fp8_pair(256, 256, K=512).cuda()
     names = ("gate_proj", "up_proj")
     fuse.fuse_linears(owner, names)
