@@ -13,6 +13,7 @@ TensorRT flavour and version, compute capabilities, plugin versions, the source 
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -223,7 +224,9 @@ def ensure_engines(manifest_dir: str, graphs=None, progress=log.progress) -> Man
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--backend" in argv and argv[argv.index("--backend") + 1:][:1] == ["torch"] or "--backend=torch" in argv:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--backend", default="trt")
+    if pre.parse_known_args(argv)[0].backend == "torch":
         from dflash_trt.tools.prebuild import main as torch_main  # the torch backend's compiled steps
 
         return torch_main(argv)

@@ -140,17 +140,15 @@ def quantize_weight(w, block=(128, 128)):
 
 
 def quantize_projections(model: nn.Module, block=(128, 128)) -> list[str]:
-    """Every bias-free projection of a built 16/32-bit module (its own Linear children: a drafter's fc, attention
-    and MLP; not the target's embedding or lm_head it borrows) replaced by an Fp8Linear of its weights quantized
-    block-wise (quantize_weight): half the bytes a step streams, within FP8's rounding. Meant for a drafter, whose
-    drafts may change (tau), never the tokens. Call before fuse_projections. Returns the module names converted."""
-    done = []
-    for owner_name, owner in list(model.named_modules()):
-        for child, mod in list(owner.named_children()):
-            if isinstance(mod, Linear) and mod.bias is None:
-                twin = Fp8Linear(mod.in_features, mod.out_features, block)
-                w8, scale_inv = quantize_weight(mod.weight.detach(), block)
-                twin.weight, twin.weight_scale_inv = _frozen(w8), _frozen(scale_inv)
-                setattr(owner, child, twin)
-                done.append(f"{owner_name}.{child}" if owner_name else child)
+    """Every projection of a built 16/32-bit module (its own Linear children: a drafter's fc, attention and MLP; not
+    the target's embedding or lm_head it borrows) made FP8 as quantize_modules makes a checkpoint's, filled with its
+    own weights quantized block-wise (quantize_weight): half the bytes a step streams, within FP8's rounding. Meant
+    for a drafter, whose drafts may change (tau), never the tokens. Call before fuse_projections. Returns the module
+    names converted."""
+    weights = {n: m.weight.detach() for n, m in model.named_modules() if isinstance(m, Linear)}
+    done = quantize_modules(model, Fp8Config(block=tuple(block)), "")
+    for name in done:
+        w8, scale_inv = quantize_weight(weights[name], block)
+        mod = model.get_submodule(name)
+        mod.weight, mod.weight_scale_inv = _frozen(w8), _frozen(scale_inv)
     return done

@@ -48,7 +48,13 @@ def test_list_and_clear_free_only_what_dflash_trt_wrote(tmp_path, monkeypatch, c
 def test_the_compiled_steps_cache_is_listed_and_cleared_only_when_ours(tmp_path, monkeypatch, capsys):
     """The Inductor directory our compiled steps create (with its marker) is listed and freed; a user's own folder
     of that name is left alone."""
+    from dflash_trt.runtime.backends import step_store, torch_compile
     from dflash_trt.runtime.backends.torch_compile import use_cache_dir
+    from dflash_trt.tools.cache import STEP_DIRS
+
+    # the cache CLI repeats the directories' names and kinds (it imports no torch): they must be the writers'
+    assert [d[:2] for d in STEP_DIRS] == [(torch_compile.CACHE_SUBDIR, torch_compile.CACHE_KIND),
+                                          (step_store.SUBDIR, step_store.KIND)]
 
     root = tmp_path / "cache"
     monkeypatch.setenv("DFLASH_TRT_CACHE", str(root))

@@ -155,9 +155,10 @@ class CompiledStep:
                 return hit[0]
         progress(f"compiling step {what} ...")
         try:
-            out = self._compile_stored(key, what, args, kwargs) if self.store is not None else None
-            if self.store is None:
-                out = self.compiled(*args, **kwargs)
+            if self.store is not None:
+                out = self._compile_stored(key, what, args, kwargs)
+            else:
+                out = self._compile_in_process(key, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:  # traced before anything ran: safe to rerun
             head = [x.strip() for x in str(e).splitlines() if x.strip()][:2]  # "backend raised:" + why
             line = " ".join(head) or type(e).__name__
@@ -165,9 +166,12 @@ class CompiledStep:
             self.eager_keys.add(key)
             warnings.warn(f"compiled step {self.name} fell back to eager for this key (others stay compiled): {line}")
             return self.fn(*args, **kwargs)
-        if self.store is None:
-            self.compiled_keys.add(key)
         progress(f"compiled step {what} in {time.perf_counter() - t0:.1f} s")
+        return out
+
+    def _compile_in_process(self, key, args, kwargs):
+        out = self.compiled(*args, **kwargs)
+        self.compiled_keys.add(key)
         return out
 
     def _load(self, key, what: str, args, kwargs):
@@ -190,7 +194,7 @@ class CompiledStep:
 
     def _compile_stored(self, key, what: str, args, kwargs):
         """AOT-compile this key, run it, save it (a save that fails costs only the later processes' compile). Where
-        this torch cannot AOT-compile the step, the store is dropped (returns None): Dynamo's in-process cache then."""
+        this torch cannot AOT-compile the step, the store is dropped: Dynamo's in-process cache from then on."""
         try:
             with torch.no_grad():
                 fn = self.unbound.aot_compile(((self.owner, *args), kwargs))
@@ -199,7 +203,7 @@ class CompiledStep:
         except Exception as e:  # an experimental API of this torch: the step still compiles, in process
             progress(f"step {what} not AOT-compiled ({type(e).__name__}: {str(e)[:160]}): compiling it in process")
             self.store = None
-            return None
+            return self._compile_in_process(key, args, kwargs)
         with torch.no_grad():
             out = fn(self.owner, *args, **kwargs)
         self.stored[key] = fn
