@@ -22,8 +22,9 @@ row still appended by the same commit path), chosen per step for the whole batch
           spends at most PROBE_BUDGET of the time on probes: (seconds(wider) / seconds(K) - 1) / interval <= budget.
 
 Lossless by construction: any K verifies its drafts with the same accept (greedy or rejection sampling), so only the
-speed depends on the choice. Step costs come from a `StepCosts` (seconds(K, bucket)): a measured table, or the default
-cost model when nothing was measured.
+speed depends on the choice. Step costs come from a `StepCosts` (seconds(K, bucket)): by default `MeasuredCosts`, the
+steps' own times on this device as they are built (the default cost model until a step was timed: the CPU path);
+a given table or model instead (a seeded sampled run then takes the same widths run after run: measured times vary).
 """
 from __future__ import annotations
 
@@ -87,6 +88,55 @@ class CostTable:
         if not near:
             raise KeyError(f"no step time for width {K} in the cost table")
         return self.table[K, min(near, key=lambda b: (abs(b - bucket), b))]
+
+
+class MeasuredCosts:
+    """Step times measured on this device as its steps are built (the graph executor times replays of each captured
+    decode / spec step, runtime/backends/graph_executor.py), so auto draft length weighs the widths by what they
+    cost here: a verify width's price differs by model, quantization and batch (a 27B FP8 spec step costs ~2x its
+    plain step, the default model says 1.5x). A width not measured yet is estimated from the measured ones at the
+    nearest measured bucket: between two measured widths of its kind (plain: K = 1; spec: K > 1) linearly in K,
+    else the default model's shape scaled to the nearest measured width (of its kind when there is one); with nothing
+    measured, the default model."""
+
+    def __init__(self, model: CostModel | None = None):
+        self.model = model or CostModel()
+        self.table: dict = {}  # (K, bucket) -> seconds
+        self._estimates: dict = {}
+
+    def has(self, K: int, bucket: int) -> bool:
+        return (K, bucket) in self.table
+
+    def add(self, K: int, bucket: int, seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError(f"a step time must be positive, got {seconds!r} for width {K} at bucket {bucket}")
+        self.table[int(K), int(bucket)] = float(seconds)
+        self._estimates.clear()
+
+    def seconds(self, K: int, bucket: int) -> float:
+        key = (K, bucket)
+        if key in self.table:
+            return self.table[key]
+        if key not in self._estimates:
+            self._estimates[key] = self._estimate(K, bucket)
+        return self._estimates[key]
+
+    def _estimate(self, K: int, bucket: int) -> float:
+        buckets = {b for _, b in self.table}
+        if not buckets:
+            return self.model.seconds(K, bucket)
+        b = min(buckets, key=lambda v: (abs(v - bucket), v))
+        at = {k: s for (k, v), s in self.table.items() if v == b}
+        if K in at:
+            return at[K]
+        kin = sorted(k for k in at if (k > 1) == (K > 1)) or sorted(at)
+        lo = [k for k in kin if k < K]
+        hi = [k for k in kin if k > K]
+        if lo and hi and K > 1:
+            k0, k1 = lo[-1], hi[0]
+            return at[k0] + (at[k1] - at[k0]) * (K - k0) / (k1 - k0)
+        near = min(kin, key=lambda k: (abs(k - K), k))
+        return at[near] * self.model.seconds(K, b) / self.model.seconds(near, b)
 
 
 class Acceptance:

@@ -24,7 +24,7 @@ from dflash_trt.runtime import commit, snapshot
 from dflash_trt.runtime.batching import BUCKETS, DECODE, PREFILL_BATCH, SPEC, StepPlan, pad_rows
 from dflash_trt.runtime.ctx import CtxWindow
 from dflash_trt.runtime.devices.host import HostDevice
-from dflash_trt.runtime.draft_length import CostModel, DraftLength, GammaError, StepCosts, check_gamma  # noqa: F401
+from dflash_trt.runtime.draft_length import DraftLength, GammaError, MeasuredCosts, StepCosts, check_gamma  # noqa: F401
 from dflash_trt.runtime.executors import choose_executor
 from dflash_trt.runtime.pools import BlockAllocator, PoolExhausted, SlotPool
 from dflash_trt.runtime.sampling import SamplingParams
@@ -61,8 +61,9 @@ class Runtime:
     def __init__(self, backend, target_cfg, drafter_cfg=None, sizes: PoolSizes = PoolSizes(),
                  device=None, step_costs: StepCosts | None = None, executor=None):
         """executor: a factory taking the runtime (e.g. HostStepExecutor), or None: executors.choose_executor.
-        step_costs: the time of a step per (width, batch bucket) that auto draft length weighs (None: the default
-        cost model; a device path feeds measured times)."""
+        step_costs: the time of a step per (width, batch bucket) that auto draft length weighs (None: MeasuredCosts,
+        which the graph executor fills with each step's measured time as it builds it; the default cost model until
+        then and on the host path)."""
         self.backend = backend
         self.tcfg, self.dcfg, self.sizes = target_cfg, drafter_cfg, sizes
         self.device = device or HostDevice()
@@ -73,7 +74,7 @@ class Runtime:
         self.kv_alloc = BlockAllocator(sizes.kv_blocks, "target kv pages")
         self.dkv_alloc = BlockAllocator(sizes.dkv_blocks, "drafter ctx pages")
         self.slots = SlotPool(sizes.max_seqs, "sequence state slots")
-        self.step_costs = step_costs or CostModel()
+        self.step_costs = step_costs or MeasuredCosts()
         self._next_id = 0
         self.eos = set(target_cfg.eos_token_ids)
         self.executor = (executor or choose_executor)(self)

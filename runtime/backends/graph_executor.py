@@ -32,13 +32,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from dflash_trt.runtime.backends.torch_fused_step import RESULT_EXTRA, SAMPLING_FIELDS
 from dflash_trt.runtime.batching import (DECODE, PREFILL_STEP, SPEC, StepPlan, StepResult, pad_rows, prefill_rows,
                                          prefill_width, step_tables)
-from dflash_trt.runtime.backends.torch_fused_step import RESULT_EXTRA, SAMPLING_FIELDS
+from dflash_trt.runtime.draft_length import MeasuredCosts
 from dflash_trt.runtime.logprobs import LOGPROBS_MAX, first_tokens, logprobs_k, packed_width, unpack
 from dflash_trt.runtime.sampling import row_params, samples
 
 STAGING_COPIES = 2  # a step's staging/readback pair is reused only after the step before last has landed
+TIMED_RUNS = 3  # runs of a new step key timed for auto draft length (_time_step)
 
 
 class Pending:
@@ -149,6 +151,7 @@ class GraphStepExecutor:
         self.capture_hook = None  # hook(key) inside every capture (tests force a failure with it)
         self.trace = None  # a list -> (start, end, kind) timing events of every launch are appended (bench)
         self.on_capture = None  # progress callback(key) while graphs are captured
+        self._timing = None  # (start, end) events of _time_step
 
     # ---- buffers and graphs per key ----------------------------------------------------------
     @property
@@ -198,9 +201,32 @@ class GraphStepExecutor:
                 self.graphs[key] = dev.capture(lambda: fn(buf.views), hook=hook)
                 if self.graphs[key] is None:
                     self.eager_keys.add(key)
-        fn = self._fn(kind, K)
-        graph = self.graphs[key]
-        return buf, (graph if graph is not None else (lambda: fn(buf.views)))
+            if kind != PREFILL_STEP:
+                self._time_step(K, B, dev, self._run_of(key, buf))
+        return buf, self._run_of(key, buf)
+
+    def _run_of(self, key, buf):
+        """What runs a key's step on its buffers: its graph's replay, or its step eagerly."""
+        graph, fn = self.graphs[key], self._fn(key[0], key[1])
+        return graph if graph is not None else (lambda: fn(buf.views))
+
+    def _time_step(self, K, B, dev, run) -> None:
+        """A new decode / spec key's step time into the runtime's MeasuredCosts (auto draft length weighs widths by
+        it), once per (K, bucket): the mean of TIMED_RUNS runs on its padding inputs, which stream every weight as a
+        real step does (their rows attend to nothing). Only where steps run on a device with timing events."""
+        costs = self.rt.step_costs
+        if not (isinstance(costs, MeasuredCosts) and dev.graph_steps) or costs.has(K, B):
+            return
+        if self._timing is None:
+            self._timing = (dev.new_event(timing=True), dev.new_event(timing=True))
+        start, end = self._timing
+        with dev.on_stream():
+            dev.record(start)
+            for _ in range(TIMED_RUNS):
+                run()
+            dev.record(end)
+        dev.wait(end)
+        costs.add(K, B, dev.elapsed_ms(start, end) / TIMED_RUNS / 1e3)
 
     def _fill_padding(self, buf, kind, B, sampled=False, lp=False):
         """All-padding inputs (live 0 -> n 0, dummy state row): what warm-up and capture run on."""
