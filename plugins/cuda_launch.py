@@ -51,9 +51,20 @@ def _context():
     return ctx
 
 
+_arch: dict = {}
+
+
 def device_arch() -> tuple:
+    """(major, minor) compute capability of the current context's device (cached per context)."""
+    key = int(_context())
+    arch = _arch.get(key)
+    if arch is None:
+        arch = _arch[key] = _query_arch()
+    return arch
+
+
+def _query_arch() -> tuple:
     cu = driver()
-    _context()
     dev = check(cu.cuCtxGetDevice(), "cuCtxGetDevice")
     A = cu.CUdevice_attribute
     major = check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "attr")

@@ -96,6 +96,8 @@ struct MmaW16 {
     }
   }
   __device__ __forceinline__ void rows(int n0) { mma_rows<SWIGLU>(wg, wh, w, n0, N, K); }
+  __device__ __forceinline__ void scale_rows(int) {}  // 16-bit weights carry no scales (bulk.cuh calls both)
+  __device__ __forceinline__ void load_scales(int, int, int) {}
   __device__ __forceinline__ void load_w(int ch0, int u0, int u1) { mma_load_w<U>(a, b, wg, wh, ch0, nv, u0, u1); }
   __device__ __forceinline__ void load_x(int ch0, int u0, int u1) { mma_load_x<NT, U>(xv, xr, xok, ch0, nv, u0, u1); }
   __device__ __forceinline__ void load(int ch0, int u0, int u1) {
@@ -109,6 +111,38 @@ struct MmaW16 {
     }
   }
 };
+
+// The epilogue of a tile from row n0: the W warps' partials (part, written before a barrier) added in warp order and
+// stored as y rows (SWIGLU: silu(gate) * up). Threads 0 .. W*32-1 share the work.
+template <int NT, bool F16, int W, bool SWIGLU>
+__device__ __forceinline__ void mma_epilogue(const float (&part)[W][NT * 8][17], void* __restrict__ y, int n0, int M,
+                                             int N, int y_f32) {
+  const int tid = threadIdx.x;
+  if constexpr (SWIGLU) {
+    const int I = N / 2;
+    for (int j = tid; j < NT * 8 * 8; j += W * 32) {
+      const int m = j >> 3, r = j & 7;  // gate row n0 + r of w is tile row r, its up row tile row r + 8
+      float gs = 0.f, us = 0.f;
+#pragma unroll
+      for (int q = 0; q < W; ++q) gs += part[q][m][r], us += part[q][m][r + 8];
+      if (m < M && n0 + r < I) ((u16*)y)[(i64)m * I + n0 + r] = swiglu_out<F16>(gs, us);
+    }
+  } else {
+    for (int j = tid; j < NT * 8 * 16; j += W * 32) {
+      const int m = j >> 4, r = j & 15;  // consecutive threads: consecutive rows of w (coalesced y)
+      float s = 0.f;
+#pragma unroll
+      for (int q = 0; q < W; ++q) s += part[q][m][r];
+      if (m < M && n0 + r < N) {
+        const i64 o = (i64)m * N + n0 + r;
+        if (y_f32)
+          ((float*)y)[o] = s;
+        else
+          ((u16*)y)[o] = F16 ? f_to_f16(s) : f_to_bf16(s);
+      }
+    }
+  }
+}
 
 // Persistent: the grid is the CTAs the device holds at once (launch.py), each CTA walks tiles blockIdx.x,
 // + gridDim.x, ... and issues the next tile's first loads BEFORE the current tile's epilogue (partials to shared
@@ -172,30 +206,7 @@ __device__ __forceinline__ void mma_body(S& s, void* __restrict__ y, int M, int 
     // Past the barrier every warp's loads of its last tile went into its mmas: this CTA reads no more memory, so
     // the next kernel may start (common.cuh; one thread's trigger counts for the whole CTA, hence after the barrier).
     if (tile >= tiles) pdl_trigger();
-    if constexpr (SWIGLU) {
-      const int I = N / 2;
-      for (int j = tid; j < NT * 8 * 8; j += W * 32) {
-        const int m = j >> 3, r = j & 7;  // gate row n0 + r of w is tile row r, its up row tile row r + 8
-        float gs = 0.f, us = 0.f;
-#pragma unroll
-        for (int q = 0; q < W; ++q) gs += part[q][m][r], us += part[q][m][r + 8];
-        if (m < M && n0 + r < I) ((u16*)y)[(i64)m * I + n0 + r] = swiglu_out<F16>(gs, us);
-      }
-    } else {
-      for (int j = tid; j < NT * 8 * 16; j += W * 32) {
-        const int m = j >> 4, r = j & 15;  // consecutive threads: consecutive rows of w (coalesced y)
-        float s = 0.f;
-#pragma unroll
-        for (int q = 0; q < W; ++q) s += part[q][m][r];
-        if (m < M && n0 + r < N) {
-          const i64 o = (i64)m * N + n0 + r;
-          if (y_f32)
-            ((float*)y)[o] = s;
-          else
-            ((u16*)y)[o] = F16 ? f_to_f16(s) : f_to_bf16(s);
-        }
-      }
-    }
+    mma_epilogue<NT, F16, W, SWIGLU>(part, y, n0, M, N, y_f32);
     if (tile >= tiles) break;
     __syncthreads();  // part is rewritten by the next tile
   }

@@ -16,6 +16,8 @@ of a tensor-core fragment reads 64 bytes of 8 rows per load instruction, not 512
 """
 from __future__ import annotations
 
+import os
+
 from dflash_trt.plugins.opspec import OpSpec, Port, kernel_need, need
 
 # rows of x per call (two 8-row n-tiles of mma.m16n8k16); more rows go to cuBLAS, which beats re-reading the
@@ -59,12 +61,39 @@ def chunks_per_pass(N: int, K: int) -> int:
     return 4 if K <= WARPS * 32 * 8 and N >= 4096 else 8
 
 
-def kernel_name(rows: int, N: int, K: int, dtype: str, swiglu: bool = False) -> str:
-    """The kernel.cu entry: mma_n{8-row tiles of x}_u{chunks per pass}_w{warps}_{dtype}[_swiglu]. U and the warps
-    depend on (N, K) alone (N: all rows of w, also for swiglu, so its sums are the plain kernel's), and rows 1-8 of a
-    16-row call run the same mma sequence as an 8-row call: a row's result does not depend on M."""
-    return (f"mma_n{1 if rows <= 8 else 2}_u{chunks_per_pass(N, K)}_w{warps(N, K)}_"
+def kernel_name(rows: int, N: int, K: int, dtype: str, swiglu: bool = False, bulk_stream: bool = False) -> str:
+    """The kernel.cu entry: mma[b]_n{8-row tiles of x}_u{chunks per pass}_w{warps}_{dtype}[_swiglu] (b: bulk.cuh's
+    stream, the same sums). U and the warps depend on (N, K) alone (N: all rows of w, also for swiglu, so its sums are
+    the plain kernel's), and rows 1-8 of a 16-row call run the same mma sequence as an 8-row call: a row's result
+    does not depend on M."""
+    return (f"mma{'b' if bulk_stream else ''}_n{1 if rows <= 8 else 2}_u{chunks_per_pass(N, K)}_w{warps(N, K)}_"
             f"{'bf16' if dtype == 'bfloat16' else 'f16'}{'_swiglu' if swiglu else ''}")
+
+
+BULK_MAJORS = (9, 10)  # cp.async.bulk, mbarrier transaction counts and 228 KB of shared memory an SM (12.x: 100 KB)
+BULK_RING_BYTES = 128 << 10  # shared memory of bulk.cuh's weight ring: as many passes as fit, 2 to 8 (BulkRing)
+
+
+BULK_DEFAULT = "0"  # DFLASH_TRT_BULK_STREAM when unset: opt-in until measured against the register stream
+
+
+def bulk(arch: tuple) -> bool:
+    """Whether the weight stream goes through shared memory (bulk.cuh) on a device of compute capability `arch`:
+    DFLASH_TRT_BULK_STREAM=1 (the register stream otherwise; the sums are the same, a same-run A/B)."""
+    return tuple(arch)[0] in BULK_MAJORS and os.environ.get("DFLASH_TRT_BULK_STREAM", BULK_DEFAULT) != "0"
+
+
+def bulk_smem(pass_bytes: int) -> int:
+    """Dynamic shared memory of bulk.cuh's kernel whose pass reads pass_bytes of each of a tile's 16 rows: its
+    stages (16 rows of a pass, + 64 bytes a row) and two 8-byte barriers a stage (BulkRing says the same)."""
+    stage = 16 * (pass_bytes + 64)
+    stages = min(8, max(2, BULK_RING_BYTES // stage))
+    return stages * stage + 2 * stages * 8
+
+
+def pass_bytes(N: int, K: int) -> int:
+    """Bytes of a row of w one pass of the kernel reads: W warps x U chunks of 32 16-bit columns."""
+    return warps(N, K) * chunks_per_pass(N, K) * 64
 
 
 def tiles(N: int, swiglu: bool = False) -> int:
@@ -102,5 +131,5 @@ SPEC = OpSpec(
     groups={"x": DTYPES},
     output_shapes=_output_shapes, check_shapes=_check_shapes, check_kernel=_check_kernel,
     doc="x @ w.T for 1-16 rows of x (decode and verify projections)",
-    cuda_defines={"GEMV_WARPS": WARPS, "GEMV_NARROW_WARPS": NARROW_WARPS},
+    cuda_defines={"GEMV_WARPS": WARPS, "GEMV_NARROW_WARPS": NARROW_WARPS, "BULK_RING_BYTES": BULK_RING_BYTES},
 )

@@ -1,7 +1,7 @@
 """Launcher of the FP8 gemv kernels (kernel.cu): raw device pointers (ints) + a CUstream handle (int)."""
 from __future__ import annotations
 
-from dflash_trt.plugins.cuda_launch import I, P, get_function, launch, resident_ctas
+from dflash_trt.plugins.cuda_launch import I, P, device_arch, get_function, launch, resident_ctas
 from dflash_trt.plugins.gemv_fp8 import spec
 from dflash_trt.plugins.opspec import kernel_need
 
@@ -12,10 +12,12 @@ def gemv_fp8(w, scale, x, y, *, M, N, K, dtype="bfloat16", y_fp32=False, stream=
     spec.check(M, N, K, dtype)
     kernel_need(not swiglu or spec.swiglu_usable(N),
                 f"gemv_fp8_swiglu: w must be [gate; up] of I rows each with I % {spec.BLOCK} == 0 (got {N} rows)")
-    fn = get_function("gemv_fp8", spec.kernel_name(M, N, K, dtype, swiglu))
+    bulk = spec.bulk(device_arch())
+    smem = spec.bulk_smem(N, K) if bulk else 0
+    fn = get_function("gemv_fp8", spec.kernel_name(M, N, K, dtype, swiglu, bulk), max_dynamic_smem=smem)
     tiles = spec.tiles(N, swiglu)  # persistent CTAs walk the tiles (gemv/mma.cuh)
-    threads = spec.warps(N, K) * 32
-    launch(fn, (min(tiles, resident_ctas(fn, threads)), 1, 1), (threads, 1, 1), 0, stream,
+    threads = (spec.warps(N, K) + bulk) * 32  # bulk: the producer warp beside the consumers
+    launch(fn, (min(tiles, resident_ctas(fn, threads, smem)), 1, 1), (threads, 1, 1), smem, stream,
            [(w, P), (scale, P), (x, P), (y, P), (M, I), (N, I), (K, I), (int(bool(y_fp32)), I)], pdl=True)
 
 

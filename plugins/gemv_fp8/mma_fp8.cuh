@@ -70,11 +70,17 @@ struct MmaW8 {
   }
   __device__ __forceinline__ void rows(int n0) {
     mma_rows<SWIGLU>(wg, wh, w, n0, N, K >> 1);
+    scale_rows(n0);
+  }
+  __device__ __forceinline__ void scale_rows(int n0) {
     srow_g = scale + (i64)(n0 >> 7) * kb;
     srow_h = SWIGLU ? scale + (i64)((N / 2 + n0) >> 7) * kb : srow_g;
   }
   __device__ __forceinline__ void load_w(int ch0, int u0, int u1) {
     mma_load_w<U>(a, b, wg, wh, ch0, nv, u0, u1);
+    load_scales(ch0, u0, u1);
+  }
+  __device__ __forceinline__ void load_scales(int ch0, int u0, int u1) {
 #pragma unroll
     for (int u = u0; u < u1; ++u) {  // one scale per chunk, the same for every lane: an L1 broadcast
       const bool ok = (ch0 + u) * 4 < nv;

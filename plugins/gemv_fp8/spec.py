@@ -72,18 +72,28 @@ def chunks_per_pass(N: int, K: int) -> int:
     return min(4, gemv_spec.chunks_per_pass(N, K // 2))
 
 
-def kernel_name(rows: int, N: int, K: int, dtype: str, swiglu: bool = False) -> str:
-    """The kernel.cu entry: fp8_n{8-row tiles of x}_u{U}_w{warps}_{dtype of x}[_swiglu]; U and the warps depend on
-    (N, K) alone, so a row's result does not depend on M (gemv/spec.py)."""
-    return (f"fp8_n{1 if rows <= 8 else 2}_u{chunks_per_pass(N, K)}_w{warps(N, K)}_"
+def bulk(arch: tuple) -> bool:
+    """Whether the weights stream through shared memory (gemv/bulk.cuh) on compute capability `arch` (as gemv's)."""
+    return gemv_spec.bulk(arch)
+
+
+def bulk_smem(N: int, K: int) -> int:
+    """Dynamic shared memory of gemv/bulk.cuh's kernel for (N, K): a pass reads W warps x U chunks of 64 fp8 columns."""
+    return gemv_spec.bulk_smem(warps(N, K) * chunks_per_pass(N, K) * 64)
+
+
+def kernel_name(rows: int, N: int, K: int, dtype: str, swiglu: bool = False, bulk_stream: bool = False) -> str:
+    """The kernel.cu entry: fp8[b]_n{8-row tiles of x}_u{U}_w{warps}_{dtype of x}[_swiglu] (b: bulk.cuh's stream,
+    the same sums); U and the warps depend on (N, K) alone, so a row's result does not depend on M (gemv/spec.py)."""
+    return (f"fp8{'b' if bulk_stream else ''}_n{1 if rows <= 8 else 2}_u{chunks_per_pass(N, K)}_w{warps(N, K)}_"
             f"{'bf16' if dtype == 'bfloat16' else 'f16'}{'_swiglu' if swiglu else ''}")
 
 
 def kernel_variants() -> list[str]:
-    """Every entry kernel.cu instantiates (the NVRTC test checks the PTX against this list)."""
+    """Every entry kernel.cu instantiates for compute capability 9.0 (the NVRTC test checks the PTX against it)."""
     uw = [(1, gemv_spec.WARPS), (2, gemv_spec.WARPS), (4, gemv_spec.WARPS), (2, gemv_spec.NARROW_WARPS)]
-    return [f"fp8_n{n}_u{u}_w{w}_{d}{s}" for n in (1, 2) for u, w in uw for d in ("bf16", "f16")
-            for s in ("", "_swiglu")] + [quant_kernel_name(d) for d in DTYPES]
+    return [f"fp8{b}_n{n}_u{u}_w{w}_{d}{s}" for b in ("", "b") for n in (1, 2) for u, w in uw
+            for d in ("bf16", "f16") for s in ("", "_swiglu")] + [quant_kernel_name(d) for d in DTYPES]
 
 
 def quant_kernel_name(dtype: str) -> str:
@@ -118,5 +128,5 @@ SPEC = OpSpec(
     groups={"x": DTYPES, "w": W_DTYPES, "s": ("float32",)},
     output_shapes=_output_shapes, check_shapes=_check_shapes, check_kernel=_check_kernel,
     doc="x @ (fp8 w * block scales).T for 1-16 rows of x (FP8 decode and verify projections)",
-    cuda_defines={"GEMV_WARPS": gemv_spec.WARPS, "GEMV_NARROW_WARPS": gemv_spec.NARROW_WARPS},
+    cuda_defines=gemv_spec.SPEC.cuda_defines,
 )

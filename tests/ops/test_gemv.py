@@ -127,6 +127,30 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(N, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(7, 264), (333, 2056), (4099, 2048), (5120, 17408), (2 * 17408, 5120)])
+def test_shared_memory_stream_is_the_register_stream_bit_for_bit(N, K, monkeypatch):
+    """bulk.cuh (weights through shared memory, sm_90+) adds the register kernel's products in its order: the same
+    bits for plain, fp32 and fused SwiGLU outputs, over ragged passes and tiles."""
+    monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "1")
+    if not spec.bulk(torch.cuda.get_device_capability()):
+        pytest.skip("the shared-memory stream runs on compute capability 9.0 and 10.x")
+    w = (torch.randn(N, K, device="cuda") * 0.02).bfloat16()
+    calls = [lambda x: torch.ops.dflash.gemv(x, w), lambda x: torch.ops.dflash.gemv(x, w, True)]
+    if N % 2 == 0:
+        calls.append(lambda x: torch.ops.dflash.gemv_swiglu(x, w))
+    with torch.no_grad():
+        for M in (1, 9, 16):
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            bulk = [f(x) for f in calls]
+            monkeypatch.setattr(spec, "bulk", lambda arch: False)
+            regs = [f(x) for f in calls]
+            monkeypatch.undo()
+            monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "1")
+            for a, b in zip(bulk, regs):
+                assert torch.equal(a, b), (M, (a.float() - b.float()).abs().max().item())
+
+
+@pytest.mark.gpu
 def test_graph_replay_is_bitwise_eager():
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from dflash_trt.modeling import fuse
 from dflash_trt.modeling.fp8 import Fp8Linear
 from dflash_trt.plugins import torch_ops  # noqa: F401  (registers dflash::gemv_fp8)
+from dflash_trt.plugins.gemv import spec as gemv_spec
 from dflash_trt.plugins.gemv_fp8 import reference, spec
 from dflash_trt.plugins.opspec import KernelError, ShapeError
 
@@ -39,7 +40,7 @@ def _check(got, x, w, s, w_rounded=False):
     assert bool((err <= bound).all()), f"max err {err.max().item():.3e}, worst ratio {(err / bound).max().item():.2f}"
 
 
-def test_limits_and_kernel_choice():
+def test_limits_and_kernel_choice(monkeypatch):
     assert spec.usable(1, 16, "bfloat16") and spec.usable(16, 5120, "float16")
     assert not spec.usable(17, 5120, "bfloat16") and not spec.usable(1, 5128, "bfloat16")  # K % 16
     assert not spec.usable(1, 5120, "float32")
@@ -48,8 +49,15 @@ def test_limits_and_kernel_choice():
     assert spec.kernel_name(16, 17408, 5120, "bfloat16") == "fp8_n2_u4_w8_bf16"   # U, warps: (N, K) alone
     assert spec.kernel_name(9, 1024, 5120, "float16", True) == "fp8_n2_u2_w16_f16_swiglu"
     assert spec.kernel_name(1, 64, 256, "bfloat16") == "fp8_n1_u1_w8_bf16"
-    assert {spec.kernel_name(m, n, k, d) for m in (1, 16) for n in (16, 5120) for k in (16, 512, 2048, 17408)
-            for d in spec.DTYPES} <= set(spec.kernel_variants())
+    assert spec.kernel_name(1, 5120, 17408, "bfloat16", bulk_stream=True) == "fp8b_n1_u2_w16_bf16"
+    monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "1")
+    assert spec.bulk((9, 0)) and spec.bulk((10, 0)) and not spec.bulk((8, 9)) and not spec.bulk((12, 0))
+    monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "0")
+    assert not spec.bulk((9, 0))
+    # 16 rows of one pass (16 warps x 2 chunks x 64 columns, + 64 bytes a row) per stage, two barriers a stage
+    assert spec.bulk_smem(5120, 17408) == 3 * (16 * (2048 + 64) + 16)  # 3 stages fit 128 KB
+    assert {spec.kernel_name(m, n, k, d, b) for m in (1, 16) for n in (16, 5120) for k in (16, 512, 2048, 17408)
+            for d in spec.DTYPES for b in (False, True)} <= set(spec.kernel_variants())
     with pytest.raises(KernelError, match="multiple of 16"):
         spec.check(1, 16, 24, "bfloat16")
     with pytest.raises(ShapeError, match="scale_inv"):
@@ -174,6 +182,30 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(N, K):
             full = torch.ops.dflash.gemv_fp8(x, w, s, fp32)
             for i, m in ((0, 1), (5, 1), (15, 1), (3, 7), (8, 8), (2, 9), (0, 16)):
                 assert torch.equal(torch.ops.dflash.gemv_fp8(x[i:i + m].clone(), w, s, fp32), full[i:i + m]), (i, m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(7, 272), (333, 2064), (4099, 2048), (5120, 17408), (2 * 17408, 5120)])
+def test_shared_memory_stream_is_the_register_stream_bit_for_bit(N, K, monkeypatch):
+    """bulk.cuh (weights through shared memory, sm_90+) adds the register kernel's products in its order: the same
+    bits for plain, fp32 and fused SwiGLU outputs, over ragged passes (K not a whole pass) and ragged tiles."""
+    monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "1")
+    if not spec.bulk(torch.cuda.get_device_capability()):
+        pytest.skip("the shared-memory stream runs on compute capability 9.0 and 10.x")
+    w, s = fp8_weight(N, K, "cuda", seed=K)
+    calls = [lambda x: torch.ops.dflash.gemv_fp8(x, w, s), lambda x: torch.ops.dflash.gemv_fp8(x, w, s, True)]
+    if spec.swiglu_usable(N):
+        calls.append(lambda x: torch.ops.dflash.gemv_fp8_swiglu(x, w, s))
+    with torch.no_grad():
+        for M in (1, 9, 16):
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            bulk = [f(x) for f in calls]
+            monkeypatch.setattr(gemv_spec, "bulk", lambda arch: False)
+            regs = [f(x) for f in calls]
+            monkeypatch.undo()
+            monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "1")
+            for a, b in zip(bulk, regs):
+                assert torch.equal(a, b), (M, (a.float() - b.float()).abs().max().item())
 
 
 @pytest.mark.gpu
