@@ -23,8 +23,9 @@ row still appended by the same commit path), chosen per step for the whole batch
 
 Lossless by construction: any K verifies its drafts with the same accept (greedy or rejection sampling), so only the
 speed depends on the choice. Step costs come from a `StepCosts` (seconds(K, bucket)): by default `MeasuredCosts`, the
-steps' own times on this device as they are built (the default cost model until a step was timed: the CPU path);
-a given table or model instead (a seeded sampled run then takes the same widths run after run: measured times vary).
+steps' own times on this device as they are built (the default cost model until a step was timed: the CPU path),
+or a given table or model. A step with a sampling row weighs the widths by the measured costs' model instead: its
+draws depend on the widths, and a seeded run must take the same ones in every run (measured times vary).
 """
 from __future__ import annotations
 
@@ -193,12 +194,15 @@ class DraftLength:
         """The widest step it may choose (the worst case a request reserves for)."""
         return self.fixed if self.fixed is not None else self.widths[-1]
 
-    def rate(self, K: int, bucket: int) -> float:
+    def rate(self, K: int, bucket: int, costs: StepCosts | None = None) -> float:
         """Expected committed tokens per second of a step of width K (per row: every row has the same estimate)."""
-        return expected_tokens(self.acceptance.rates(), K) / self.costs.seconds(K, bucket)
+        return expected_tokens(self.acceptance.rates(), K) / (costs or self.costs).seconds(K, bucket)
 
-    def choose(self, bucket: int) -> int:
-        """The width of the next step over `bucket` rows."""
+    def choose(self, bucket: int, sampled: bool = False) -> int:
+        """The width of the next step over `bucket` rows. sampled (a row samples): the widths are weighed by the
+        costs' model when they are measured ones (MeasuredCosts.model), so that a seeded sampled run takes the same
+        widths, and so the same tokens, in every run and on every executor (measured times vary; which drafts a
+        rejection sampler sees changes its draws). Greedy tokens do not depend on the widths."""
         self.chosen += 1
         if self.fixed is not None:
             return self.fixed
@@ -206,20 +210,22 @@ class DraftLength:
         self.landed = [obs for obs in self.landed if obs[0] > self.chosen - 3]
         for _, gamma, accepted in sorted(due, key=lambda obs: obs[0]):
             self.acceptance.record(gamma, accepted)
-        K = max(self.widths, key=lambda k: (self.rate(k, bucket), -k))
+        costs = getattr(self.costs, "model", self.costs) if sampled else self.costs
+        K = max(self.widths, key=lambda k: (self.rate(k, bucket, costs), -k))
         if K == self.widths[-1]:
             return K
         self.since_probe += 1
-        if self.since_probe > self.probe_interval(K, bucket):
+        if self.since_probe > self.probe_interval(K, bucket, costs):
             self.since_probe = 0
             return self.widths[self.widths.index(K) + 1]
         return K
 
-    def probe_interval(self, K: int, bucket: int) -> int:
+    def probe_interval(self, K: int, bucket: int, costs: StepCosts | None = None) -> int:
         """Steps at width K between probes of the next wider width: a probe's extra time over a step of K, spread
         so that it is at most probe_budget of their time."""
+        costs = costs or self.costs
         wider = self.widths[self.widths.index(K) + 1]
-        extra = self.costs.seconds(wider, bucket) / self.costs.seconds(K, bucket) - 1.0
+        extra = costs.seconds(wider, bucket) / costs.seconds(K, bucket) - 1.0
         return max(1, math.ceil(extra / self.probe_budget - 1e-9))  # not one more for a rounding error
 
     def record(self, K: int, accepted, step: int | None = None) -> None:

@@ -46,7 +46,7 @@ from dflash_trt.runtime.logprobs import row_entries
 from dflash_trt.runtime.page_budget import PageBudget
 from dflash_trt.runtime.pools import PoolExhausted
 from dflash_trt.runtime.request import FAILED, FINISHED, RUNNING, WAITING, Request
-from dflash_trt.runtime.sampling import GREEDY, SamplingParams
+from dflash_trt.runtime.sampling import GREEDY, SamplingParams, samples
 
 __all__ = ["WAITING", "RUNNING", "FINISHED", "FAILED", "REFUSALS", "PREFETCH", "Request", "Join", "Scheduler"]
 
@@ -248,7 +248,7 @@ class Scheduler:
         rows = ready if ready and self.ex.runs_ahead else wanting
         if not rows:
             return None
-        K = self.draft_length.choose(bucket_for(len(rows))) if self.spec else 1
+        K = self.draft_length.choose(bucket_for(len(rows)), samples([r.seq for r in rows])) if self.spec else 1
         live = [req for req in rows if self._reserve(req, K, touched)]
         index = self.draft_length.chosen - 1 if self.spec else None
         return StepPlan(SPEC if K > 1 else DECODE, K, pad_rows([r.seq for r in live]), live, index) if live else None

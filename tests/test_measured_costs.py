@@ -1,7 +1,8 @@
 """Auto draft length weighs widths by step times measured on the device (runtime/draft_length.py MeasuredCosts, fed by
 the graph executor as it builds each decode / spec key): the estimate of a width not measured yet, the choice it
 changes (plain decoding where a spec step costs twice a plain one), and the executor timing each new step key once
-(a TorchCpuDevice that claims step graphs and wall-clock events), losslessly."""
+(a TorchCpuDevice that claims step graphs and wall-clock events), losslessly; a sampled run takes the model's widths,
+so a seeded run's tokens do not depend on the measured times."""
 import time
 
 import pytest
@@ -50,6 +51,13 @@ def test_measured_costs_turn_an_unprofitable_spec_step_into_plain_decoding():
         measured.add(K, 1, ms / 1e3)
     assert max(settle(CostModel())) > 1
     assert settle(measured).count(1) >= 19  # plain, but for a probe
+    dl = DraftLength([1, 2, 4, 8, 16], measured)
+    assert dl.choose(1) > 1  # the prior: half of the drafts accepted
+    for _ in range(40):
+        dl.record(dl.choose(1), [0])
+    assert dl.choose(1) == 1  # greedy: the measured costs
+    measured.model = CostModel(draft=-0.9)  # a model under which drafting is free: a sampled step drafts
+    assert dl.choose(1, sampled=True) > 1
 
 
 class EventClock(TorchCpuDevice):
@@ -93,3 +101,7 @@ def test_the_graph_executor_times_each_new_step_key_once(tmp_path):
     assert spec_keys and set(rt.step_costs.table) == spec_keys  # every decode / spec key, no prefill
     assert dev.timed == len(spec_keys)  # once each, the second run reuses them
     assert all(s > 0 for s in rt.step_costs.table.values()) and TIMED_RUNS >= 1
+    rt.step_costs.table = {k: v * (1 + 9 * (k[0] > 1)) for k, v in rt.step_costs.table.items()}  # spec 10x plain
+    seeded = [rt.generate(prompt, 24, temperature=0.9, seed=11)[0] for _ in range(2)]
+    rt.step_costs.table = {(1, 1): 1.0, **{(k, 1): 1.0 + 1e-3 * k for k in (2, 3, 4, 8, 16)}}  # spec ~ free
+    assert seeded[0] == seeded[1] == rt.generate(prompt, 24, temperature=0.9, seed=11)[0]  # the model's widths
