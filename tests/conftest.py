@@ -1,17 +1,4 @@
-import os
-
 import pytest
-
-WORKERS = 2  # the CI runner's two cores; more would only add exports racing for the same cache
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_cmdline_main(config):
-    """Where pytest-xdist is installed and no -n was given: WORKERS worker processes, each test file in one of them
-    (its module fixtures built once). -n 0 runs in this process; without xdist the suite runs in one as before."""
-    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", 0) is None:
-        config.option.numprocesses = min(WORKERS, os.cpu_count() or 1)
-        config.option.dist = "loadfile"
 
 
 def _has_cuda():

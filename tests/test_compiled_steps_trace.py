@@ -122,6 +122,7 @@ def test_failed_compile_falls_back_to_eager_with_correct_tokens(pair):
         assert step.eager_keys and "forced compile failure" in " ".join(step.failures), step.failures
 
 
+@pytest.mark.slow  # test_failed_compile_falls_back_to_eager_with_correct_tokens takes the same fallback in the suite
 def test_failed_compile_of_one_key_leaves_the_others_compiled(pair):
     """A backend that fails only for sampled steps (their buffers carry the sampling fields): greedy keys stay
     compiled and keep compiling, sampled keys run uncompiled, every token as the uncompiled steps'."""

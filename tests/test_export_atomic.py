@@ -52,7 +52,8 @@ def _fail_after(monkeypatch, n):
     monkeypatch.setattr(onnx_export, "export_graph", flaky)
 
 
-@pytest.mark.parametrize("n", [0, 1, 2])  # 2 graphs: killed before each, and after the last (before the manifest)
+# 2 graphs: killed before each, and after the last (before the manifest); between the two: slow (the same path)
+@pytest.mark.parametrize("n", [0, pytest.param(1, marks=pytest.mark.slow), 2])
 def test_interrupted_export_into_fresh_dir_leaves_nothing(pairs, tmp_path, monkeypatch, n):
     out = str(tmp_path / "exp")
     _fail_after(monkeypatch, n)
@@ -63,7 +64,8 @@ def test_interrupted_export_into_fresh_dir_leaves_nothing(pairs, tmp_path, monke
     assert not os.path.exists(out) and os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("n", [0, 1, 2])  # before each graph, and after the last one (before the manifest)
+# before each graph, and after the last one (before the manifest); between the two: slow (the same path)
+@pytest.mark.parametrize("n", [0, pytest.param(1, marks=pytest.mark.slow), 2])
 def test_interrupted_export_over_an_older_one_keeps_the_older(pairs, old_export, tmp_path, monkeypatch, n):
     import shutil
 
@@ -224,6 +226,7 @@ print("HITS", n, "OUT", sorted(outs), flush=True)
 """
 
 
+@pytest.mark.slow  # 20 s of four processes; test_concurrent_cold_starts_export_once races a cold cache in the suite
 def test_processes_racing_on_a_warm_and_a_cold_cache(pairs, tmp_path):
     """Four processes for RACE_SECONDS (default 20; a minute with DFLASH_TRT_RACE_SECONDS=60): each
     exports the cold entry once (one of them does, the others wait) and then hits the warm one in a loop."""

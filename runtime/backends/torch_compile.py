@@ -70,9 +70,13 @@ def step_key(obj):
     return type(obj).__name__
 
 
-def describe_call(name: str, args) -> str:
-    """A step call in a few words for the compile progress lines: the step, its batch rows, K, sampled or not."""
+def describe_call(name: str, args, kwargs=None) -> str:
+    """A step call in a few words for the compile progress lines: the step, its batch rows, K, sampled or not (a
+    module's own step called with keywords, as benches time it: its batch and K from input_ids)."""
     b = args[0] if args and isinstance(args[0], dict) else {}
+    ids = (kwargs or {}).get("input_ids")
+    if isinstance(ids, torch.Tensor):
+        return f"batch {ids.shape[0]} K={ids.shape[-1]}"
     words = [name]
     if isinstance(b.get("srow"), torch.Tensor):
         words.append(f"batch {b['srow'].shape[0]}")
@@ -148,7 +152,7 @@ class CompiledStep:
         return self._first_call(key, args, kwargs)
 
     def _first_call(self, key, args, kwargs):
-        what, t0 = describe_call(self.name, args), time.perf_counter()
+        what, t0 = describe_call(self.name, args, kwargs), time.perf_counter()
         if self.store is not None:
             hit = self._load(key, what, args, kwargs)
             if hit is not None:
