@@ -114,7 +114,7 @@ __device__ __forceinline__ void bulk_body(S& s, const void* w, void* y, int M, i
   using R = BulkRing<W, U>;
   extern __shared__ __align__(128) unsigned char ring[];
   __shared__ float part[W][NT * 8][17];  // [warp][row of x][row of w], as mma_body's
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int TR = SWIGLU ? 8 : 16;
   const int tiles = SWIGLU ? (N / 2 + TR - 1) / TR : (N + TR - 1) / TR;
   const int row_bytes = s.nv * 16, passes = (row_bytes + R::PASS - 1) / R::PASS;
@@ -164,13 +164,7 @@ __device__ __forceinline__ void bulk_body(S& s, const void* w, void* y, int M, i
       s.load_scales(warp * U, 0, U);
       s.load_x(warp * U, 0, U);
     }
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      part[warp][t * 8 + 2 * c][g] = acc[t][0];
-      part[warp][t * 8 + 2 * c + 1][g] = acc[t][1];
-      part[warp][t * 8 + 2 * c][g + 8] = acc[t][2];
-      part[warp][t * 8 + 2 * c + 1][g + 8] = acc[t][3];
-    }
+    mma_store_part<NT, W>(part, acc);
     consumers_sync(W * 32);
     if (tile >= tiles) pdl_trigger();  // every copy of this CTA landed and was read (mma_body says why here)
     mma_epilogue<NT, F16, W, SWIGLU>(part, y, n0, M, N, y_f32);

@@ -112,6 +112,20 @@ struct MmaW16 {
   }
 };
 
+// A warp's D fragments into its partial tile: d0, d1 = (row of w g, rows of x 2c, 2c+1); d2, d3 = (row of w g + 8,
+// same rows of x).
+template <int NT, int W>
+__device__ __forceinline__ void mma_store_part(float (&part)[W][NT * 8][17], const float (&acc)[NT][4]) {
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    part[warp][t * 8 + 2 * c][g] = acc[t][0];
+    part[warp][t * 8 + 2 * c + 1][g] = acc[t][1];
+    part[warp][t * 8 + 2 * c][g + 8] = acc[t][2];
+    part[warp][t * 8 + 2 * c + 1][g + 8] = acc[t][3];
+  }
+}
+
 // The epilogue of a tile from row n0: the W warps' partials (part, written before a barrier) added in warp order and
 // stored as y rows (SWIGLU: silu(gate) * up). Threads 0 .. W*32-1 share the work.
 template <int NT, bool F16, int W, bool SWIGLU>
@@ -157,7 +171,7 @@ __device__ __forceinline__ void mma_epilogue(const float (&part)[W][NT * 8][17],
 template <int NT, bool F16, int U, int W, bool SWIGLU, class S>
 __device__ __forceinline__ void mma_body(S& s, void* __restrict__ y, int M, int N, int y_f32) {
   __shared__ float part[W][NT * 8][17];  // [warp][row of x][row of w] (+1: fewer conflicts)
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+  const int warp = threadIdx.x >> 5;
   constexpr int TR = SWIGLU ? 8 : 16;  // output rows of a tile (SWIGLU: 8 gate rows, each with its up row)
   const int tiles = SWIGLU ? (N / 2 + TR - 1) / TR : (N + TR - 1) / TR;
   int tile = blockIdx.x;
@@ -194,14 +208,7 @@ __device__ __forceinline__ void mma_body(S& s, void* __restrict__ y, int M, int 
       s.rows(tile * TR);
       s.load(warp * U, 0, U);
     }
-    // D fragment: d0, d1 = (row of w g, rows of x 2c, 2c+1); d2, d3 = (row of w g + 8, same rows of x)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      part[warp][t * 8 + 2 * c][g] = acc[t][0];
-      part[warp][t * 8 + 2 * c + 1][g] = acc[t][1];
-      part[warp][t * 8 + 2 * c][g + 8] = acc[t][2];
-      part[warp][t * 8 + 2 * c + 1][g + 8] = acc[t][3];
-    }
+    mma_store_part<NT, W>(part, acc);
     __syncthreads();
     // Past the barrier every warp's loads of its last tile went into its mmas: this CTA reads no more memory, so
     // the next kernel may start (common.cuh; one thread's trigger counts for the whole CTA, hence after the barrier).

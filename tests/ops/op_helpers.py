@@ -93,3 +93,25 @@ def kv_case(L, B, T, Hkv, hd, bs, max_blocks, seed):
     bt = rng.permutation(nb)[: B * max_blocks].reshape(B, max_blocks).astype(np.int64)
     start = rng.integers(0, max_blocks * bs - T + 1, B).astype(np.int64)
     return f(L, 2, nb, bs, Hkv, hd), f(L, 2, B, T, Hkv, hd), bt, start, n
+
+
+def assert_bulk_stream_is_register_stream(calls, K, monkeypatch):
+    """Each call of `calls` (x -> y) gives the same bits through the shared-memory weight stream (gemv/bulk.cuh,
+    DFLASH_TRT_BULK_STREAM=1) as through the register stream, at 1, 9 and 16 rows of x (skipped below sm_90)."""
+    import pytest
+    import torch
+
+    from dflash_trt.plugins.gemv import spec as gemv_spec
+
+    monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "1")
+    if not gemv_spec.bulk(torch.cuda.get_device_capability()):
+        pytest.skip("the shared-memory stream runs on compute capability 9.0 and 10.x")
+    with torch.no_grad():
+        for M in (1, 9, 16):
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            bulk = [f(x) for f in calls]
+            monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "0")
+            regs = [f(x) for f in calls]
+            monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "1")
+            for a, b in zip(bulk, regs):
+                assert torch.equal(a, b), (M, (a.float() - b.float()).abs().max().item())

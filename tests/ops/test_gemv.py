@@ -9,6 +9,7 @@ Tolerance: |got - ref| <= 2^-7 |ref| + 2^-16 sum_k |x_k w_k| (one rounding of y 
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_bulk_stream_is_register_stream
 
 from dflash_trt.modeling import fuse
 from dflash_trt.plugins.gemv import spec
@@ -131,23 +132,11 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(N, K):
 def test_shared_memory_stream_is_the_register_stream_bit_for_bit(N, K, monkeypatch):
     """bulk.cuh (weights through shared memory, sm_90+) adds the register kernel's products in its order: the same
     bits for plain, fp32 and fused SwiGLU outputs, over ragged passes and tiles."""
-    monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "1")
-    if not spec.bulk(torch.cuda.get_device_capability()):
-        pytest.skip("the shared-memory stream runs on compute capability 9.0 and 10.x")
     w = (torch.randn(N, K, device="cuda") * 0.02).bfloat16()
     calls = [lambda x: torch.ops.dflash.gemv(x, w), lambda x: torch.ops.dflash.gemv(x, w, True)]
     if N % 2 == 0:
         calls.append(lambda x: torch.ops.dflash.gemv_swiglu(x, w))
-    with torch.no_grad():
-        for M in (1, 9, 16):
-            x = torch.randn(M, K, device="cuda").bfloat16()
-            bulk = [f(x) for f in calls]
-            monkeypatch.setattr(spec, "bulk", lambda arch: False)
-            regs = [f(x) for f in calls]
-            monkeypatch.undo()
-            monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "1")
-            for a, b in zip(bulk, regs):
-                assert torch.equal(a, b), (M, (a.float() - b.float()).abs().max().item())
+    assert_bulk_stream_is_register_stream(calls, K, monkeypatch)
 
 
 @pytest.mark.gpu

@@ -9,11 +9,11 @@ Tolerance: |got - ref| <= 2^-7 |ref| + 2^-16 sum_k |x_k W_k| (one rounding of y 
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_bulk_stream_is_register_stream
 
 from dflash_trt.modeling import fuse
 from dflash_trt.modeling.fp8 import Fp8Linear
 from dflash_trt.plugins import torch_ops  # noqa: F401  (registers dflash::gemv_fp8)
-from dflash_trt.plugins.gemv import spec as gemv_spec
 from dflash_trt.plugins.gemv_fp8 import reference, spec
 from dflash_trt.plugins.opspec import KernelError, ShapeError
 
@@ -189,23 +189,11 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(N, K):
 def test_shared_memory_stream_is_the_register_stream_bit_for_bit(N, K, monkeypatch):
     """bulk.cuh (weights through shared memory, sm_90+) adds the register kernel's products in its order: the same
     bits for plain, fp32 and fused SwiGLU outputs, over ragged passes (K not a whole pass) and ragged tiles."""
-    monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "1")
-    if not spec.bulk(torch.cuda.get_device_capability()):
-        pytest.skip("the shared-memory stream runs on compute capability 9.0 and 10.x")
     w, s = fp8_weight(N, K, "cuda", seed=K)
     calls = [lambda x: torch.ops.dflash.gemv_fp8(x, w, s), lambda x: torch.ops.dflash.gemv_fp8(x, w, s, True)]
     if spec.swiglu_usable(N):
         calls.append(lambda x: torch.ops.dflash.gemv_fp8_swiglu(x, w, s))
-    with torch.no_grad():
-        for M in (1, 9, 16):
-            x = torch.randn(M, K, device="cuda").bfloat16()
-            bulk = [f(x) for f in calls]
-            monkeypatch.setattr(gemv_spec, "bulk", lambda arch: False)
-            regs = [f(x) for f in calls]
-            monkeypatch.undo()
-            monkeypatch.setenv("DFLASH_TRT_BULK_STREAM", "1")
-            for a, b in zip(bulk, regs):
-                assert torch.equal(a, b), (M, (a.float() - b.float()).abs().max().item())
+    assert_bulk_stream_is_register_stream(calls, K, monkeypatch)
 
 
 @pytest.mark.gpu
