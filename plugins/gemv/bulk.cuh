@@ -25,6 +25,13 @@
 #error "BULK_RING_BYTES (shared memory of the weight ring) comes from gemv/spec.py through NVRTC -D options"
 #endif
 
+// A kernel entry's launch bounds and body call for the register stream (mma_body) and for this one, from the entry's
+// names: its stream s, weights w, y, M, N, y_f32 (gemv/kernel.cu, gemv_fp8/kernel.cu).
+#define REGS_BOUNDS(W) __launch_bounds__(W * 32)
+#define REGS_RUN(NT, F16, U, W, SWIGLU) mma_body<NT, F16, U, W, SWIGLU>(s, y, M, N, y_f32)
+#define BULK_BOUNDS(W) __launch_bounds__((W + 1) * 32, 1)
+#define BULK_RUN(NT, F16, U, W, SWIGLU) bulk_body<NT, F16, U, W, SWIGLU>(s, w, y, M, N, y_f32)
+
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   unsigned r;

@@ -8,44 +8,29 @@
 #error "GEMV_WARPS / GEMV_NARROW_WARPS (warps per CTA) come from gemv_fp8/spec.py through NVRTC -D options"
 #endif
 
-// fp8_n{8-row tiles of x}_u{64-column chunks per warp per pass}_w{warps per CTA}_{dtype of x}[_swiglu];
-// spec.kernel_name picks one. FP8_ expands its arguments (the warp macros) before FP8__ pastes them into the name.
-#define FP8__(NT, U, W, DT, F16, SFX, SWIGLU)                                                                    \
-  extern "C" __global__ void __launch_bounds__(W * 32)                                                          \
-      fp8_n##NT##_u##U##_w##W##_##DT##SFX(const unsigned char* w, const float* scale, const u16* x, void* y,    \
-                                           int M, int N, int K, int y_f32) {                                    \
-    MmaW8<NT, F16, U, SWIGLU> s(w, scale, x, M, N, K);                                                          \
-    mma_body<NT, F16, U, W, SWIGLU>(s, y, M, N, y_f32);                                                         \
-  }
-#define FP8_(NT, U, W, DT, F16) FP8__(NT, U, W, DT, F16, , false) FP8__(NT, U, W, DT, F16, _swiglu, true)
-#define FP8_U(NT, DT, F16) \
-  FP8_(NT, 1, GEMV_WARPS, DT, F16) FP8_(NT, 2, GEMV_WARPS, DT, F16) FP8_(NT, 4, GEMV_WARPS, DT, F16) \
-  FP8_(NT, 2, GEMV_NARROW_WARPS, DT, F16)
-
-FP8_U(1, bf16, false)
-FP8_U(2, bf16, false)
-FP8_U(1, f16, true)
-FP8_U(2, f16, true)
-
-// fp8b_...: the same kernels with the weight stream through shared memory (gemv/bulk.cuh; sm_90 and newer): W
-// consumer warps and one producer warp.
-#if __CUDA_ARCH__ >= 900
-#define FP8B__(NT, U, W, DT, F16, SFX, SWIGLU)                                                                   \
-  extern "C" __global__ void __launch_bounds__((W + 1) * 32, 1)                                                 \
-      fp8b_n##NT##_u##U##_w##W##_##DT##SFX(const unsigned char* w, const float* scale, const u16* x, void* y,   \
+// fp8[b]_n{8-row tiles of x}_u{64-column chunks per warp per pass}_w{warps per CTA}_{dtype of x}[_swiglu];
+// spec.kernel_name picks one. fp8_: the register stream (mma_body); fp8b_: the weights through shared memory
+// (gemv/bulk.cuh, sm_90 and newer: W consumer warps and one producer warp), the same sums. ENTRY expands its
+// arguments (the warp macros) before ENTRY_ pastes them into the name; STREAM is REGS or BULK (bulk.cuh).
+#define ENTRY_(STREAM, PFX, NT, U, W, DT, F16, SFX, SWIGLU)                                                      \
+  extern "C" __global__ void STREAM##_BOUNDS(W)                                                                 \
+      PFX##_n##NT##_u##U##_w##W##_##DT##SFX(const unsigned char* w, const float* scale, const u16* x, void* y,  \
                                             int M, int N, int K, int y_f32) {                                   \
     MmaW8<NT, F16, U, SWIGLU> s(w, scale, x, M, N, K);                                                          \
-    bulk_body<NT, F16, U, W, SWIGLU>(s, w, y, M, N, y_f32);                                                     \
+    STREAM##_RUN(NT, F16, U, W, SWIGLU);                                                                        \
   }
-#define FP8B_(NT, U, W, DT, F16) FP8B__(NT, U, W, DT, F16, , false) FP8B__(NT, U, W, DT, F16, _swiglu, true)
-#define FP8B_U(NT, DT, F16) \
-  FP8B_(NT, 1, GEMV_WARPS, DT, F16) FP8B_(NT, 2, GEMV_WARPS, DT, F16) FP8B_(NT, 4, GEMV_WARPS, DT, F16) \
-  FP8B_(NT, 2, GEMV_NARROW_WARPS, DT, F16)
+#define ENTRY(STREAM, PFX, NT, U, W, DT, F16) \
+  ENTRY_(STREAM, PFX, NT, U, W, DT, F16, , false) ENTRY_(STREAM, PFX, NT, U, W, DT, F16, _swiglu, true)
+#define VARIANTS(STREAM, PFX, NT, DT, F16)                                                                      \
+  ENTRY(STREAM, PFX, NT, 1, GEMV_WARPS, DT, F16) ENTRY(STREAM, PFX, NT, 2, GEMV_WARPS, DT, F16)                 \
+  ENTRY(STREAM, PFX, NT, 4, GEMV_WARPS, DT, F16) ENTRY(STREAM, PFX, NT, 2, GEMV_NARROW_WARPS, DT, F16)
+#define ALL_VARIANTS(STREAM, PFX)                                                                  \
+  VARIANTS(STREAM, PFX, 1, bf16, false) VARIANTS(STREAM, PFX, 2, bf16, false)                      \
+  VARIANTS(STREAM, PFX, 1, f16, true) VARIANTS(STREAM, PFX, 2, f16, true)
 
-FP8B_U(1, bf16, false)
-FP8B_U(2, bf16, false)
-FP8B_U(1, f16, true)
-FP8B_U(2, f16, true)
+ALL_VARIANTS(REGS, fp8)
+#if __CUDA_ARCH__ >= 900
+ALL_VARIANTS(BULK, fp8b)
 #endif
 
 #include "gemv_fp8/quant.cuh"  // fp8_quant_groups_{bf16,f16}: W8A8's activations (reference.quantize_activations)
