@@ -1,7 +1,7 @@
 """One step's batch: which sequences run, in which bucket, and the host arrays that describe them.
 
-A step runs its live sequences in the smallest batch bucket (1, 2, 4, 8, 16) that holds them, so the
-device needs one static graph per bucket, not per batch size. Padding rows are inert: live = 0 makes
+A step runs its live sequences in the smallest batch bucket (1, 2, ..., 64) that holds them, so the
+device needs one static graph per bucket, not per batch size (and only for the buckets up to max_seqs). Padding rows are inert: live = 0 makes
 n = 0, which every commit kernel treats as "touch nothing"; they read slot 0 and page 0 (harmless reads)
 and their per-slot device state is a dummy row (index max_seqs) that only padding rows ever use.
 numpy only.
@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BUCKETS = (1, 2, 4, 8, 16)
+# Up to 64 sequences a step: a 27B-class model's decode step reads its weights once for every row, so throughput
+# grows with the batch until the rows' own reads (KV, state) or the GEMMs' FLOPs catch up (docs/PERF.md).
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SPEC, DECODE, PREFILL_STEP = "spec", "decode", "prefill"
 # Prefill chunks of requests that join together share a launch, up to this many rows (buckets 1, 2, 4): one
 # launch per join was most of a serving batch's prefill time (figures: docs/PERF.md). The cap keeps the prefill's

@@ -1,6 +1,8 @@
 """`bench e2e`'s report half on CPU (its measurements need a GPU): the targets computed from a run's
 figures — hit / miss at their thresholds — and the table printing every row kind, so a long GPU
 run cannot die in its last line. Figures here are hand-written run results, not outputs of the code."""
+from bench_helpers import ClockedCpu, tiny_bench_runtime
+
 from dflash_trt.tools.bench_e2e_run import print_table, targets
 
 
@@ -121,46 +123,14 @@ def test_decode_row_is_the_median_measured_run(monkeypatch, capsys):
             " / 10 tok/s 10.0 ms (1 full) / 20 tok/s 5.0 ms (0 full)") in printed
 
 
-def _tiny_runtime(tmp_path, device):
-    """A tiny random pair on `device` (a CPU device: steps run eagerly) behind the fused step executor."""
-    from dflash_trt.abi import PoolSizes
-    from dflash_trt.export.checkpoint import load_drafter, load_target
-    from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
-    from dflash_trt.runtime.backends.torch_backend import TorchBackend
-    from dflash_trt.runtime.runtime import Runtime
-    from dflash_trt.tools.tiny import make_tiny_pair
-
-    tdir, ddir = make_tiny_pair(str(tmp_path), seed=5)
-    t = load_target(tdir)
-    d = load_drafter(ddir, t)
-    sizes = PoolSizes(kv_blocks=96, page_size=4, max_seq_len=96, max_seqs=2, dkv_blocks=96, prefill_chunk=16)
-    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, sizes, device=device,
-                   executor=lambda rt: GraphStepExecutor(rt, inflight=1))
-
-
 def test_decode_run_traces_every_launch(tmp_path):
     """decode_run's own figures on CPU (the fused step executor runs eagerly there), with a device whose events
     are host clock reads: one trace pair per launch, tokens and accepted counts from the requests."""
-    import time
-
     import numpy as np
 
-    from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
     from dflash_trt.tools.bench_e2e import decode_run
 
-    class ClockedCpu(TorchCpuDevice):
-        def new_event(self, timing=False):
-            return [None]
-
-        def record(self, event):
-            if event is not None:
-                event[0] = time.perf_counter()
-
-        @staticmethod
-        def elapsed_ms(a, b):
-            return (b[0] - a[0]) * 1e3
-
-    rt = _tiny_runtime(tmp_path, ClockedCpu())
+    rt = tiny_bench_runtime(tmp_path, ClockedCpu())
     launches = []
     launch = rt.executor.launch
     rt.executor.launch = lambda plan: launches.append(plan.K) or launch(plan)
@@ -195,7 +165,7 @@ def test_kernel_profile_keeps_pools_consistent(tmp_path, monkeypatch):
     from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
     from dflash_trt.tools.bench_e2e import kernel_profile
 
-    rt = _tiny_runtime(tmp_path, TorchCpuDevice())
+    rt = tiny_bench_runtime(tmp_path, TorchCpuDevice())
 
     class CpuActivities:  # a CPU-only torch has no CUDA activity to profile: count its CPU ops instead
         CUDA = torch.profiler.ProfilerActivity.CPU

@@ -72,15 +72,15 @@ def test_trained_pair_engines_build_and_are_loadable(built):
 
 def test_buckets_stop_at_the_widest_when_slots_outnumber_rows():
     """More state slots than the widest bucket (slots for requests that finish while others join): the buckets
-    stop at 16; a static-batch export keeps its batch."""
+    stop at 64; a static-batch export keeps its batch."""
     from dataclasses import asdict
 
     from dflash_trt.abi import PoolSizes
     from dflash_trt.manifest import Manifest
     from dflash_trt.runtime.backends.trt_plan import buckets
 
-    sizes = asdict(PoolSizes(max_seqs=32))
-    assert buckets(Manifest({"batch": None, "sizes": sizes})) == [1, 2, 4, 8, 16]
+    sizes = asdict(PoolSizes(max_seqs=100))
+    assert buckets(Manifest({"batch": None, "sizes": sizes})) == [1, 2, 4, 8, 16, 32, 64]
     assert buckets(Manifest({"batch": None, "sizes": {**sizes, "max_seqs": 5}})) == [1, 2, 4, 8]
     assert buckets(Manifest({"batch": 2, "sizes": sizes})) == [2]
 

@@ -26,6 +26,7 @@ from dflash_trt.files import write_json
 from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs
 from dflash_trt.tools.bench_e2e_run import prefill_tok_s
 from dflash_trt.tools.bench_moe import context_sweep, random_bench_runtime, random_init, spec_vs_plain, step_bytes
+from dflash_trt.tools.bench_scale import PROMPT, batch_decode, long_context, print_scale, scale_targets
 from dflash_trt.tools.scripted import bench_scripted, print_scripted
 
 RANDOM_27B = "random-27b"
@@ -57,7 +58,7 @@ def dense_target_config(layers: int = LAYERS, dims: dict = DIMS_27B) -> dict:
         num_hidden_layers=layers, num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"],
         head_dim=d["head_dim"], linear_num_key_heads=d["gdn_k"], linear_num_value_heads=d["gdn_v"],
         linear_key_head_dim=d["gdn_dim"], linear_value_head_dim=d["gdn_dim"], linear_conv_kernel_dim=4,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=262144,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         eos_token_id=None,
@@ -135,23 +136,40 @@ def build_random_dense(dtype, device, layers: int = LAYERS, fp8: bool = False, d
     return target.eval(), drafter.eval().bind_target(target)
 
 
+def bench_sizes(batch: int, context: int, max_new: int, prefill_chunk: int):
+    """Pools for `batch` sequences of PROMPT + max_new rows at once and one sequence of max(PREFILL_TOKENS, context)
+    rows beside a CONTEXT-row one (the step sweep's), each with a spec step's rows to spare; the drafter sees every
+    row (ctx_window = max_seq_len)."""
+    from dataclasses import replace
+
+    from dflash_trt.abi import MAX_K, PoolSizes
+
+    ps = 16
+    longest = max(PREFILL_TOKENS, context) + max_new + 2 * MAX_K
+    pages = -(-longest // ps)
+    kv = 2 * pages + batch * -(-(PROMPT + max_new + 2 * MAX_K) // ps) + 64
+    sizes = PoolSizes(max_seq_len=pages * ps, kv_blocks=kv, page_size=ps, max_seqs=max(2, batch), dkv_blocks=kv,
+                      prefill_chunk=prefill_chunk)
+    return replace(sizes, dkv_blocks=kv + sizes.max_seqs * max(sizes.max_ctx_blocks - sizes.max_blocks, 0))
+
+
 def floor_bytes(target, pools, ctx_rows: int, K: int) -> float:
     """Bytes of one batch-1 step of K tokens: bench_moe.step_bytes with no routed experts."""
     return step_bytes(target, pools, ctx_rows, K, [])
 
 
 def run(a) -> int:
-    """bench e2e's entry for --model random-27b (batch 1; --batch is not used)."""
-    from dflash_trt.abi import PoolSizes, default_prefill_chunk
+    """bench e2e's entry for --model random-27b: batch 1, then --batch's larger batches and the --context rows
+    (tools/bench_scale.py)."""
+    from dflash_trt.abi import default_prefill_chunk
     from dflash_trt.config import TargetConfig
     from dflash_trt.tools.bench import hardware
     from dflash_trt.tools.bench_e2e import parse_step_ks
 
     layers = a.layers or LAYERS
-    pages = (PREFILL_TOKENS + 1024) // 16
-    sizes = PoolSizes(max_seq_len=pages * 16, kv_blocks=2 * pages + 64, page_size=16, max_seqs=2,
-                      dkv_blocks=2 * pages + 64, ctx_window=pages * 16,
-                      prefill_chunk=default_prefill_chunk(TargetConfig.from_dict(dense_target_config(layers))))
+    batches = [int(b) for b in a.batch.split(",")]
+    sizes = bench_sizes(max(batches), a.context or 0, a.max_new_tokens,
+                        default_prefill_chunk(TargetConfig.from_dict(dense_target_config(layers))))
     made = random_bench_runtime(a, lambda dt, d: build_random_dense(dt, d, layers, a.fp8, dflash2=a.dflash2), sizes)
     if made is None:
         return 2
@@ -165,11 +183,16 @@ def run(a) -> int:
     vocab = target.cfg.vocab_size
     res["steps"] = steps = context_sweep(rt, dev, CONTEXT, bw, parse_step_ks(a.step_ks), compiled, rng)
     res["step16_over_step1"] = steps[16]["ms"] / steps[1]["ms"]
-    prompt = [int(t) for t in rng.integers(0, vocab - 1, 48)]
+    prompt = [int(t) for t in rng.integers(0, vocab - 1, PROMPT)]
     res["decode"] = spec_vs_plain(rt, prompt, a.max_new_tokens, a.gamma or 15, steps[1]["ms"])
     bench_scripted(res)
     res["prefill_tokens"] = PREFILL_TOKENS
     res["prefill_tok_s"] = prefill_tok_s(rt, dev, [int(t) for t in rng.integers(0, vocab - 1, PREFILL_TOKENS)])
+    gamma = a.gamma or 15
+    res["batches"] = batch_decode(rt, vocab, rng, batches, a.max_new_tokens, gamma, res["decode"])
+    if a.context:
+        res["long_context"] = long_context(rt, dev, target, a.context, bw, compiled, rng, a.max_new_tokens, gamma)
+    res.setdefault("targets", {}).update(scale_targets(res))
     print_table(res)
     if a.json:
         write_json(a.json, res)
@@ -192,6 +215,7 @@ def print_table(res) -> None:
     print(f"DFlash with scripted acceptance (tau {d['scripted_tau']:.2f}): {d['dflash_tok_s']:.1f} tok/s = "
           f"{d['dflash_over_plain']:.2f}x plain")
     print_scripted(res["scripted"])
+    print(f"prefill {res['prefill_tokens']}-token prompt: {res['prefill_tok_s']:.0f} tok/s")
+    print_scale(res)
     for name, (v, thr, hit) in res.get("targets", {}).items():
         print(f"target {name}: {v:.2f} vs {thr:g} -> {'HIT' if hit else 'MISS'}")
-    print(f"prefill {res['prefill_tokens']}-token prompt: {res['prefill_tok_s']:.0f} tok/s")

@@ -275,7 +275,7 @@ def check_args(a) -> None:
     for flag, v, lo in (("--max-new-tokens", a.max_new_tokens, 1), ("--hf-tokens", a.hf_tokens, 0),
                         ("--batch1-prompts", a.batch1_prompts, 1), ("--gamma", a.gamma, 1),
                         ("--requests-per-slot", a.requests_per_slot, 1), ("--repeats", a.repeats, 1),
-                        ("--layers", a.layers, 1)):
+                        ("--layers", a.layers, 1), ("--context", a.context, 1)):
         if v is not None and v < lo:
             raise UsageError(f"{flag} must be >= {lo}, got {v}")
     try:
@@ -287,6 +287,10 @@ def check_args(a) -> None:
     parse_step_ks(a.step_ks)
     if (a.fp8 or a.dflash2) and a.model != "random-27b":
         raise UsageError(f"--fp8 and --dflash2 build the random-27b preset only, not --model {a.model!r}")
+    if a.context is not None and a.model != "random-27b":
+        raise UsageError(f"--context builds the random-27b preset only, not --model {a.model!r}")
+    if a.model == "random-moe-35b-a3b" and batches != [1]:
+        raise UsageError(f"--model random-moe-35b-a3b measures batch 1 only, got --batch {a.batch!r}")
     if a.layers is not None and a.model not in ("random-27b", "random-moe-35b-a3b"):
         raise UsageError(f"--layers builds the random-27b and random-moe-35b-a3b presets only, not --model {a.model!r}")
     if a.dtype is not None and a.dtype not in DTYPES:
@@ -302,7 +306,8 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="torch", choices=["torch", "trt"],
                    help="trt: the checkpoints' TensorRT engines (TensorRT-RTX: CC 8.0/8.6/8.9/12.x; full TensorRT: Hopper)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: float32; bfloat16 for random-0.9b)")
-    p.add_argument("--batch", default="1,4,16")
+    p.add_argument("--batch", default=None,
+                   help="comma-separated batch sizes, up to 64 (default: 1,4,16; 1 for the random-27b preset)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=gamma_arg, default="auto", help=GAMMA_HELP)
     p.add_argument("--temperatures", default="0.6,1.0", help="also decode sampling at these temperatures ('': skip)")
@@ -329,8 +334,13 @@ def main(argv=None) -> int:
                    help="random-27b: a DFlash2 drafter (convolutions + candidate selector) of the same size")
     p.add_argument("--layers", type=int, default=None,
                    help="random-27b / random-moe-35b-a3b: target layers built (default 64 / 8; the models have 64 / 40)")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="random-27b: also one N-token prompt: time to first token, the step against its floor, "
+                        "spec/plain beside a 512-token prompt's")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
+    if a.batch is None:
+        a.batch = "1" if a.model in ("random-27b", "random-moe-35b-a3b") else "1,4,16"
     check_args(a)
     if a.model == "random-moe-35b-a3b":  # the MoE bench: tools/bench_moe.py
         from dflash_trt.tools.bench_moe import run as run_moe

@@ -25,13 +25,15 @@ import warnings
 
 import torch
 
+from dflash_trt.abi import MAX_K
 from dflash_trt.config import cache_root
 from dflash_trt.log import progress
 from dflash_trt.owned import write_marker
 from dflash_trt.plugins.cuda_launch import pdl_switch
+from dflash_trt.runtime.batching import BUCKETS
 
 COMPILED = ("prefill", "decode", "spec")  # every step the executor captures
-RECOMPILE_LIMIT = 64  # keys per step function: batch buckets x K x greedy/sampled
+RECOMPILE_LIMIT = len(BUCKETS) * MAX_K * 2  # keys per step function: batch buckets x K x greedy/sampled
 # Inductor options for the step (figures: docs/PERF.md). max_pointwise_cat_inputs: a torch.stack / cat of more
 # inputs than this (default 8) becomes one copy kernel per input, and the step stacks one tensor per GDN layer.
 # combo_kernels: data-independent kernels share one launch (the commit data's stack kernels).

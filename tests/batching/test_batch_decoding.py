@@ -17,9 +17,9 @@ from dflash_trt.runtime.runtime import CapacityError, Runtime
 
 # ------------------------------------------------------------------ buckets and tables
 def test_buckets_and_padding_rows():
-    assert [bucket_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
-    with pytest.raises(ValueError, match="at most 16"):
-        bucket_for(17)
+    assert [bucket_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 64]
+    with pytest.raises(ValueError, match="at most 64"):
+        bucket_for(65)
     rows = pad_rows(["a", "b", "c"])
     assert rows == ["a", "b", "c", None]
     t = step_tables([None, None], max_blocks=3, ctx_blocks=2, max_seqs=5)
@@ -214,6 +214,25 @@ def test_device_step_path_gamma_15_single(pair, alone):
     out, st = rt.generate(prompts[2], 24, gamma=15)
     assert out == toks[2][:24] and st.tau > 1
     assert full(rt)
+
+
+def test_device_step_path_wide_batch_matches_alone(pair):
+    """Twenty requests at once run in the 32-row bucket (padding rows inert): each one's tokens are the tokens it
+    generates alone on the host path, plain and speculative, and every page and slot comes back."""
+    target, drafter, _ = pair
+    rng = np.random.default_rng(7)
+    prompts = [list(rng.integers(0, 250, int(n))) for n in rng.integers(3, 30, 20)]
+    sizes = PoolSizes(kv_blocks=20 * 16 + 8, page_size=4, max_seq_len=64, max_seqs=20, dkv_blocks=20 * 16 + 8,
+                      ctx_window=12, prefill_chunk=16)
+    host = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg, sizes)
+    toks = [host.generate(p, 8, spec=False)[0] for p in prompts]
+    for spec in (False, True):
+        rt = graph_runtime(target, drafter, prompts, toks, sizes=sizes)
+        log = []
+        rt.executor.launch = lambda plan, *a, _f=rt.executor.launch: log.append(plan.bucket) or _f(plan, *a)
+        got, _ = run_batch(rt, prompts, [8] * 20, [0] * 20, gamma=3, spec=spec)
+        assert [got[i] for i in range(20)] == toks, spec
+        assert 32 in log and full(rt)
 
 
 # ------------------------------------------------------------------ faults

@@ -1,0 +1,71 @@
+"""`bench e2e --model random-27b --batch ... --context N` on CPU (its timings need a GPU): the batch rows measured
+through decode_run on the tiny pair (a host-clock device), the prefill FLOP count, the pools the preset sizes for
+a batch and a context, the serving-scale targets at their thresholds, and the flags' refusals."""
+import numpy as np
+import pytest
+import torch
+from bench_helpers import ClockedCpu, tiny_bench_runtime
+
+from dflash_trt.tools import bench_dense as D
+from dflash_trt.tools import bench_scale as S
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_batch_rows_measure_each_batch_against_batch_one(tmp_path):
+    rt = tiny_bench_runtime(tmp_path, ClockedCpu(), max_seqs=4)
+    batches = []
+    launch = rt.executor.launch
+    rt.executor.launch = lambda plan: batches.append((plan.kind, plan.bucket)) or launch(plan)
+    out = S.batch_decode(rt, rt.tcfg.vocab_size, np.random.default_rng(0), [1, 3], 6, 3, {"plain_tok_s": 10.0})
+    assert list(out) == [3]  # batch 1 is the baseline run beside it, not measured again
+    b = out[3]
+    assert b["identical"] and not b["failed"]
+    assert b["over_batch1"] == b["plain_tok_s"] / 10.0 and b["spec_over_plain"] == b["spec_step_ms"] / b["plain_step_ms"]
+    assert b["plain_step_ms"] > 0 and 0 <= b["plain_idle_pct"] <= 100
+    assert {("decode", 4), ("spec", 4)} <= set(batches)  # three requests in the 4-row bucket, plain and spec
+
+
+def test_prefill_flops_count_matrices_and_causal_attention():
+    target, _ = D.build_random_dense(torch.float32, "cpu", layers=4, dims=dict(
+        hidden=256, inter=256, heads=2, kv_heads=1, head_dim=64, gdn_k=2, gdn_v=4, gdn_dim=64, vocab=512, d_heads=2,
+        d_kv_heads=1, d_head_dim=64))
+    mats = sum(p.numel() for n, p in target.named_parameters() if n.startswith("layers.") and p.dim() == 2)
+    T = 10
+    assert S.prefill_flops(target, T) == 2 * mats * T + 1 * 4 * 2 * 64 * T * (T + 1) / 2  # one attention layer
+    assert S.tensor_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and S.tensor_peak_tflops("NVIDIA H200") == 989.0
+    assert S.tensor_peak_tflops("NVIDIA H100 PCIe") == 756.0 and S.tensor_peak_tflops("Tesla T4") is None
+
+
+def test_pools_hold_the_batch_and_the_long_prompt():
+    s = D.bench_sizes(64, 131072, 128, 512)
+    assert s.max_seqs == 64 and s.max_seq_len >= 131072 + 128 + 16 and s.ctx_window == s.max_seq_len
+    assert s.kv_blocks >= 2 * s.max_blocks + 64 * -(-(S.PROMPT + 128 + 16) // 16)  # the long + the step sweep's
+    assert s.dkv_blocks >= s.kv_blocks + 64 * (s.max_ctx_blocks - s.max_blocks)  # each slot's ctx table slack
+    small = D.bench_sizes(1, 0, 128, 512)
+    assert small.max_seqs == 2 and small.max_seq_len >= D.PREFILL_TOKENS + 128
+
+
+def test_scale_targets_hit_and_miss_at_their_thresholds():
+    res = {"batches": {16: {"over_batch1": 14.0, "spec_over_plain": 1.51}, 64: {"over_batch1": 44.9,
+                                                                                   "spec_over_plain": 1.2}},
+           "long_context": {"long": {"rows": 131072, "step1_over_floor": 1.15}, "spec_ratio_over_reference": 1.2}}
+    got = {k: v[2] for k, v in S.scale_targets(res).items()}
+    assert got == {"batch 16 plain tok/s >= 14x batch 1": True, "batch 64 plain tok/s >= 45x batch 1": False,
+                   "batch 16 spec step <= 1.5x plain step": False, "131072-row step K=1 <= 1.15x floor": True,
+                   "131072-row spec/plain <= 1.15x the 512-row ratio": False}
+    assert S.scale_targets({"batches": {}}) == {}
+
+
+def test_scale_flags_refused_in_one_line():
+    from dflash_trt.runtime.load import UsageError
+    from dflash_trt.tools.bench_e2e import main
+
+    with pytest.raises(UsageError, match="--context builds the random-27b preset only"):
+        main(["--model", "random-0.9b", "--context", "4096"])
+    with pytest.raises(UsageError, match="--context must be >= 1"):
+        main(["--model", "random-27b", "--context", "0"])
+    with pytest.raises(UsageError, match="measures batch 1 only"):
+        main(["--model", "random-moe-35b-a3b", "--batch", "1,16"])
+    with pytest.raises(UsageError, match=r"batch sizes in 1\.\.64"):
+        main(["--model", "random-27b", "--batch", "1,65"])
