@@ -248,7 +248,7 @@ def test_build_refuses_values_that_cannot_be_meant(capsys, tmp_path, extra, matc
     (["generate", "--prompts", "MISSING"], "No such file or directory"),
     (["generate", "--prompts", "EMPTY"], "no prompts in the file"),
     (["generate", "--model", "BROKEN", "--drafter", "DRAFTER", "--gamma", "16"], "gamma 16 outside"),
-    (["e2e", "--model", "x", "--batch", "abc"], "--batch wants comma-separated batch sizes in 1..16"),
+    (["e2e", "--model", "x", "--batch", "abc"], "--batch wants comma-separated batch sizes in 1..64"),
     (["e2e", "--model", "x", "--batch", "0,4"], "--batch wants"),
     (["e2e", "--model", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["e2e", "--model", "x", "--dtype", "int8"], "--dtype 'int8' not supported"),
