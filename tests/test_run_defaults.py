@@ -64,3 +64,35 @@ def test_prefill_chunk_comes_from_the_model(tmp_path):
     assert (raised.prefill_chunk, raised.max_seq_len, raised.max_seqs) == (512, 32768, 8)
     assert run_sizes(None, None, 512) == PoolSizes(prefill_chunk=512)
     assert run_sizes(None, None) == PoolSizes()
+
+
+def test_ctx_window_option_bounds_what_the_drafter_attends():
+    """--ctx-window N (generate / serve / build --backend torch): the runtime's drafter keeps and attends the last N
+    rows (its ctx pages sized for them), the tokens are the full-context run's; 0 is refused, not read as 'full'."""
+    import argparse
+
+    import pytest
+
+    from dflash_trt.config import ConfigError
+    from dflash_trt.tools.generate import add_args, run_sizes, runtime_of
+
+    s = run_sizes(None, None, 64, 32)
+    assert s.ctx_window == 32 and s.max_seq_len == 2048 and s.dkv_blocks >= s.max_ctx_blocks * s.max_seqs
+    with pytest.raises(ConfigError, match=r"ctx_window \(--ctx-window\) must be a positive integer, got 0"):
+        run_sizes(None, None, 64, 0)
+    p = argparse.ArgumentParser()
+    add_args(p)
+    base = ["--model", "models/target", "--drafter", "models/drafter", "--prompt", "x", "--gamma", "7"]
+    runs = {}
+    for extra in ([], ["--ctx-window", "24"]):
+        rt, codec = runtime_of(p.parse_args(base + extra))
+        seen = []
+        req = rt.add_request(codec.encode("def parse_args(argv):\n    "), 64, gamma=7)
+        rt.scheduler.on_step = lambda rt_, r, plan, res, b: seen.append((r.seq.seq_len, r.seq.ctx.ctx_len))
+        while rt.scheduler.has_work:
+            rt.step()
+        runs[rt.sizes.ctx_window] = (req.tokens, seen)
+    assert set(runs) == {2048, 24}
+    assert runs[24][0] == runs[2048][0]
+    assert all(c == min(n, 24) for n, c in runs[24][1]) and max(c for _, c in runs[24][1]) == 24
+    assert all(c == n for n, c in runs[2048][1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dflash_trt.abi import PoolSizes, verify_widths
+from dflash_trt.config import ConfigError
 from dflash_trt.args import GAMMA_HELP, gamma_arg
 from dflash_trt.log import progress
 from dflash_trt.runtime.load import (UsageError, check_checkpoint_dir, check_tensor_parallel, default_sizes,
@@ -38,6 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="model / KV dtype on cuda (default: the checkpoint's 16-bit dtype for the torch backend, else float32; "
                         "CPU runs float32)")
     add_memory_arg(p)
+    add_ctx_window_arg(p)
     add_compile_arg(p)
     add_drafter_fp8_arg(p)
     add_tensor_parallel_arg(p)
@@ -87,12 +89,13 @@ def add_engines_arg(p) -> None:
 
 def runtime_of(args, max_seqs: int | None = None, tensor_parallel_size: int = 1):
     """(runtime, codec) of a command's --model / --drafter / --gamma / --no-spec / --backend / --device / --dtype /
-    --max-seq-len / --engines / --gpu-memory-utilization / --compile, the arguments checked before any weight loads. With
-    --engines and no --max-seq-len, the export's own sizes."""
+    --max-seq-len / --ctx-window / --engines / --gpu-memory-utilization / --compile, the arguments checked before any
+    weight loads. With --engines and no --max-seq-len or --ctx-window, the export's own sizes."""
     check_checkpoint_dir(args.model, "--model")
     chunk = default_sizes(args.model).prefill_chunk if args.engines is None else None  # else the export's default
-    sizes = (run_sizes(args.max_seq_len, max_seqs, chunk)
-             if args.engines is None or args.max_seq_len is not None or max_seqs is not None else None)
+    ctx = getattr(args, "ctx_window", None)
+    sizes = (run_sizes(args.max_seq_len, max_seqs, chunk, ctx)
+             if args.engines is None or (args.max_seq_len, max_seqs, ctx) != (None, None, None) else None)
     ks = checked_widths(args, user_export=args.engines is not None)
     return load_runtime(args.model, args.drafter, args.backend, sizes=sizes, ks=ks, device=args.device,
                         dtype=args.dtype, compile_steps=compile_choice(args), export_dir=args.engines,
@@ -110,20 +113,30 @@ def checked_widths(args, user_export: bool = False) -> tuple | None:
     return verify_widths(args.gamma, block, not args.no_spec, user_export=user_export)
 
 
-def run_sizes(max_seq_len: int | None, max_seqs: int | None = None, prefill_chunk: int | None = None) -> PoolSizes:
+def run_sizes(max_seq_len: int | None, max_seqs: int | None = None, prefill_chunk: int | None = None,
+              ctx_window: int | None = None) -> PoolSizes:
     """Default pools, with max_seq_len / max_seqs raised (target and drafter KV pages to match) when asked and the
     model's prefill chunk (abi.default_prefill_chunk; None: PoolSizes' default); PoolSizes validates the values.
-    ctx_window: its default (full retention)."""
+    ctx_window: the drafter's context rows (None: full retention, the default)."""
+    if ctx_window is not None and ctx_window < 1:  # PoolSizes reads 0 as "full retention"
+        raise ConfigError(f"pool size ctx_window (--ctx-window) must be a positive integer, got {ctx_window!r}")
     d = PoolSizes() if prefill_chunk is None else PoolSizes(prefill_chunk=prefill_chunk)
     shape = PoolSizes(max_seq_len=d.max_seq_len if max_seq_len is None else max_seq_len,
                       max_seqs=d.max_seqs if max_seqs is None else max_seqs,
-                      prefill_chunk=d.prefill_chunk)  # checks them
-    if (max_seq_len, max_seqs) == (None, None):
+                      prefill_chunk=d.prefill_chunk, ctx_window=ctx_window or 0)  # checks them
+    if (max_seq_len, max_seqs, ctx_window) == (None, None, None):
         return d
     pages = max(d.kv_blocks, shape.max_blocks * shape.max_seqs)
     ctx_pages = max(d.dkv_blocks, shape.max_ctx_blocks * shape.max_seqs)
     return PoolSizes(max_seq_len=shape.max_seq_len, max_seqs=shape.max_seqs, kv_blocks=pages, dkv_blocks=ctx_pages,
-                     prefill_chunk=d.prefill_chunk)
+                     prefill_chunk=d.prefill_chunk, ctx_window=shape.ctx_window)
+
+
+def add_ctx_window_arg(p) -> None:
+    """--ctx-window N, as generate, serve and build --backend torch take it."""
+    p.add_argument("--ctx-window", type=int, default=None, metavar="N",
+                   help="the drafter attends only the last N rows of a sequence (default: all of them, as it was "
+                        "trained); bounds its per-step cost on long contexts, drafts may get worse, tokens never change")
 
 
 def read_prompt(args) -> str:

@@ -17,7 +17,7 @@ def main(argv=None) -> int:
     from dflash_trt.config import ConfigError, cache_root
     from dflash_trt.runtime.load import UsageError, check_checkpoint_dir, default_sizes, load_runtime
     from dflash_trt.runtime.prebuild import prebuild
-    from dflash_trt.tools.generate import add_drafter_fp8_arg, add_memory_arg, run_sizes
+    from dflash_trt.tools.generate import add_ctx_window_arg, add_drafter_fp8_arg, add_memory_arg, run_sizes
 
     p = ArgumentParser(prog="dflash-trt build --backend torch", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=["torch"], required=True)
@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-seqs", type=int, default=None, help="as the later runs take it (serve: its --max-seqs)")
     p.add_argument("--gamma", type=gamma_arg, default="auto", help=GAMMA_HELP)
     add_memory_arg(p)
+    add_ctx_window_arg(p)
     add_drafter_fp8_arg(p)
     a = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
         if a.device == "cpu":
             raise UsageError("the torch backend compiles its steps on a GPU: --device cuda[:N]")
         check_checkpoint_dir(a.model, "--model")
-        sizes = run_sizes(a.max_seq_len, a.max_seqs, default_sizes(a.model).prefill_chunk)
+        sizes = run_sizes(a.max_seq_len, a.max_seqs, default_sizes(a.model).prefill_chunk, a.ctx_window)
         rt, _ = load_runtime(a.model, a.drafter, "torch", sizes=sizes, device=a.device, dtype=a.dtype,
                              compile_steps=True, gpu_memory_utilization=a.gpu_memory_utilization,
                              drafter_fp8=a.drafter_fp8)

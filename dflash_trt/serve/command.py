@@ -6,8 +6,8 @@ import os
 
 from dflash_trt.args import GAMMA_HELP, gamma_arg
 from dflash_trt.log import progress
-from dflash_trt.tools.generate import (add_compile_arg, add_drafter_fp8_arg, add_engines_arg, add_memory_arg,
-                                       add_tensor_parallel_arg)
+from dflash_trt.tools.generate import (add_compile_arg, add_ctx_window_arg, add_drafter_fp8_arg, add_engines_arg,
+                                       add_memory_arg, add_tensor_parallel_arg)
 from dflash_trt.runtime.load import UsageError
 
 
@@ -24,6 +24,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None, help="positions per sequence (prompt + new + verify)")
     p.add_argument("--max-seqs", type=int, default=None, help="sequences decoded together (state slots; default 4)")
     add_memory_arg(p)
+    add_ctx_window_arg(p)
     add_compile_arg(p)
     add_drafter_fp8_arg(p)
     p.add_argument("--host", default="127.0.0.1")
