@@ -3,8 +3,9 @@ built TargetModel's projections FP8 where the checkpoint's quantization_config s
 
 A converted projection holds `weight` float8_e4m3fn [N,K] and `weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)]
 under exactly those state_dict names (checkpoint names map 1:1), never a persistent 16/32-bit copy. On CUDA, a
-16-bit x of 1-16 rows (decode and verify steps; fuse.fp8_takes) goes to the W8A16 kernel dflash::gemv_fp8
-(plugins/gemv_fp8: the fp8 bytes streamed once, exact up to fp32 accumulation). Any other call dequantizes
+16-bit x of a decode or verify step (1-16 rows, or up to 64 rows of several sequences' steps; fuse.fp8_takes) goes
+to the W8A16 kernel dflash::gemv_fp8 (plugins/gemv_fp8: the fp8 bytes streamed once a 16-row slice, exact up to
+fp32 accumulation). Any other call dequantizes
 block-wise per call (dequantize_blockwise: one fp32 multiply per element) to the activation dtype and runs the
 ordinary projection GEMM (fuse.linear) on it. Under ONNX export the dequantisation is one standard
 DequantizeLinear node (opset 21, blocked along K with the scale repeated over each block's rows: the same fp32
@@ -69,7 +70,7 @@ class Fp8Linear(nn.Module):
         return self._project(x, True)
 
     def _project(self, x, fp32_out: bool):
-        """1-16 rows on CUDA: the W8A16 kernel; wider x: W8A8 where its mode is on (modeling/fp8_gemm.py), else the
+        """Decode / verify rows on CUDA (fuse.fp8_takes): the W8A16 kernel; wider x: W8A8 where its mode is on (modeling/fp8_gemm.py), else the
         weight dequantized and a 16-bit GEMM."""
         if fp8_takes(x, self.block):
             return torch.ops.dflash.gemv_fp8(x, self.weight, self.weight_scale_inv, fp32_out)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trt.abi import MAX_K
 from dflash_trt.modeling.fp8_gemm import w8a8, w8a8_takes
 from dflash_trt.plugins import torch_ops  # noqa: F401  (registers torch.ops.dflash.gemv)
 from dflash_trt.plugins.gemv import reference as gemv_reference
@@ -46,11 +47,14 @@ def _gemv_takes(x) -> bool:
 
 
 def fp8_takes(x, block=(fp8_spec.BLOCK, fp8_spec.BLOCK)) -> bool:
-    """Whether dflash::gemv_fp8 takes x against an FP8 weight of scale blocks `block` (CUDA inference, 16-bit x of
-    1-16 rows, K % 16 == 0); otherwise the FP8 layer dequantizes its weight and runs `linear`."""
+    """Whether dflash::gemv_fp8 takes x against an FP8 weight of scale blocks `block` (CUDA inference, 16-bit x,
+    K % 16 == 0): 1-16 rows, or up to fp8_spec.MAX_CALL_ROWS rows of decode / verify steps (x [..., T, K] with T <=
+    abi.MAX_K; the kernel runs them as 16-row slices with a plain decode's sums); otherwise the FP8 layer runs W8A8
+    (prefill chunks on Hopper) or dequantizes its weight and runs `linear`."""
     rows = x.numel() // max(x.shape[-1], 1)
+    step = rows <= fp8_spec.MAX_ROWS or (x.dim() >= 2 and x.shape[-2] <= MAX_K)
     return (x.is_cuda and not torch.is_grad_enabled() and tuple(block) == (fp8_spec.BLOCK, fp8_spec.BLOCK)
-            and fp8_spec.usable(rows, x.shape[-1], dname(x)))
+            and step and fp8_spec.usable(rows, x.shape[-1], dname(x)))
 
 
 def linear(x, w, fp32_out: bool = False):

@@ -292,12 +292,19 @@ def test_multimodal_layout(base, tmp_path):
 def test_cuda_greedy_and_dflash_match_transformers(dense, tmp_path):
     """The FP8 target on the GPU: float32 tokens == the CPU backend's (which the tests above hold to the W8A16 oracle;
     transformers itself cannot be the oracle here, as with fla installed it sends CPU tensors to Triton kernels);
-    bfloat16 DFlash == bfloat16 plain greedy."""
+    bfloat16 DFlash == bfloat16 plain greedy, alone and as a batch of three (its verify blocks of 48 rows run the
+    W8A16 kernel in 16-row slices, so each row gets a plain decode's sums)."""
     d, _, _ = dense
     drafter = make_drafter(d, str(tmp_path / "drafter"), head_dim=64)  # a head dim the CUDA attention kernel takes
     ref = load_runtime(d, drafter, "torch", sizes=SIZES)[0].generate(PROMPT, NEW, spec=False)[0]
     rt, _ = load_runtime(d, drafter, "torch", sizes=SIZES, device="cuda", dtype="float32", compile_steps=False)
     assert rt.generate(PROMPT, NEW, spec=False)[0] == ref
     assert rt.generate(PROMPT, NEW)[0] == ref
-    rt, _ = load_runtime(d, drafter, "torch", sizes=SIZES, device="cuda", dtype="bfloat16", compile_steps=False)
+    three = PoolSizes(kv_blocks=48, page_size=8, max_seq_len=96, max_seqs=3, dkv_blocks=64, prefill_chunk=16)
+    rt, _ = load_runtime(d, drafter, "torch", sizes=three, device="cuda", dtype="bfloat16", compile_steps=False)
     assert rt.generate(PROMPT, NEW)[0] == rt.generate(PROMPT, NEW, spec=False)[0]
+    prompts = [PROMPT, PROMPT[::-1], PROMPT[1:] + PROMPT[:1]]
+    reqs = [rt.add_request(p, NEW, gamma=15) for p in prompts]
+    while rt.scheduler.has_work:
+        rt.step()
+    assert [r.tokens for r in reqs] == [rt.generate(p, NEW, spec=False)[0] for p in prompts]

@@ -7,11 +7,20 @@ from dflash_trt.plugins.opspec import kernel_need
 
 
 def gemv_fp8(w, scale, x, y, *, M, N, K, dtype="bfloat16", y_fp32=False, stream=0, swiglu=False):
-    """y [M,N] <- x [M,K] @ (w [N,K] e4m3 * scale [ceil(N/128), ceil(K/128)] fp32)^T (M <= 16: spec.check); all
-    contiguous; y x's dtype or fp32 (y_fp32). swiglu: w = [gate; up], (N/2) % 128 == 0, y [M,N/2] (spec.py)."""
+    """y [M,N] <- x [M,K] @ (w [N,K] e4m3 * scale [ceil(N/128), ceil(K/128)] fp32)^T (M <= spec.MAX_CALL_ROWS:
+    spec.check); all contiguous; y x's dtype or fp32 (y_fp32). swiglu: w = [gate; up], (N/2) % 128 == 0, y [M,N/2]
+    (spec.py). More than spec.MAX_ROWS rows: one launch per MAX_ROWS-row slice of x and y."""
     spec.check(M, N, K, dtype)
     kernel_need(not swiglu or spec.swiglu_usable(N),
                 f"gemv_fp8_swiglu: w must be [gate; up] of I rows each with I % {spec.BLOCK} == 0 (got {N} rows)")
+    y_row = (N // 2 if swiglu else N) * (4 if y_fp32 else 2)  # bytes of a row of y; x rows are K 16-bit values
+    for r0 in range(0, M, spec.MAX_ROWS):
+        _launch(w, scale, x + r0 * K * 2, y + r0 * y_row, min(spec.MAX_ROWS, M - r0), N, K, dtype, y_fp32, stream,
+                swiglu)
+
+
+def _launch(w, scale, x, y, M, N, K, dtype, y_fp32, stream, swiglu):
+    """One launch over at most spec.MAX_ROWS rows."""
     bulk = spec.bulk(device_arch())
     smem = spec.bulk_smem(N, K) if bulk else 0
     fn = get_function("gemv_fp8", spec.kernel_name(M, N, K, dtype, swiglu, bulk), max_dynamic_smem=smem)

@@ -2,7 +2,8 @@
 
 gemv_fp8(x [*, K], w [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)] fp32, fp32_out) -> y [*, N]:
 y = x @ W.T with W[n, k] = fp32(w[n, k]) * scale_inv[n // 128, k // 128] (the block-wise checkpoint layout,
-modeling/fp8.py), fp32 accumulation, y in x's dtype or fp32 (fp32_out); x bf16 or f16 with 1 to MAX_ROWS rows.
+modeling/fp8.py), fp32 accumulation, y in x's dtype or fp32 (fp32_out); x bf16 or f16 with 1 to MAX_CALL_ROWS rows
+(past MAX_ROWS, launched as slices of MAX_ROWS rows: each streams the weights again, each row's sums unchanged).
 gemv_fp8_swiglu(x, w [2I, K], scale_inv [2I/128, ceil(K/128)]) -> y [*, I] = silu(x @ gate.T) * (x @ up.T) for
 w = [gate; up] stacked with their scales: needs I % 128 == 0 (swiglu_usable), so every scale row belongs to gate
 or to up; rounded as gemv_swiglu rounds.
@@ -18,7 +19,11 @@ from __future__ import annotations
 from dflash_trt.plugins.gemv import spec as gemv_spec
 from dflash_trt.plugins.opspec import OpSpec, Port, kernel_need, need
 
-MAX_ROWS = gemv_spec.MAX_ROWS
+MAX_ROWS = gemv_spec.MAX_ROWS  # rows of x one launch takes
+# Rows of one call (launch.gemv_fp8 runs them as MAX_ROWS-row slices): a verify block of 2-4 sequences or a plain
+# step of up to 64 streams the fp8 bytes once a slice (<= 4 bytes a weight) where dequantizing the weight to 16 bits
+# reads and writes 5, and its rows get the same sums as a plain decode's (the kernel's sums do not depend on M).
+MAX_CALL_ROWS = 4 * MAX_ROWS
 CHUNK = 16          # fp8 columns per 16-byte load of w: K must be a multiple
 MAX_K = gemv_spec.MAX_K
 BLOCK = 128         # rows and columns of one scale block (dflash_trt.quant.BLOCK)
@@ -32,7 +37,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def usable(rows: int, K: int, dtype: str) -> bool:
     """Whether the kernel takes this call (the dispatcher's test: otherwise the dequantizing reference path)."""
-    return 1 <= rows <= MAX_ROWS and K % CHUNK == 0 and 0 < K <= MAX_K and dtype in DTYPES
+    return 1 <= rows <= MAX_CALL_ROWS and K % CHUNK == 0 and 0 < K <= MAX_K and dtype in DTYPES
 
 
 def swiglu_usable(N: int) -> bool:
@@ -42,7 +47,7 @@ def swiglu_usable(N: int) -> bool:
 
 def check(rows: int, N: int, K: int, dtype: str) -> None:
     kernel_need(usable(rows, K, dtype) and N >= 1,
-                f"gemv_fp8: needs 1 to {MAX_ROWS} rows of x, K a multiple of {CHUNK} up to {MAX_K}, N >= 1 and a "
+                f"gemv_fp8: needs 1 to {MAX_CALL_ROWS} rows of x, K a multiple of {CHUNK} up to {MAX_K}, N >= 1 and a "
                 f"16-bit x (got rows={rows}, N={N}, K={K}, {dtype})")
 
 

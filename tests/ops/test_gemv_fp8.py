@@ -42,7 +42,8 @@ def _check(got, x, w, s, w_rounded=False):
 
 def test_limits_and_kernel_choice(monkeypatch):
     assert spec.usable(1, 16, "bfloat16") and spec.usable(16, 5120, "float16")
-    assert not spec.usable(17, 5120, "bfloat16") and not spec.usable(1, 5128, "bfloat16")  # K % 16
+    assert spec.usable(64, 5120, "bfloat16") and not spec.usable(65, 5120, "bfloat16")  # 16-row slices up to 64
+    assert not spec.usable(1, 5128, "bfloat16")  # K % 16
     assert not spec.usable(1, 5120, "float32")
     assert spec.swiglu_usable(2 * 17408) and not spec.swiglu_usable(2 * 1000)
     assert spec.kernel_name(1, 17408, 5120, "bfloat16") == "fp8_n1_u4_w8_bf16"
@@ -96,6 +97,46 @@ def test_cpu_fp8_layers_keep_the_dequantizing_path(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(lin(x), F.linear(x, lin.dequantized(torch.bfloat16)))
     assert not calls and not fuse.fp8_takes(x)
+
+
+def test_wide_calls_launch_16_row_slices(monkeypatch):
+    """More than 16 rows: one launch per 16-row slice, x and y advanced by whole rows (16-bit x; y 16-bit, fp32, or
+    half as wide for SwiGLU)."""
+    from dflash_trt.plugins.gemv_fp8 import launch
+
+    seen = []
+    monkeypatch.setattr(launch, "_launch", lambda w, sc, x, y, M, *a: seen.append((x, y, M)))
+    launch.gemv_fp8(0, 0, 1000, 5000, M=40, N=300, K=512)
+    assert seen == [(1000, 5000, 16), (1000 + 16 * 1024, 5000 + 16 * 600, 16), (1000 + 32 * 1024, 5000 + 32 * 600, 8)]
+    seen.clear()
+    launch.gemv_fp8(0, 0, 0, 0, M=17, N=256, K=512, y_fp32=True)
+    assert seen == [(0, 0, 16), (16 * 1024, 16 * 1024, 1)]
+    seen.clear()
+    launch.gemv_fp8(0, 0, 0, 0, M=20, N=512, K=512, swiglu=True)
+    assert seen == [(0, 0, 16), (16 * 1024, 16 * 512, 4)]
+    with pytest.raises(KernelError, match="1 to 64 rows"):
+        launch.gemv_fp8(0, 0, 0, 0, M=65, N=256, K=512)
+
+
+def test_fp8_layers_take_the_kernel_for_steps_of_up_to_64_rows():
+    """fuse.fp8_takes on (a stand-in for) CUDA bf16 x: 1-16 rows of any shape; 17-64 rows only as steps (at most
+    abi.MAX_K rows a sequence: decode / verify / drafter blocks of several sequences), never a wider prefill chunk."""
+    class CudaX:
+        is_cuda, dtype = True, torch.bfloat16
+
+        def __init__(self, *shape):
+            self.shape = shape
+
+        def numel(self):
+            return int(torch.tensor(self.shape).prod())
+
+        def dim(self):
+            return len(self.shape)
+
+    with torch.no_grad():
+        takes = [fuse.fp8_takes(CudaX(*shape)) for shape in ((16, 512), (4, 16, 512), (64, 1, 512), (17, 512),
+                                                                (2, 32, 512), (5, 16, 512), (1, 16, 520))]
+    assert takes == [True, True, True, False, False, False, False]
 
 
 def _fp8_pair(out_a, out_b, K=256):
@@ -185,6 +226,21 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(N, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [17, 40, 64])
+def test_wide_calls_are_their_16_row_slices(M):
+    """17-64 rows (16-row slices): each row's sums are those of a call on its own slice, bit for bit, for plain,
+    fp32 and SwiGLU outputs, and within the bound of the fp64 product."""
+    N, K = 2 * 1024, 2064
+    w, s = fp8_weight(N, K, "cuda", seed=M)
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    with torch.no_grad():
+        for op in (lambda v: torch.ops.dflash.gemv_fp8(v, w, s), lambda v: torch.ops.dflash.gemv_fp8(v, w, s, True),
+                   lambda v: torch.ops.dflash.gemv_fp8_swiglu(v, w, s)):
+            assert torch.equal(op(x), torch.cat([op(x[i:i + 16].clone()) for i in range(0, M, 16)]))
+        _check(torch.ops.dflash.gemv_fp8(x, w, s), x, w, s)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(7, 272), (333, 2064), (4099, 2048), (5120, 17408), (2 * 17408, 5120)])
 def test_shared_memory_stream_is_the_register_stream_bit_for_bit(N, K, monkeypatch):
     """bulk.cuh (weights through shared memory, sm_90+) adds the register kernel's products in its order: the same
@@ -213,9 +269,9 @@ def test_swiglu_vs_unfused(dtype, M, I, K):
 
 @pytest.mark.gpu
 def test_fp8_layers_dispatch_to_the_kernel(monkeypatch):
-    """Fp8Linear and a fused FP8 gate/up on CUDA: 1-16 rows through the kernels, 40 rows through the dequantizing
-    path (W8A16 forced: where the block-scaled GEMM runs, wider calls take W8A8 by default, tests/test_fp8_w8a8.py);
-    the results agree within the bound either way."""
+    """Fp8Linear and a fused FP8 gate/up on CUDA: 1-16 rows and a 4 x 16-row verify block through the kernels, 40
+    rows of one sequence through the dequantizing path (W8A16 forced: where the block-scaled GEMM runs, wider calls
+    take W8A8 by default, tests/test_fp8_w8a8.py); the results agree within the bound either way."""
     from dflash_trt.modeling import fp8_gemm
 
     monkeypatch.setattr(fp8_gemm, "MODE", "w8a16")
@@ -226,12 +282,13 @@ def test_fp8_layers_dispatch_to_the_kernel(monkeypatch):
     real = torch.ops.dflash.gemv_fp8_swiglu
     monkeypatch.setattr(torch.ops.dflash, "gemv_fp8_swiglu", lambda *a: seen.append(1) or real(*a), raising=False)
     with torch.no_grad():
-        for M in (1, 16, 40):
-            x = torch.randn(M, 512, device="cuda").bfloat16()
-            _check(owner.gate_proj(x), x, owner.gate_proj.weight, owner.gate_proj.weight_scale_inv, w_rounded=M > 16)
+        for shape in ((1, 512), (16, 512), (40, 512), (4, 16, 512)):
+            x = torch.randn(*shape, device="cuda").bfloat16()
+            _check(owner.gate_proj(x).view(-1, 256), x.view(-1, 512), owner.gate_proj.weight,
+                   owner.gate_proj.weight_scale_inv, w_rounded=shape[0] == 40)
             y = fuse.swiglu(owner, names, x)
-            assert y.shape == (M, 256)
-    assert len(seen) == 2
+            assert y.shape == (*shape[:-1], 256)
+    assert len(seen) == 3
 
 
 @pytest.mark.gpu
