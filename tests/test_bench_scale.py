@@ -69,3 +69,18 @@ def test_scale_flags_refused_in_one_line():
         main(["--model", "random-moe-35b-a3b", "--batch", "1,16"])
     with pytest.raises(UsageError, match=r"batch sizes in 1\.\.64"):
         main(["--model", "random-27b", "--batch", "1,65"])
+
+
+def test_scale_report_prints_every_row(capsys):
+    """The batch and long-context tables from hand-written figures (a long GPU run cannot die in its last lines)."""
+    b = {"plain_tok_s": 1500.0, "over_batch1": 14.2, "plain_step_ms": 10.7, "plain_idle_pct": 0.4, "spec_step_ms": 15.1,
+         "spec_over_plain": 1.41, "identical": True}
+    c = {"rows": 512, "prefill_tok_s": 20000.0, "ttft_s": 0.03, "prefill_tflops": 250.0, "prefill_peak_pct": 25.3,
+         "step1_ms": 4.1, "step1_floor_ms": 3.9, "step1_over_floor": 1.05, "plain_step_ms": 4.3, "spec_step_ms": 6.9,
+         "spec_over_plain": 1.6}
+    res = {"batches": {16: b}, "long_context": {"reference": c, "long": {**c, "rows": 32768, "prefill_peak_pct": None}}}
+    S.print_batches(res)
+    S.print_long_context(res)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["16", "1500.0", "14.20", "10.700", "0.4", "15.100", "1.41", "True"]
+    assert out[3].split()[:5] == ["512", "20000", "0.03", "250", "25"] and out[4].split()[4] == "-"

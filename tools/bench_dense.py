@@ -26,7 +26,8 @@ from dflash_trt.files import write_json
 from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs
 from dflash_trt.tools.bench_e2e_run import prefill_tok_s
 from dflash_trt.tools.bench_moe import context_sweep, random_bench_runtime, random_init, spec_vs_plain, step_bytes
-from dflash_trt.tools.bench_scale import PROMPT, batch_decode, long_context, print_scale, scale_targets
+from dflash_trt.tools.bench_scale import (PROMPT, batch_decode, long_context, print_batches, print_long_context,
+                                          scale_targets)
 from dflash_trt.tools.scripted import bench_scripted, print_scripted
 
 RANDOM_27B = "random-27b"
@@ -179,35 +180,53 @@ def run(a) -> int:
            "weights_GB": sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9,
            "fp8_skip": list(FP8_SKIP) if a.fp8 else None, "drafter_taps": rt.dcfg.target_layer_ids}
     res["copy_bandwidth_GBps"] = bw = copy_bandwidth_gbs(dev)
+    show(print_header, res)
     rng = np.random.default_rng(1)
     vocab = target.cfg.vocab_size
     res["steps"] = steps = context_sweep(rt, dev, CONTEXT, bw, parse_step_ks(a.step_ks), compiled, rng)
     res["step16_over_step1"] = steps[16]["ms"] / steps[1]["ms"]
+    show(print_steps, res)
     prompt = [int(t) for t in rng.integers(0, vocab - 1, PROMPT)]
-    res["decode"] = spec_vs_plain(rt, prompt, a.max_new_tokens, a.gamma or 15, steps[1]["ms"])
+    gamma = a.gamma or 15
+    res["decode"] = spec_vs_plain(rt, prompt, a.max_new_tokens, gamma, steps[1]["ms"])
     bench_scripted(res)
+    show(print_decode, res)
     res["prefill_tokens"] = PREFILL_TOKENS
     res["prefill_tok_s"] = prefill_tok_s(rt, dev, [int(t) for t in rng.integers(0, vocab - 1, PREFILL_TOKENS)])
-    gamma = a.gamma or 15
+    print(f"prefill {res['prefill_tokens']}-token prompt: {res['prefill_tok_s']:.0f} tok/s", flush=True)
     res["batches"] = batch_decode(rt, vocab, rng, batches, a.max_new_tokens, gamma, res["decode"])
+    show(print_batches, res)
     if a.context:
         res["long_context"] = long_context(rt, dev, target, a.context, bw, compiled, rng, a.max_new_tokens, gamma)
+        show(print_long_context, res)
     res.setdefault("targets", {}).update(scale_targets(res))
-    print_table(res)
+    show(print_targets, res)
     if a.json:
         write_json(a.json, res)
     return 0
 
 
-def print_table(res) -> None:
+def show(part, res) -> None:
+    """One part of the report as soon as it is measured (a long run shows its progress; a killed one keeps it)."""
+    part(res)
+    sys.stdout.flush()
+
+
+def print_header(res) -> None:
     fp8 = (", FP8 projections (target and drafter)" if res["fp8"] else "") + (", DFlash2 drafter" if res.get("dflash2") else "")
     print(f"bench e2e: {res['model']} ({res['layers']} layers, {res['dtype']}{fp8}"
           f"{', compiled steps' if res['compiled'] else ''}, {res['weights_GB']:.1f} GB) on {res['hardware']}; "
           f"device copy {res['copy_bandwidth_GBps']:.0f} GB/s; drafter taps {res['drafter_taps']}")
+
+
+def print_steps(res) -> None:
     print(f"{'K':>3} {'step ms':>8} {'floor ms':>9} {'ratio':>6}")
     for K, s in res["steps"].items():
         print(f"{K:>3} {s['ms']:>8.3f} {s['floor_ms']:>9.3f} {s['ratio']:>6.2f}")
     print(f"step(16)/step(1) = {res['step16_over_step1']:.2f}")
+
+
+def print_decode(res) -> None:
     d = res["decode"]
     print(f"decode batch 1: plain {d['plain_tok_s']:.1f} tok/s ({d['plain_step_ms']:.3f} ms/step); spec step (K = "
           f"{d['gamma'] + 1} + drafter) {d['spec_step_ms']:.3f} ms = {d['break_even_tau']:.2f}x plain; identical "
@@ -215,7 +234,8 @@ def print_table(res) -> None:
     print(f"DFlash with scripted acceptance (tau {d['scripted_tau']:.2f}): {d['dflash_tok_s']:.1f} tok/s = "
           f"{d['dflash_over_plain']:.2f}x plain")
     print_scripted(res["scripted"])
-    print(f"prefill {res['prefill_tokens']}-token prompt: {res['prefill_tok_s']:.0f} tok/s")
-    print_scale(res)
+
+
+def print_targets(res) -> None:
     for name, (v, thr, hit) in res.get("targets", {}).items():
         print(f"target {name}: {v:.2f} vs {thr:g} -> {'HIT' if hit else 'MISS'}")

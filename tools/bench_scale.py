@@ -110,7 +110,7 @@ def scale_targets(res: dict) -> dict:
     return out
 
 
-def print_scale(res: dict) -> None:
+def print_batches(res: dict) -> None:
     if res.get("batches"):
         print(f"{'batch':>5} {'plain tok/s':>11} {'x batch 1':>9} {'step ms':>8} {'idle %':>6} {'spec step ms':>12} "
               f"{'spec/plain':>10} {'identical':>9}")
@@ -118,6 +118,9 @@ def print_scale(res: dict) -> None:
             print(f"{B:>5} {b['plain_tok_s']:>11.1f} {b['over_batch1']:>9.2f} {b['plain_step_ms']:>8.3f} "
                   f"{b['plain_idle_pct']:>6.1f} {b['spec_step_ms']:>12.3f} {b['spec_over_plain']:>10.2f} "
                   f"{str(b['identical']):>9}")
+
+
+def print_long_context(res: dict) -> None:
     lc = res.get("long_context")
     if lc:
         print(f"{'context':>7} {'prefill tok/s':>13} {'TTFT s':>7} {'TFLOP/s':>7} {'% peak':>6} {'step1 ms':>8} "
