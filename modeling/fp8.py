@@ -70,8 +70,8 @@ class Fp8Linear(nn.Module):
         return self._project(x, True)
 
     def _project(self, x, fp32_out: bool):
-        """Decode / verify rows on CUDA (fuse.fp8_takes): the W8A16 kernel; wider x: W8A8 where its mode is on (modeling/fp8_gemm.py), else the
-        weight dequantized and a 16-bit GEMM."""
+        """Decode / verify rows on CUDA (fuse.fp8_takes): the W8A16 kernel; wider x: W8A8 where its mode is on
+        (modeling/fp8_gemm.py), else the weight dequantized and a 16-bit GEMM."""
         if fp8_takes(x, self.block):
             return torch.ops.dflash.gemv_fp8(x, self.weight, self.weight_scale_inv, fp32_out)
         if w8a8_takes(x, self.weight, self.block):

@@ -1,9 +1,10 @@
 """One step's batch: which sequences run, in which bucket, and the host arrays that describe them.
 
 A step runs its live sequences in the smallest batch bucket (1, 2, ..., 64) that holds them, so the
-device needs one static graph per bucket, not per batch size (and only for the buckets up to max_seqs). Padding rows are inert: live = 0 makes
-n = 0, which every commit kernel treats as "touch nothing"; they read slot 0 and page 0 (harmless reads)
-and their per-slot device state is a dummy row (index max_seqs) that only padding rows ever use.
+device needs one static graph per bucket, not per batch size (and only for the buckets up to max_seqs).
+Padding rows are inert: live = 0 makes n = 0, which every commit kernel treats as "touch nothing"; they read
+slot 0 and page 0 (harmless reads) and their per-slot device state is a dummy row (index max_seqs) that only
+padding rows ever use.
 numpy only.
 """
 from __future__ import annotations

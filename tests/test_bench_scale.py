@@ -21,7 +21,8 @@ def test_batch_rows_measure_each_batch_against_batch_one(tmp_path):
     assert list(out) == [3]  # batch 1 is the baseline run beside it, not measured again
     b = out[3]
     assert b["identical"] and not b["failed"]
-    assert b["over_batch1"] == b["plain_tok_s"] / 10.0 and b["spec_over_plain"] == b["spec_step_ms"] / b["plain_step_ms"]
+    assert b["over_batch1"] == b["plain_tok_s"] / 10.0
+    assert b["spec_over_plain"] == b["spec_step_ms"] / b["plain_step_ms"]
     assert b["plain_step_ms"] > 0 and 0 <= b["plain_idle_pct"] <= 100
     assert {("decode", 4), ("spec", 4)} <= set(batches)  # three requests in the 4-row bucket, plain and spec
 

@@ -29,6 +29,7 @@ TARGETS = {  # the end-to-end targets
     "batch16_over_batch1": 8.0,
 }
 RANDOM_0P9B = "random-0.9b"
+PRESETS = ("random-27b", "random-moe-35b-a3b")  # the real-scale presets: --layers, batch 1 unless --batch
 
 
 def random_0p9b_configs() -> tuple[dict, dict]:
@@ -291,7 +292,7 @@ def check_args(a) -> None:
         raise UsageError(f"--context builds the random-27b preset only, not --model {a.model!r}")
     if a.model == "random-moe-35b-a3b" and batches != [1]:
         raise UsageError(f"--model random-moe-35b-a3b measures batch 1 only, got --batch {a.batch!r}")
-    if a.layers is not None and a.model not in ("random-27b", "random-moe-35b-a3b"):
+    if a.layers is not None and a.model not in PRESETS:
         raise UsageError(f"--layers builds the random-27b and random-moe-35b-a3b presets only, not --model {a.model!r}")
     if a.dtype is not None and a.dtype not in DTYPES:
         raise UsageError(f"--dtype {a.dtype!r} not supported ({', '.join(DTYPES)})")
@@ -340,7 +341,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     if a.batch is None:
-        a.batch = "1" if a.model in ("random-27b", "random-moe-35b-a3b") else "1,4,16"
+        a.batch = "1" if a.model in PRESETS else "1,4,16"
     check_args(a)
     if a.model == "random-moe-35b-a3b":  # the MoE bench: tools/bench_moe.py
         from dflash_trt.tools.bench_moe import run as run_moe
