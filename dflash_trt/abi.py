@@ -138,6 +138,12 @@ class PoolSizes:
         return ctx_block_table_width(self.ctx_window, self.page_size, self.max_append + MAX_K)
 
     @property
+    def drafter_slack_blocks(self) -> int:
+        """Drafter pages beyond the target's: every slot's ctx table may run past its target table by this much
+        (the in-flight step's rows), so the drafter pool holds kv_blocks + this."""
+        return self.max_seqs * max(self.max_ctx_blocks - self.max_blocks, 0)
+
+    @property
     def max_append(self) -> int:
         return max(self.prefill_chunk, 16)
 

@@ -40,7 +40,7 @@ def pools_from_budget(t: TargetConfig, d: DrafterConfig | None, budget: int, *, 
     fixed = _nbytes(*specs["gdn_pool"]) + _nbytes(*specs["conv_pool"])
     kv_page = _nbytes(*specs["kv_pool"])  # kv_blocks=1: one page's bytes
     dkv_page = _nbytes(*specs["dkv_pool"]) if d is not None else 0
-    slack = max_seqs * max(base.max_ctx_blocks - base.max_blocks, 0) if d is not None else 0
+    slack = base.drafter_slack_blocks if d is not None else 0
     pages = (budget - fixed - slack * dkv_page) // (kv_page + dkv_page)
     one_seq = base.max_blocks
     if pages < one_seq:

@@ -151,7 +151,7 @@ def bench_sizes(batch: int, context: int, max_new: int, prefill_chunk: int):
     kv = 2 * pages + batch * -(-(PROMPT + max_new + 2 * MAX_K) // ps) + 64
     sizes = PoolSizes(max_seq_len=pages * ps, kv_blocks=kv, page_size=ps, max_seqs=max(2, batch), dkv_blocks=kv,
                       prefill_chunk=prefill_chunk)
-    return replace(sizes, dkv_blocks=kv + sizes.max_seqs * max(sizes.max_ctx_blocks - sizes.max_blocks, 0))
+    return replace(sizes, dkv_blocks=kv + sizes.drafter_slack_blocks)
 
 
 def floor_bytes(target, pools, ctx_rows: int, K: int) -> float:
