@@ -94,10 +94,15 @@ def drafter_block_lens(ks, block_size: int) -> list[int]:
     return sorted({int(k) for k in ks if 2 <= int(k) < block_size} | {block_size})
 
 
-def ctx_block_table_width(window: int, page_size: int, max_append: int) -> int:
+def ctx_block_table_width(window: int, page_size: int, max_append: int, max_seq_len: int | None = None) -> int:
     """Pages a drafter ctx window can hold at once (runtime.ctx.CtxWindow): up to 2*window rows (at least
-    window + a page - 1, the in-page offset after a slide) plus one append of max_append rows."""
-    return -(-(max(2 * window, window + page_size - 1) + max_append) // page_size)
+    window + a page - 1, the in-page offset after a slide) plus one append of max_append rows. A window never
+    holds more rows than its sequence has (max_seq_len): a full-context window never slides, so it needs one
+    table of max_seq_len rows, not two."""
+    held = max(2 * window, window + page_size - 1)
+    if max_seq_len is not None:
+        held = min(held, max_seq_len)
+    return -(-(held + max_append) // page_size)
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,7 @@ class PoolSizes:
     def max_ctx_blocks(self) -> int:
         """Width of a drafter block table (the graphs' static dim): a window, one append, and the MAX_K rows
         of one step left in flight (the GPU executors plan step t+1 while step t runs)."""
-        return ctx_block_table_width(self.ctx_window, self.page_size, self.max_append + MAX_K)
+        return ctx_block_table_width(self.ctx_window, self.page_size, self.max_append + MAX_K, self.max_seq_len)
 
     @property
     def drafter_slack_blocks(self) -> int:

@@ -8,7 +8,8 @@ Representation (logical rows index the sequence's page list `pages`):
     held rows   [start, end)     absolute positions contiguous, ending at `_last` (O(1) per append)
     visible     [end - ctx_len, end),  ctx_len = min(total appended, window)
 Invariants after every finish_append: 0 <= start < block_size (pages holding only dropped
-rows are freed), end - start >= ctx_len, end <= max(2*window, window + block_size - 1).
+rows are freed), end - start >= ctx_len, end <= max(2*window, window + block_size - 1), end <= total
+(so a window of max_seq_len rows or more never slides and needs a table of one sequence's rows).
 
 Capacity = 2*window rows. When `end` exceeds it, the window SLIDES: the newest `window` rows are
 kept (watermark = newest half of capacity); every page that holds only dropped rows is freed
@@ -39,7 +40,7 @@ from dflash_trt.runtime.pools import BlockAllocator
 
 class CtxWindow:
     def __init__(self, window: int, block_size: int, allocator: BlockAllocator,
-                 max_append: int | None = None, auto_slide: bool = True):
+                 max_append: int | None = None, auto_slide: bool = True, max_seq_len: int | None = None):
         if window <= 0 or block_size <= 0:
             raise ValueError(f"window and block_size must be > 0 (got {window}, {block_size})")
         self.window = int(window)
@@ -48,7 +49,7 @@ class CtxWindow:
         self.max_append = int(max_append) if max_append is not None else self.window
         self.capacity = 2 * self.window
         self.auto_slide = bool(auto_slide)
-        self.max_blocks = ctx_block_table_width(self.window, self.block_size, self.max_append)
+        self.max_blocks = ctx_block_table_width(self.window, self.block_size, self.max_append, max_seq_len)
         self.pages: list[int] = []
         self.start = 0
         self.end = 0

@@ -81,7 +81,8 @@ class Runtime:
         # a ctx window also holds the rows reserved for the steps in flight; room for one is always kept, so
         # every executor with at most one step in flight uses the exported graphs' width (abi.max_ctx_blocks)
         self.ctx_append = sizes.max_append + LOOKAHEAD_ROWS * max(1, self.executor.max_inflight)
-        self.ctx_blocks = ctx_block_table_width(sizes.ctx_window, sizes.page_size, self.ctx_append)
+        self.ctx_blocks = ctx_block_table_width(sizes.ctx_window, sizes.page_size, self.ctx_append,
+                                                sizes.max_seq_len)
         self.scheduler: Scheduler | None = None
 
     # ---- sequence lifetime ----------------------------------------------------------------
@@ -158,7 +159,7 @@ class Runtime:
         if self.dcfg is None:
             return None
         return CtxWindow(self.sizes.ctx_window, self.sizes.page_size, self.dkv_alloc, self.ctx_append,
-                         auto_slide=not self.executor.runs_ahead)
+                         auto_slide=not self.executor.runs_ahead, max_seq_len=self.sizes.max_seq_len)
 
     def release(self, seq: Sequence) -> None:
         """Give back seq's pages and slot. Releasing a released sequence again is a no-op; a foreign or

@@ -292,8 +292,8 @@ def test_multimodal_layout(base, tmp_path):
 def test_cuda_greedy_and_dflash_match_transformers(dense, tmp_path):
     """The FP8 target on the GPU: float32 tokens == the CPU backend's (which the tests above hold to the W8A16 oracle;
     transformers itself cannot be the oracle here, as with fla installed it sends CPU tensors to Triton kernels);
-    bfloat16 DFlash == bfloat16 plain greedy, alone and as a batch of three (its verify blocks of 48 rows run the
-    W8A16 kernel in 16-row slices, so each row gets a plain decode's sums)."""
+    bfloat16 DFlash == bfloat16 plain greedy, alone and as a batch of three (its verify of 3 x block_size rows runs
+    the W8A16 kernel in 16-row slices, so each row gets a plain decode's sums)."""
     d, _, _ = dense
     drafter = make_drafter(d, str(tmp_path / "drafter"), head_dim=64)  # a head dim the CUDA attention kernel takes
     ref = load_runtime(d, drafter, "torch", sizes=SIZES)[0].generate(PROMPT, NEW, spec=False)[0]
@@ -304,7 +304,7 @@ def test_cuda_greedy_and_dflash_match_transformers(dense, tmp_path):
     rt, _ = load_runtime(d, drafter, "torch", sizes=three, device="cuda", dtype="bfloat16", compile_steps=False)
     assert rt.generate(PROMPT, NEW)[0] == rt.generate(PROMPT, NEW, spec=False)[0]
     prompts = [PROMPT, PROMPT[::-1], PROMPT[1:] + PROMPT[:1]]
-    reqs = [rt.add_request(p, NEW, gamma=15) for p in prompts]
+    reqs = [rt.add_request(p, NEW, gamma=rt.dcfg.block_size - 1) for p in prompts]
     while rt.scheduler.has_work:
         rt.step()
     assert [r.tokens for r in reqs] == [rt.generate(p, NEW, spec=False)[0] for p in prompts]
