@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from dflash_trt.abi import MAX_K, PoolSizes, ctx_block_table_width
 from dflash_trt.runtime.ctx import CtxWindow
 from dflash_trt.runtime.devices.host import HostDevice
 from dflash_trt.runtime.pools import BlockAllocator, PoolExhausted, SlotPool
@@ -213,6 +214,21 @@ def test_ctx_window_random(window, block_size):
     cw.release()
     cw.release()
     assert alloc.num_free == nb
+
+
+def test_full_context_window_table_holds_one_sequence():
+    """A window of max_seq_len rows never slides: its table is one sequence's pages plus an append, not two
+    windows', and a sequence of max_seq_len rows with an append reserved ahead still fits in it."""
+    ps, append, max_len = 4, 16, 64
+    alloc = BlockAllocator(64, name="drafter kv pages")
+    cw = CtxWindow(max_len, ps, alloc, max_append=append, max_seq_len=max_len)
+    assert cw.max_blocks == (max_len + append) // ps < ctx_block_table_width(max_len, ps, append)
+    for first in range(0, max_len, append):
+        cw.plan_append(append)
+        cw.finish_append(append, range(first, first + append))
+        cw.reserve(append)  # the rows of the step in flight
+    assert cw.base == 0 and cw.num_pages == cw.max_blocks
+    assert PoolSizes(max_seq_len=4096, max_seqs=8).max_ctx_blocks == -(-(4096 + 64 + MAX_K) // 16)
 
 
 def test_ctx_window_exhaustion_and_contiguity():
