@@ -140,15 +140,16 @@ def step_latency_ms(rt, seq, K: int, reps: int = 20, compiled: bool = False) -> 
 
 
 def decode_run(rt, prompts, max_new: int, gamma, spec: bool, trace: bool = False, temperature: float = 0.0,
-               concurrency: int | None = None) -> dict:
+               concurrency: int | None = None, ignore_eos: bool = False) -> dict:
     """Every prompt is a request; `concurrency` of them (None: all) run at once and the rest join as others
     leave. The first ones' prefill (admit) is timed apart; a later join's prefill is inside the decode wall
     time (and in the trace). Returns tokens, tok/s, τ, idle; at concurrency > 1 also the full-batch window
     (full_batch_s, full_batch_tokens: the wall time and new tokens until the batch first runs short with none
     waiting; the drain after it lasts as long as the longest request left, whatever the number of requests).
-    temperature > 0: every request samples, prompt i with seed i."""
+    temperature > 0: every request samples, prompt i with seed i. ignore_eos: every request runs max_new tokens."""
     for i, p in enumerate(prompts):
-        rt.add_request(p, max_new, gamma=gamma, spec=spec, temperature=temperature, seed=i if temperature else None)
+        rt.add_request(p, max_new, gamma=gamma, spec=spec, temperature=temperature, seed=i if temperature else None,
+                       ignore_eos=ignore_eos)
     sch, dev = rt.scheduler, rt.device
     if concurrency is not None:
         sch.max_batch = concurrency

@@ -1,7 +1,7 @@
 """`bench e2e --model random-27b` at serving scale: batches of up to 64 sequences (--batch) and long contexts
 (--context), each against a baseline measured in the same run.
 
-  batch B        B requests of PROMPT random tokens start together, --max-new-tokens each (so the batch stays full):
+  batch B        B requests of PROMPT random tokens start together, --max-new-tokens each through EOS (so the batch stays full):
                  aggregate plain tok/s (new tokens / decode wall time) over batch 1's on the same prompt length, the
                  wall time per step and the GPU idle share; the spec step at B (K = gamma + 1; the random drafter
                  accepts next to nothing, so every step verifies K rows of every sequence) over the plain step at B
@@ -11,6 +11,8 @@
                  beside the same ratio on a REFERENCE_CONTEXT-row prompt (the drafter attends its whole context)
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -48,10 +50,13 @@ def batch_decode(rt, vocab: int, rng, batches, max_new: int, gamma: int, batch1:
     out = {}
     for B in (b for b in batches if b > 1):
         prompts = [[int(t) for t in rng.integers(0, vocab - 1, PROMPT)] for _ in range(B)]
-        decode_run(rt, prompts, 4, None, spec=False, concurrency=B)  # warm-up: captures this bucket's steps
-        plain = decode_run(rt, prompts, max_new, None, spec=False, trace=True, concurrency=B)
-        decode_run(rt, prompts, 4, gamma, spec=True, concurrency=B)
-        spec = decode_run(rt, prompts, max_new, gamma, spec=True, trace=True, concurrency=B)
+        # every request runs max_new tokens (an early EOS would shrink the batch into a bucket the warm-up did
+        # not compile, and time that compile)
+        run = functools.partial(decode_run, rt, prompts, concurrency=B, ignore_eos=True)
+        run(4, None, spec=False)  # warm-up: captures this bucket's steps
+        plain = run(max_new, None, spec=False, trace=True)
+        run(4, gamma, spec=True)
+        spec = run(max_new, gamma, spec=True, trace=True)
         out[B] = {"plain_tok_s": plain["tok_s"], "plain_step_ms": _step_ms(plain), "plain_idle_pct": plain["idle_pct"],
                   "over_batch1": plain["tok_s"] / batch1["plain_tok_s"], "spec_step_ms": _step_ms(spec),
                   "spec_idle_pct": spec["idle_pct"], "spec_over_plain": _step_ms(spec) / _step_ms(plain),
