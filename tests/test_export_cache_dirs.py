@@ -83,9 +83,10 @@ def test_a_users_export_dir_runs_instead_of_the_cache(tmp_path, monkeypatch, cap
     from dflash_trt.api.llm import LLM
     from dflash_trt.api.params import SamplingParams
     from dflash_trt.cli import main
+    from dflash_trt.tools.tiny import make_tiny_pair
 
     monkeypatch.setenv("DFLASH_TRT_CACHE", str(tmp_path / "cache"))
-    t, d = os.path.join(MODELS, "target"), os.path.join(MODELS, "drafter")
+    t, d = make_tiny_pair(str(tmp_path / "tiny"), seed=0)
     out = str(tmp_path / "exp")
     assert main(["export", "--model", t, "--drafter", d, "--k", "1,16", "--out", out]) == 0
     gen = ["generate", "--model", t, "--drafter", d, "--prompt", "def f(x):", "--max-new-tokens", "8"]
