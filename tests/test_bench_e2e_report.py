@@ -252,3 +252,26 @@ def test_gc_pauses_counts_the_collections_inside_it():
     seen = (p.count, p.full, p.ms)
     gc.collect()
     assert (p.count, p.full, p.ms) == seen and p._cb not in gc.callbacks
+
+
+def test_profile_of_batch_one_and_the_widest_batch_printed(tmp_path, monkeypatch, capsys):
+    """bench e2e --profile (the 0.9B, 27B and MoE presets alike): the decode and spec steps at batch 1 and at the
+    widest --batch, a line each."""
+    import torch
+
+    from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
+    from dflash_trt.tools.bench_e2e import print_profile, profile_batches
+
+    rt = tiny_bench_runtime(tmp_path, TorchCpuDevice())
+
+    class CpuActivities:
+        CUDA = torch.profiler.ProfilerActivity.CPU
+
+    monkeypatch.setattr(torch.profiler, "ProfilerActivity", CpuActivities)
+    res = {"profile": profile_batches(rt, [list(range(3, 12))], [1, 2], keys=(("decode", 1), ("spec", 4)), replays=2)}
+    assert set(res["profile"]) == {"decode_k1", "spec_k4", "decode_k1_b2", "spec_k4_b2"}
+    assert all(set(p) == {"kernels", "busy_ms", "top", "all"} for p in res["profile"].values())
+    assert rt.kv_alloc.num_free == rt.sizes.kv_blocks
+    print_profile(res)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines] == list(res["profile"])

@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 from dflash_trt.files import write_json
-from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs
+from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs, print_profile, profile_batches
 from dflash_trt.tools.bench_e2e_run import prefill_tok_s
 from dflash_trt.tools.bench_moe import context_sweep, random_bench_runtime, random_init, spec_vs_plain, step_bytes
 from dflash_trt.tools.bench_scale import (PROMPT, batch_decode, long_context, print_batches, print_long_context,
@@ -196,6 +196,9 @@ def run(a) -> int:
     print(f"prefill {res['prefill_tokens']}-token prompt: {res['prefill_tok_s']:.0f} tok/s", flush=True)
     res["batches"] = batch_decode(rt, vocab, rng, batches, a.max_new_tokens, gamma, res["decode"])
     show(print_batches, res)
+    if a.profile:
+        res["profile"] = profile_batches(rt, [prompt], batches)
+        show(print_profile, res)
     if a.context:
         res["long_context"] = long_context(rt, dev, target, a.context, bw, compiled, rng, a.max_new_tokens, gamma)
         show(print_long_context, res)

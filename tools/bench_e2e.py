@@ -226,6 +226,21 @@ def kernel_profile(rt, prompts, batch: int = 1, keys=(("decode", 1), ("spec", 16
     return out
 
 
+def profile_batches(rt, prompts, batches, **kw) -> dict:
+    """kernel_profile (kw: its keys, replays) at batch 1 and at the widest of `batches` (where batching's time
+    goes)."""
+    out = kernel_profile(rt, prompts, **kw)
+    if max(batches) > 1:
+        out.update(kernel_profile(rt, prompts, max(batches), **kw))
+    return out
+
+
+def print_profile(res) -> None:
+    for key, pr in res.get("profile", {}).items():
+        print(f"profile {key} (per launch of its CUDA graph): {pr['kernels']} kernels, {pr['busy_ms']:.3f} ms busy; top: " +
+              "; ".join(f"{n} {ms:.3f} ms x{c}" for n, ms, c in pr["top"]))
+
+
 def hf_tok_s(hf, prompt, n: int) -> float:
     import torch
 
@@ -330,7 +345,7 @@ def main(argv=None) -> int:
     p.add_argument("--step-ks", default=",".join(map(str, range(1, 17))),
                    help="verify widths of the per-K target step latency sweep (default 1..16; 1 and 16 always)")
     p.add_argument("--no-compile", action="store_true", help="run the captured steps without Inductor")
-    p.add_argument("--profile", action="store_true", help="also break one decode / spec step down by kernel")
+    p.add_argument("--profile", action="store_true", help="also break the decode and spec steps down by kernel, at batch 1 and the widest --batch")
     p.add_argument("--fp8", action="store_true", help="random-27b: FP8 block-wise projections (the release layout)")
     p.add_argument("--dflash2", action="store_true",
                    help="random-27b: a DFlash2 drafter (convolutions + candidate selector) of the same size")

@@ -11,7 +11,7 @@ import numpy as np
 
 from dflash_trt.files import write_json
 from dflash_trt.tools.bench_e2e import (RANDOM_0P9B, TARGETS, build_random_pair, copy_bandwidth_gbs, decode_run,
-                                        floor_tok_s, hf_tok_s, kernel_profile, load_pair, parse_step_ks,
+                                        floor_tok_s, hf_tok_s, load_pair, parse_step_ks, print_profile, profile_batches,
                                         step_latency_ms)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -224,9 +224,7 @@ def _finish(a, res: dict, rt, prompts, rows, hf, layers: int, random: bool) -> N
     """The optional kernel profile and HF baseline, the rows without their tokens, the targets; print, write."""
     batches = res["batches"]
     if a.profile:
-        res["profile"] = kernel_profile(rt, prompts)
-        if max(batches) > 1:  # and the widest batch's steps: where batching's time goes
-            res["profile"].update(kernel_profile(rt, prompts, max(batches)))
+        res["profile"] = profile_batches(rt, prompts, batches)
     res["hf_tok_s"] = hf_tok_s(hf, prompts[0], a.hf_tokens) if a.hf_tokens else None
     res["rows"] = [{k: ({kk: vv for kk, vv in v.items() if kk != "tokens"} if isinstance(v, dict) else v)
                     for k, v in r.items()} for r in rows]
@@ -345,8 +343,6 @@ def print_table(res) -> None:
         print(f"HF transformers generate() (same weights, batch 1): {res['hf_tok_s']:.1f} tok/s{ratio}")
     if res["eager_keys"]:
         print(f"eager (capture failed): {res['eager_keys']}")
-    for key, pr in res.get("profile", {}).items():
-        print(f"profile {key} (per launch of its CUDA graph): {pr['kernels']} kernels, {pr['busy_ms']:.3f} ms busy; top: " +
-              "; ".join(f"{n} {ms:.3f} ms x{c}" for n, ms, c in pr["top"]))
+    print_profile(res)
     for name, (v, thr, hit) in res["targets"].items():
         print(f"target {name}: {v:.2f} vs {thr:g} -> {'HIT' if hit else 'MISS'}")

@@ -30,7 +30,7 @@ import numpy as np
 from dflash_trt.files import write_json
 from dflash_trt.tools.bench import graph_replay_ms
 
-from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs, decode_run, parse_step_ks
+from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs, decode_run, parse_step_ks, print_profile, profile_batches
 from dflash_trt.tools.scripted import ACCEPTED, bench_scripted, print_scripted
 
 RANDOM_MOE = "random-moe-35b-a3b"
@@ -284,7 +284,10 @@ def run(a) -> int:
     res["targets"] = {f"plain step(K=1) <= {TARGET_FLOOR_RATIO:g}x bytes floor": (r1, TARGET_FLOOR_RATIO,
                                                                                  r1 <= TARGET_FLOOR_RATIO)}
     bench_scripted(res)
+    if a.profile:
+        res["profile"] = profile_batches(rt, [prompt], [1])
     print_table(res)
+    print_profile(res)
     if a.json:
         write_json(a.json, res)
     return 0
