@@ -345,7 +345,8 @@ def main(argv=None) -> int:
     p.add_argument("--step-ks", default=",".join(map(str, range(1, 17))),
                    help="verify widths of the per-K target step latency sweep (default 1..16; 1 and 16 always)")
     p.add_argument("--no-compile", action="store_true", help="run the captured steps without Inductor")
-    p.add_argument("--profile", action="store_true", help="also break the decode and spec steps down by kernel, at batch 1 and the widest --batch")
+    p.add_argument("--profile", action="store_true",
+                   help="also break the decode and spec steps down by kernel, at batch 1 and the widest --batch")
     p.add_argument("--fp8", action="store_true", help="random-27b: FP8 block-wise projections (the release layout)")
     p.add_argument("--dflash2", action="store_true",
                    help="random-27b: a DFlash2 drafter (convolutions + candidate selector) of the same size")
