@@ -154,9 +154,9 @@ def bench_sizes(batch: int, context: int, max_new: int, prefill_chunk: int):
     return replace(sizes, dkv_blocks=kv + sizes.drafter_slack_blocks)
 
 
-def floor_bytes(target, pools, ctx_rows: int, K: int) -> float:
-    """Bytes of one batch-1 step of K tokens: bench_moe.step_bytes with no routed experts."""
-    return step_bytes(target, pools, ctx_rows, K, [])
+def floor_bytes(target, pools, ctx_rows: int, K: int, batch: int = 1) -> float:
+    """Bytes of one step of K tokens for `batch` sequences: bench_moe.step_bytes with no routed experts."""
+    return step_bytes(target, pools, ctx_rows, K, [], batch)
 
 
 def run(a) -> int:
@@ -195,6 +195,9 @@ def run(a) -> int:
     res["prefill_tok_s"] = prefill_tok_s(rt, dev, [int(t) for t in rng.integers(0, vocab - 1, PREFILL_TOKENS)])
     print(f"prefill {res['prefill_tokens']}-token prompt: {res['prefill_tok_s']:.0f} tok/s", flush=True)
     res["batches"] = batch_decode(rt, vocab, rng, batches, a.max_new_tokens, gamma, res["decode"])
+    for B, b in res["batches"].items():  # the plain step's floor at the decode's mean context
+        b["floor_ms"] = floor_bytes(target, rt.pools, PROMPT + a.max_new_tokens // 2, 1, B) / (bw * 1e9) * 1e3
+        b["step_over_floor"] = b["plain_step_ms"] / b["floor_ms"]
     show(print_batches, res)
     if a.profile:
         res["profile"] = profile_batches(rt, [prompt], batches)

@@ -103,18 +103,19 @@ def _expert_bytes(target) -> int:
     return (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * ex.gate_up_proj.element_size()
 
 
-def step_bytes(target, pools, ctx_rows: int, K: int, distinct_per_layer: list[float]) -> float:
-    """The floor's bytes of one batch-1 step of K tokens (see the module doc); a dense target: no experts, [].
-    Parameters count as stored (FP8 projections: 1 byte a weight + their fp32 scales)."""
+def step_bytes(target, pools, ctx_rows: int, K: int, distinct_per_layer: list[float], batch: int = 1) -> float:
+    """The floor's bytes of one step of K tokens for each of `batch` sequences of ctx_rows rows (see the module
+    doc); a dense target: no experts, []. Parameters count as stored (FP8 projections: 1 byte a weight + their
+    fp32 scales); each sequence adds its state and KV rows."""
     experts = {id(layer.mlp.experts.gate_up_proj) for layer in target.layers if hasattr(layer.mlp, "experts")}
     experts |= {id(layer.mlp.experts.down_proj) for layer in target.layers if hasattr(layer.mlp, "experts")}
     emb = target.embed_tokens.weight
     dense = sum(p.numel() * p.element_size() for p in target.parameters() if id(p) not in experts and p is not emb)
-    dense += K * emb.shape[1] * emb.element_size()
+    dense += batch * K * emb.shape[1] * emb.element_size()
     gdn, conv, kv = pools["gdn_pool"], pools["conv_pool"], pools["kv_pool"]
     state = gdn[:, 0].numel() * gdn.element_size() + conv[:, 0].numel() * conv.element_size()
     state += kv.shape[0] * 2 * (ctx_rows + K) * kv.shape[4] * kv.shape[5] * kv.element_size()
-    return dense + state + (sum(distinct_per_layer) * _expert_bytes(target) if distinct_per_layer else 0)
+    return dense + batch * state + (sum(distinct_per_layer) * _expert_bytes(target) if distinct_per_layer else 0)
 
 
 def _capture(fn, reps: int = 20):

@@ -1,10 +1,11 @@
 """`bench e2e --model random-27b` at serving scale: batches of up to 64 sequences (--batch) and long contexts
 (--context), each against a baseline measured in the same run.
 
-  batch B        B requests of PROMPT random tokens start together, --max-new-tokens each through EOS (so the batch stays full):
-                 aggregate plain tok/s (new tokens / decode wall time) over batch 1's on the same prompt length, the
-                 wall time per step and the GPU idle share; the spec step at B (K = gamma + 1; the random drafter
-                 accepts next to nothing, so every step verifies K rows of every sequence) over the plain step at B
+  batch B        B requests of PROMPT random tokens start together, --max-new-tokens each through EOS (so the
+                 batch stays full): aggregate plain tok/s (new tokens / decode wall time) over batch 1's on the same
+                 prompt length, the wall time per step against its floor (weights + every sequence's state and KV
+                 rows) and the GPU idle share; the spec step at B (K = gamma + 1; the random drafter accepts next to
+                 nothing, so every step verifies K rows of every sequence) over the plain step at B
   context N      one N-token prompt: prefill tok/s, its time to first token and the projection + attention TFLOP/s
                  against the GPU's dense 16-bit tensor-core peak; the target step K=1 (graph replay) against its floor
                  (weights + the N rows of KV + state); the spec step over the plain step of a decode on that prompt,
@@ -117,10 +118,11 @@ def scale_targets(res: dict) -> dict:
 
 def print_batches(res: dict) -> None:
     if res.get("batches"):
-        print(f"{'batch':>5} {'plain tok/s':>11} {'x batch 1':>9} {'step ms':>8} {'idle %':>6} {'spec step ms':>12} "
-              f"{'spec/plain':>10} {'identical':>9}")
+        print(f"{'batch':>5} {'plain tok/s':>11} {'x batch 1':>9} {'step ms':>8} {'floor ms':>8} {'ratio':>5} "
+              f"{'idle %':>6} {'spec step ms':>12} {'spec/plain':>10} {'identical':>9}")
         for B, b in res["batches"].items():
-            print(f"{B:>5} {b['plain_tok_s']:>11.1f} {b['over_batch1']:>9.2f} {b['plain_step_ms']:>8.3f} "
+            floor = (f"{b['floor_ms']:>8.3f} {b['step_over_floor']:>5.2f}" if "floor_ms" in b else f"{'-':>8} {'-':>5}")
+            print(f"{B:>5} {b['plain_tok_s']:>11.1f} {b['over_batch1']:>9.2f} {b['plain_step_ms']:>8.3f} {floor} "
                   f"{b['plain_idle_pct']:>6.1f} {b['spec_step_ms']:>12.3f} {b['spec_over_plain']:>10.2f} "
                   f"{str(b['identical']):>9}")
 
