@@ -86,3 +86,19 @@ def test_scale_report_prints_every_row(capsys):
     assert out[1].split() == ["16", "1500.0", "14.20", "10.700", "-", "-", "0.4", "15.100", "1.41", "True"]
     assert out[2].split()[4:6] == ["8.000", "1.34"]
     assert out[4].split()[:5] == ["512", "20000", "0.03", "250", "25"] and out[5].split()[4] == "-"
+
+
+def test_batch_scripted_lines_from_the_batch_steps(capsys):
+    """At batch 16 the auto-K checks run on that batch's own plain and spec steps: a 1.5x spec step leaves the
+    never-right drafter at plain speed and beats K=16 by more than 10% on the phased script."""
+    res = {"batches": {16: {"plain_tok_s": 2000.0, "over_batch1": 12.0, "plain_step_ms": 8.0, "plain_idle_pct": 0.5,
+                            "spec_step_ms": 12.0, "spec_over_plain": 1.5, "identical": True}}}
+    S.batch_scripted(res, 15)
+    rows = res["batches"][16]["scripted"]["rows"]
+    assert rows["random"]["K=1"] == pytest.approx(16 / 8e-3)  # 16 rows, one token each per 8 ms step
+    assert set(res["targets"]) == {"batch 16 auto K, never-right drafter >= 0.97x plain",
+                                   "batch 16 auto K, stationary script >= 0.97x best fixed K",
+                                   "batch 16 auto K, phased script >= 1.10x best fixed K"}
+    assert all(hit for _, _, hit in res["targets"].values())
+    S.print_batches(res)
+    assert "scripted phased (batch 16)" in capsys.readouterr().out

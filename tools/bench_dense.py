@@ -26,8 +26,8 @@ from dflash_trt.files import write_json
 from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs, print_profile, profile_batches
 from dflash_trt.tools.bench_e2e_run import prefill_tok_s
 from dflash_trt.tools.bench_moe import context_sweep, random_bench_runtime, random_init, spec_vs_plain, step_bytes
-from dflash_trt.tools.bench_scale import (PROMPT, batch_decode, long_context, print_batches, print_long_context,
-                                          scale_targets)
+from dflash_trt.tools.bench_scale import (PROMPT, batch_decode, batch_scripted, long_context, print_batches,
+                                          print_long_context, scale_targets)
 from dflash_trt.tools.scripted import bench_scripted, print_scripted
 
 RANDOM_27B = "random-27b"
@@ -198,6 +198,7 @@ def run(a) -> int:
     for B, b in res["batches"].items():  # the plain step's floor at the decode's mean context
         b["floor_ms"] = floor_bytes(target, rt.pools, PROMPT + a.max_new_tokens // 2, 1, B) / (bw * 1e9) * 1e3
         b["step_over_floor"] = b["plain_step_ms"] / b["floor_ms"]
+    batch_scripted(res, gamma)
     show(print_batches, res)
     if a.profile:
         res["profile"] = profile_batches(rt, [prompt], batches)

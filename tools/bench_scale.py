@@ -5,7 +5,8 @@
                  batch stays full): aggregate plain tok/s (new tokens / decode wall time) over batch 1's on the same
                  prompt length, the wall time per step against its floor (weights + every sequence's state and KV
                  rows) and the GPU idle share; the spec step at B (K = gamma + 1; the random drafter accepts next to
-                 nothing, so every step verifies K rows of every sequence) over the plain step at B
+                 nothing, so every step verifies K rows of every sequence) over the plain step at B; the scripted
+                 fixed / auto K lines (tools/scripted.py) from those two steps
   context N      one N-token prompt: prefill tok/s, its time to first token and the projection + attention TFLOP/s
                  against the GPU's dense 16-bit tensor-core peak; the target step K=1 (graph replay) against its floor
                  (weights + the N rows of KV + state); the spec step over the plain step of a decode on that prompt,
@@ -18,6 +19,7 @@ import functools
 import numpy as np
 
 from dflash_trt.tools.bench_e2e import decode_run
+from dflash_trt.tools.scripted import print_scripted
 
 PROMPT = 48  # tokens of each batch request's prompt (batch 1's prompt in bench_dense has the same length)
 REFERENCE_CONTEXT = 512
@@ -95,6 +97,19 @@ def long_context(rt, dev, target, rows: int, bw: float, compiled: bool, rng, max
     return res
 
 
+def batch_scripted(res: dict, gamma: int) -> None:
+    """The scripted fixed / auto K lines (tools/scripted.py) at each measured batch B > 1, from that batch's plain
+    and spec steps (widths 1 and gamma + 1), into res["batches"][B]["scripted"] and their checks into
+    res["targets"]."""
+    from dflash_trt.runtime.draft_length import CostTable
+    from dflash_trt.tools.scripted import scripted_lines
+
+    for B, b in res.get("batches", {}).items():
+        costs = CostTable({(1, B): b["plain_step_ms"] / 1e3, (gamma + 1, B): b["spec_step_ms"] / 1e3})
+        b["scripted"] = scripted_lines(costs, bucket=B)
+        res.setdefault("targets", {}).update(b["scripted"]["targets"])
+
+
 def scale_targets(res: dict) -> dict:
     """name -> (value, threshold, hit) of the serving-scale targets the run measured."""
     t, out = TARGETS, {}
@@ -125,6 +140,9 @@ def print_batches(res: dict) -> None:
             print(f"{B:>5} {b['plain_tok_s']:>11.1f} {b['over_batch1']:>9.2f} {b['plain_step_ms']:>8.3f} {floor} "
                   f"{b['plain_idle_pct']:>6.1f} {b['spec_step_ms']:>12.3f} {b['spec_over_plain']:>10.2f} "
                   f"{str(b['identical']):>9}")
+        for b in res["batches"].values():
+            if "scripted" in b:
+                print_scripted(b["scripted"])
 
 
 def print_long_context(res: dict) -> None:
