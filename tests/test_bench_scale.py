@@ -79,7 +79,8 @@ def test_scale_report_prints_every_row(capsys):
     c = {"rows": 512, "prefill_tok_s": 20000.0, "ttft_s": 0.03, "prefill_tflops": 250.0, "prefill_peak_pct": 25.3,
          "step1_ms": 4.1, "step1_floor_ms": 3.9, "step1_over_floor": 1.05, "plain_step_ms": 4.3, "spec_step_ms": 6.9,
          "spec_over_plain": 1.6}
-    res = {"batches": {16: b, 64: {**b, "floor_ms": 8.0, "step_over_floor": 1.34}}, "long_context": {"reference": c, "long": {**c, "rows": 32768, "prefill_peak_pct": None}}}
+    res = {"batches": {16: b, 64: {**b, "floor_ms": 8.0, "step_over_floor": 1.34}},
+           "long_context": {"reference": c, "long": {**c, "rows": 32768, "prefill_peak_pct": None}}}
     S.print_batches(res)
     S.print_long_context(res)
     out = capsys.readouterr().out.splitlines()
