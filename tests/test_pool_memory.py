@@ -4,7 +4,7 @@ one more page pair would not, a budget short of one full-length sequence is one 
 import numpy as np
 import pytest
 
-from dflash_trt.abi import PoolSizes, pool_specs
+from dflash_trt.abi import MAX_K, PoolSizes, pool_specs
 from dflash_trt.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_trt.runtime.memory import activation_headroom, gpu_budget, pools_from_budget, sized_for_gpu
 from dflash_trt.tools.bench_dense import dense_drafter_config, dense_target_config
@@ -80,3 +80,12 @@ def test_utilization_is_refused_off_the_torch_gpu_path():
     for backend in ("torch", "ort"):
         with pytest.raises(UsageError, match="--gpu-memory-utilization sizes the pools of the torch backend on cuda"):
             load_runtime("models/target", "models/drafter", backend, gpu_memory_utilization=0.9)
+
+
+def test_full_context_drafter_costs_one_sequence_of_pages_per_slot(shape27b):
+    """A full-context drafter window never slides, so each slot's ctx table reserves an append beyond the target's,
+    not a second sequence: 16 slots of Qwen3.5's 262,144 rows fit a 60 GiB pool budget."""
+    t, d = shape27b
+    s = pools_from_budget(t, d, 60 * GiB, max_seq_len=262144, max_seqs=16, kv_dtype="bfloat16", prefill_chunk=512)
+    assert s.kv_blocks >= 2 * s.max_blocks
+    assert s.dkv_blocks - s.kv_blocks == 16 * -(-(512 + MAX_K) // 16)
