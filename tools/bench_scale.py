@@ -18,6 +18,8 @@ import functools
 
 import numpy as np
 
+from dflash_trt.runtime.batching import bucket_for
+from dflash_trt.runtime.prebuild import step_keys
 from dflash_trt.tools.bench_e2e import decode_run
 from dflash_trt.tools.scripted import print_scripted
 
@@ -53,10 +55,14 @@ def batch_decode(rt, vocab: int, rng, batches, max_new: int, gamma: int, batch1:
     out = {}
     for B in (b for b in batches if b > 1):
         prompts = [[int(t) for t in rng.integers(0, vocab - 1, PROMPT)] for _ in range(B)]
-        # every request runs max_new tokens (an early EOS would shrink the batch into a bucket the warm-up did
-        # not compile, and time that compile)
+        # every request runs max_new tokens (an early EOS would shrink the batch); the requests still join in
+        # prefill groups as their prefills land and end in groups, so the batch also runs in the narrower buckets:
+        # every step the run may launch is built first (a compile inside the timed run would be timed)
+        for kind, K, b in step_keys(rt, gamma):
+            if b <= bucket_for(B):
+                rt.executor.entry(kind, K, b)
         run = functools.partial(decode_run, rt, prompts, concurrency=B, ignore_eos=True)
-        run(4, None, spec=False)  # warm-up: captures this bucket's steps
+        run(4, None, spec=False)  # warm-up
         plain = run(max_new, None, spec=False, trace=True)
         run(4, gamma, spec=True)
         spec = run(max_new, gamma, spec=True, trace=True)
