@@ -12,9 +12,10 @@ from __future__ import annotations
 from dflash_trt.runtime.batching import BUCKETS, DECODE, PREFILL_BATCH, PREFILL_STEP, SPEC, bucket_for, prefill_width
 
 
-def step_keys(rt, gamma: int | None = None) -> list[tuple[str, int, int]]:
-    """(kind, K, batch bucket) of every greedy step a run of rt launches; gamma fixed: that width only."""
-    top = bucket_for(rt.sizes.max_seqs)
+def step_keys(rt, gamma: int | None = None, max_batch: int | None = None) -> list[tuple[str, int, int]]:
+    """(kind, K, batch bucket) of every greedy step a run of rt launches; gamma fixed: that width only; max_batch:
+    a run of at most that many sequences at once (default: the pools' max_seqs)."""
+    top = bucket_for(max_batch or rt.sizes.max_seqs)
     buckets = [b for b in BUCKETS if b <= top]
     C = rt.sizes.prefill_chunk
     widths = sorted({C, prefill_width(1, C)}) if rt.backend.any_prefill_width else [C]
@@ -26,9 +27,9 @@ def step_keys(rt, gamma: int | None = None) -> list[tuple[str, int, int]]:
     return keys
 
 
-def prebuild(rt, gamma: int | None = None, progress=None) -> list[tuple[str, int, int]]:
+def prebuild(rt, gamma: int | None = None, progress=None, max_batch: int | None = None) -> list[tuple[str, int, int]]:
     """Build (compile or load, then capture) every key of step_keys on rt's graph executor; returns the keys."""
-    keys = step_keys(rt, gamma)
+    keys = step_keys(rt, gamma, max_batch)
     for i, (kind, K, B) in enumerate(keys):
         if progress is not None:
             progress(f"[{i + 1}/{len(keys)}] {kind} K={K} batch {B}")

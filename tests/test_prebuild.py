@@ -40,6 +40,7 @@ def test_keys_follow_the_options():
     big = step_keys(_rt(max_seqs=16))
     assert {k[2] for k in big if k[0] == "prefill"} == {1, 2, 4} and {k[2] for k in big if k[0] == "decode"} == {
         1, 2, 4, 8, 16}
+    assert step_keys(_rt(max_seqs=16), max_batch=3) == [k for k in big if k[2] <= 4]  # a run of 3 at most
 
 
 def test_prebuild_builds_each_key_through_the_executor():

@@ -18,8 +18,7 @@ import functools
 
 import numpy as np
 
-from dflash_trt.runtime.batching import bucket_for
-from dflash_trt.runtime.prebuild import step_keys
+from dflash_trt.runtime.prebuild import prebuild
 from dflash_trt.tools.bench_e2e import decode_run
 from dflash_trt.tools.scripted import print_scripted
 
@@ -58,9 +57,7 @@ def batch_decode(rt, vocab: int, rng, batches, max_new: int, gamma: int, batch1:
         # every request runs max_new tokens (an early EOS would shrink the batch); the requests still join in
         # prefill groups as their prefills land and end in groups, so the batch also runs in the narrower buckets:
         # every step the run may launch is built first (a compile inside the timed run would be timed)
-        for kind, K, b in step_keys(rt, gamma):
-            if b <= bucket_for(B):
-                rt.executor.entry(kind, K, b)
+        prebuild(rt, gamma, max_batch=B)
         run = functools.partial(decode_run, rt, prompts, concurrency=B, ignore_eos=True)
         run(4, None, spec=False)  # warm-up
         plain = run(max_new, None, spec=False, trace=True)
