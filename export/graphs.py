@@ -10,7 +10,7 @@ def run_graph(name: str, target, drafter, x: dict, want_logits: bool = False) ->
     if parse_target_graph(name) is not None or name == PREFILL:
         return target.step(x["input_ids"], x["positions"], x["slot"], x["seq_len"], x["block_table"],
                            x["kv_pool"], x["gdn_pool"], x["conv_pool"], valid_len=x.get("valid_len"),
-                           want_logits=want_logits)
+                           want_logits=want_logits, gdn_commit=x.get("gdn_commit"))
     if drafter is None:
         raise ValueError(f"graph '{name}' needs a drafter")
     if name == DRAFTER_CTX:

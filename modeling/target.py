@@ -187,20 +187,26 @@ class GatedDeltaNet(nn.Module):
         cols = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         return cols, z.reshape(B, T, Hv, dv), b.reshape(B, T, Hv), a.reshape(B, T, Hv)
 
-    def forward(self, x, conv_state, state, slot=None, valid_len=None):
+    def forward(self, x, conv_state, state, slot=None, valid_len=None, commit=None):
         """x [B,T,H]; conv_state [B,C,W-1]; state [B,Hv,dk,dv] fp32 (both read-only); with slot [B], conv_state and
         state are the layer's pools and rows slot[b] the sequences' states. valid_len [B] (prefill): rows past it
         are padding and GdnOut.state is the state after the valid rows. Returns (y [B,T,H], pre-conv cols [B,T,C],
-        GdnOut)."""
+        GdnOut). commit = (pool [Lg,slots,Hv,dk,dv], layer, n [B]) (a plain decode step, T = 1): the row is committed
+        into the pool's layer where n > 0 (ops.gdn_decode_commit) and GdnOut is None."""
         c = self.cfg
         Hk, Hv, dk, dv = c.lin_num_k_heads, c.lin_num_v_heads, c.lin_k_dim, c.lin_v_dim
         B, T, _ = x.shape
         cols, z, b, a = self.project(x)
         mixed = ops.conv_verify(cols, conv_state, self.conv1d.weight[:, 0, :], slot)
         q, k, v = torch.split(mixed, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
-        out = ops.gdn_chunk(q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Hv, dv), a, b,
-                            self.A_log, self.dt_bias, state, slot=slot, valid_len=valid_len)
-        o = self.norm(out.o.to(x.dtype), z)
+        q, k, v = q.reshape(B, T, Hk, dk), k.reshape(B, T, Hk, dk), v.reshape(B, T, Hv, dv)
+        if commit is not None:
+            pool, layer, n = commit
+            o, out = ops.gdn_decode_commit(q, k, v, a, b, self.A_log, self.dt_bias, pool, layer, slot, n), None
+        else:
+            out = ops.gdn_chunk(q, k, v, a, b, self.A_log, self.dt_bias, state, slot=slot, valid_len=valid_len)
+            o = out.o
+        o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(B, T, Hv * dv)), cols, out
 
     def forward_dense(self, x):
@@ -361,12 +367,18 @@ class TargetModel(nn.Module):
                 "ctx_hidden": torch.cat([taps[t] for t in self.tap_ids], -1) if self.tap_ids else None}
 
     def step(self, input_ids, positions, slot, seq_len, block_table, kv_pool, gdn_pool, conv_pool,
-             valid_len=None, want_logits=False):
+             valid_len=None, want_logits=False, gdn_commit=None):
         """One target graph. input_ids/positions [B,T] int64; slot, seq_len [B]; block_table [B,max_blocks];
         kv_pool [La,2,blocks,bs,Hkv,hd]; gdn_pool [Lg,slots,Hv,dk,dv] fp32; conv_pool [Lg,slots,C,W-1].
         valid_len [B] (prefill only): rows >= valid_len are padding; the GDN state is then returned as the
         final state after valid_len rows ('gdn_state') instead of fold data, and argmax / logits are row
-        valid_len - 1's alone ([B, 1]: the next token)."""
+        valid_len - 1's alone ([B, 1]: the next token).
+        gdn_commit n [B] (a plain decode step, T = 1, on the torch backend): every GDN layer commits its row into
+        gdn_pool where n > 0 as it runs (GatedDeltaNet commit) and the outputs carry no fold data; the commit then
+        rolls conv and writes KV rows as for any step."""
+        if gdn_commit is not None and (valid_len is not None or input_ids.shape[1] != 1):
+            raise ValueError(f"gdn_commit is for one-row decode steps, got input_ids {tuple(input_ids.shape)}"
+                             f"{' with valid_len' if valid_len is not None else ''}")
         cfg = self.cfg
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, h.dtype)
@@ -379,11 +391,12 @@ class TargetModel(nn.Module):
                 kv_rows.append(torch.stack([k, v]))
                 ia += 1
             else:
-                y, cols, out = layer.linear_attn(x, conv_pool[ig], gdn_pool[ig], slot, valid_len)
+                commit = None if gdn_commit is None else (gdn_pool, ig, gdn_commit)
+                y, cols, out = layer.linear_attn(x, conv_pool[ig], gdn_pool[ig], slot, valid_len, commit)
                 cols_all.append(cols)
-                if valid_len is None:
+                if out is not None and valid_len is None:  # out None: committed in place
                     fold.append((out.k_hat, out.v, out.g, out.beta))
-                else:
+                elif out is not None:
                     states.append(out.state)
                 ig += 1
             h = h + y
@@ -397,7 +410,7 @@ class TargetModel(nn.Module):
             "conv_cols": torch.stack(cols_all) if cols_all else None,
             "ctx_hidden": torch.cat([taps[t] for t in self.tap_ids], dim=-1) if self.tap_ids else None,
         }
-        if valid_len is None:
+        if valid_len is None:  # (no fold data when gdn_commit committed the rows)
             out.update({name: torch.stack(x) for name, x in zip(("gdn_k", "gdn_v", "gdn_g", "gdn_beta"), zip(*fold))})
         else:
             out["gdn_state"] = torch.stack(states)

@@ -1,5 +1,6 @@
 """The one commit path (DESIGN §5): every step — prefill chunk, decode, verify, gated-off decode — ends
-here with n committed rows per sequence. Graphs never mutate pools; a commit does, in three parts:
+here with n committed rows per sequence. Graphs never mutate pools (one exception below); a commit does, in
+three parts:
 
   reserve (host, before launch)  pages for the step's WORST case (T rows; prefill: the chunk's valid rows)
                                  in the target KV pool and the drafter ctx pool; all-or-nothing per
@@ -11,6 +12,10 @@ here with n committed rows per sequence. Graphs never mutate pools; a commit doe
   finish  (host, once n is known) seq_len += n, ctx.finish_append(n rows at positions seq_len..), the
                                  reservation's unused tail pages given back.
 
+The exception: the torch modules' plain decode step (FusedSteps.decode, StepGraphs.commits_decode_gdn) commits
+its one GDN row inside the GDN kernel, where it reads the state (one read and one write of the state instead of
+three passes: the state dominates a wide batch's decode step); its n is known before the launch (the live rows)
+and the state bits are the fold's. write() then folds nothing for that step.
 The host path (the scheduler and host_step) runs the three in sequence; the GPU path reserves before the launch
 and finishes when the step's n comes back. A Device only; no torch here.
 """
@@ -81,7 +86,7 @@ def write(dev, pools: dict, out: dict, n, t: WriteTables, dkv_rows=None) -> None
     if out.get("conv_cols") is not None:
         if out.get("gdn_state") is not None:
             dev.gdn_set(pools["gdn_pool"], t.slot, out["gdn_state"], n)
-        else:
+        elif out.get("gdn_k") is not None:  # neither: a decode graph that committed its GDN rows (gdn_commit)
             dev.gdn_fold(pools["gdn_pool"], t.slot, out["gdn_k"], out["gdn_v"], out["gdn_g"], out["gdn_beta"], n)
         dev.conv_roll(pools["conv_pool"], t.slot, out["conv_cols"], n)
     if dkv_rows is not None:

@@ -44,6 +44,10 @@ class Backend(Protocol):
 
 @runtime_checkable
 class StepGraphs(Protocol):
+    commits_decode_gdn: bool
+    """Whether target_k1 takes a `gdn_commit` n [B] input and commits its GDN rows into the pool itself (the torch
+    modules: one read and one write of the state a decode step); engines keep the ABI's read-only pools."""
+
     def run(self, graph: str, inputs: dict, want_logits: bool) -> dict:
         """Run ABI graph `graph` on device tensors `inputs` (ABI name -> tensor); its outputs as device tensors.
         Capturable: no host sync, no data-dependent shapes."""

@@ -168,7 +168,8 @@ def _producer(node):
 def test_step_graph_casts_indices_once_and_reads_pools_in_place(pair, monkeypatch):
     """With the CUDA path's op calls: every int32 index tensor comes from one opaque dflash::as_int32 shared by the
     op calls that read it (a plain cast is recomputed into each call by Inductor: opaque_ops.py), and the GDN and
-    conv ops read the pool layer by slot (a select of the pool, not a gathered copy). Tokens as the reference path."""
+    conv ops read the pool layer by slot (a select of the pool, not a gathered copy); the decode step's in-place GDN
+    ops chain on the pool itself. Tokens as the reference path."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -195,8 +196,13 @@ def test_step_graph_casts_indices_once_and_reads_pools_in_place(pair, monkeypatc
         assert 2 <= len(casts) <= 8 and reads >= 2 * len(casts), (len(casts), reads)
         states = [n.args[5] for n in nodes if n.target == torch.ops.dflash.gdn_wy16.default]
         convs = [n.args[1] for n in nodes if n.target == torch.ops.dflash.conv_verify.default]
-        assert len(states) == len(convs) == len(pair[0].cfg.gdn_layers)
+        # the decode step's GDN ops commit in place: each mutates the whole pool after the one before (no copy)
+        decodes = [n for n in nodes if n.target == torch.ops.higher_order.auto_functionalized_v2
+                   and n.args[0] == torch.ops.dflash.gdn_decode.default]
+        assert len(states) + len(decodes) == len(convs) == len(pair[0].cfg.gdn_layers) and not (states and decodes)
         assert {_producer(s) for s in states + convs} == {torch.ops.aten.select.int}
+        pools = [d.kwargs["_all_bases"][0] for d in decodes]
+        assert all(p.op == "placeholder" if i == 0 else p.args[0] is decodes[i - 1] for i, p in enumerate(pools))
 
 
 def _greedy_runs(rt, prompt):

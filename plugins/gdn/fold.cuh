@@ -4,6 +4,34 @@
 // roundings than n one-row steps); the rows' serial dependence (u_i needs S_(i-1)) is the cost (docs/PERF.md).
 #define CH 16  // rows per shared-memory batch
 
+// One row of the recurrence on a thread's NR rows r0 + m*RS of four state columns (s): S' = e^g S; u = beta (v -
+// S'^T k_hat); S = S' + k_hat u^T, with k_hat the row's [DK] keys, vv its four values, dec = e^g and bt = beta. The dk
+// sum is a fixed butterfly over the RS lanes of one column quad (the same bits in every lane). Every kernel that
+// commits a GDN row runs this function, so a state committed by any of them has the same bits.
+template <int NR, int RS>
+__device__ __forceinline__ void fold_row(float4 (&s)[NR], const float* k_hat, int r0, float dec, float bt, float4 vv) {
+  float4 pr = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int m = 0; m < NR; ++m) {  // S' = e^g S, and this thread's rows of S'^T k_hat
+    const float kv = k_hat[r0 + m * RS];
+    s[m].x *= dec; s[m].y *= dec; s[m].z *= dec; s[m].w *= dec;
+    pr.x += kv * s[m].x; pr.y += kv * s[m].y; pr.z += kv * s[m].z; pr.w += kv * s[m].w;
+  }
+#pragma unroll
+  for (int off = 1; off < RS; off <<= 1) {  // butterfly: every lane ends with the same sum
+    pr.x += __shfl_xor_sync(0xffffffffu, pr.x, off);
+    pr.y += __shfl_xor_sync(0xffffffffu, pr.y, off);
+    pr.z += __shfl_xor_sync(0xffffffffu, pr.z, off);
+    pr.w += __shfl_xor_sync(0xffffffffu, pr.w, off);
+  }
+  const float4 u = make_float4(bt * (vv.x - pr.x), bt * (vv.y - pr.y), bt * (vv.z - pr.z), bt * (vv.w - pr.w));
+#pragma unroll
+  for (int m = 0; m < NR; ++m) {  // S = S' + k_hat u^T
+    const float kv = k_hat[r0 + m * RS];
+    s[m].x += kv * u.x; s[m].y += kv * u.y; s[m].z += kv * u.z; s[m].w += kv * u.w;
+  }
+}
+
 // Fold the first n[b] rows of fold data into pool[l, slot[b]] in place, every layer l in one launch, one row at a
 // time by the recurrence: S' = e^g S; u = beta (v - S'^T k_hat); S = S' + k_hat u^T. Each row's arithmetic is
 // the same whatever n, T, CG or the launch (the dk reduction: a fixed butterfly over the RS lanes of one column
@@ -74,30 +102,8 @@ __device__ __forceinline__ void gdn_fold_body(
     if (tid < CH) { gs[tid] = gr; bs[tid] = br; }
     __syncthreads();
 #pragma unroll 1
-    for (int i = 0; i < cnt; ++i) {
-      const float dec = expf(gs[i]), bt = bs[i];
-      float4 pr = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int m = 0; m < NR; ++m) {  // S' = e^g S, and this thread's rows of S'^T k_hat
-        const float kv = Ks[i][r0 + m * RS];
-        s[m].x *= dec; s[m].y *= dec; s[m].z *= dec; s[m].w *= dec;
-        pr.x += kv * s[m].x; pr.y += kv * s[m].y; pr.z += kv * s[m].z; pr.w += kv * s[m].w;
-      }
-#pragma unroll
-      for (int off = 1; off < RS; off <<= 1) {  // butterfly: every lane ends with the same sum
-        pr.x += __shfl_xor_sync(0xffffffffu, pr.x, off);
-        pr.y += __shfl_xor_sync(0xffffffffu, pr.y, off);
-        pr.z += __shfl_xor_sync(0xffffffffu, pr.z, off);
-        pr.w += __shfl_xor_sync(0xffffffffu, pr.w, off);
-      }
-      const float4 vv = *(const float4*)&Vs[i][4 * c4];
-      const float4 u = make_float4(bt * (vv.x - pr.x), bt * (vv.y - pr.y), bt * (vv.z - pr.z), bt * (vv.w - pr.w));
-#pragma unroll
-      for (int m = 0; m < NR; ++m) {  // S = S' + k_hat u^T
-        const float kv = Ks[i][r0 + m * RS];
-        s[m].x += kv * u.x; s[m].y += kv * u.y; s[m].z += kv * u.z; s[m].w += kv * u.w;
-      }
-    }
+    for (int i = 0; i < cnt; ++i)
+      fold_row<NR, RS>(s, Ks[i], r0, expf(gs[i]), bs[i], *(const float4*)&Vs[i][4 * c4]);
   }
 #pragma unroll
   for (int m = 0; m < NR; ++m) *(float4*)(base + (i64)(r0 + m * RS) * DV) = s[m];

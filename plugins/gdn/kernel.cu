@@ -57,6 +57,26 @@ __device__ __forceinline__ void fold_half(float* pd, int lane) {
   }
 }
 
+// The model's gates from its raw columns a (in g) and b (in beta), in fp32 (reference.gdn_gates): g = -exp(A_log)
+// softplus(a + dt_bias) with torch's softplus threshold 20, beta = sigmoid(b). One definition for every kernel that
+// computes them, so the fold data and an in-kernel commit see the same bits.
+__device__ __forceinline__ void gdn_gates(float& g, float& beta, float A_log, float dt_bias) {
+  const float x = g + dt_bias;
+  g = -expf(A_log) * (x > 20.f ? x : log1pf(expf(x)));
+  beta = 1.f / (1.f + expf(-beta));
+}
+
+// l2norm of a row of DK = 32 E values, lane l holding elements l*E..l*E+E-1: the factor rsqrt(sum x^2 + eps) * mul
+// every element is multiplied by (q: mul = the scale, k: 1). One definition for every kernel (the same k_hat bits).
+template <int E>
+__device__ __forceinline__ float l2norm_factor(const float (&x)[E], float mul) {
+  float ss = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) ss += x[e] * x[e];
+  ss = warp_sum(ss);
+  return rsqrtf(ss + L2EPS) * mul;
+}
+
 // Shared memory beyond the static arrays (spec.wy16_dyn_smem, the launcher passes it): the W.S / Q.S partials
 // of every state-row group, [KG][2][R][DVT], summed in one pass (no barrier per group), then U [R][DVT].
 template <int DK, int CG, int R, int RPT>
@@ -146,11 +166,7 @@ __device__ __forceinline__ void gdn_wy16_body(
     if (w == 0 && lane < C) {
       gi = rawf(rg, gb_dt);
       bi = rawf(rb, gb_dt);
-      if (A_log) {  // torch's softplus (threshold 20) and sigmoid, in fp32
-        const float x = gi + rawf(rd, p_dt);
-        gi = -expf(rawf(ra, p_dt)) * (x > 20.f ? x : log1pf(expf(x)));
-        bi = 1.f / (1.f + expf(-bi));
-      }
+      if (A_log) gdn_gates(gi, bi, rawf(ra, p_dt), rawf(rd, p_dt));
       if (blockIdx.x == 0 && g_f) {  // fold data: the row's gates as the recurrence reads them
         const i64 fi = ((i64)b * T + c0 + lane) * Hv + hv;
         g_f[fi] = gi;
@@ -162,11 +178,7 @@ __device__ __forceinline__ void gdn_wy16_body(
       const int job = w + jj * NW, i = job >> 1;
       const bool isq = job & 1;
       if (job >= 2 * R) continue;  // warp-uniform
-      float ss = 0.f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) ss += x[jj][e] * x[jj][e];
-      ss = warp_sum(ss);
-      const float r = rsqrtf(ss + L2EPS) * (isq ? scale : 1.f);
+      const float r = l2norm_factor<E>(x[jj], isq ? scale : 1.f);
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         const int d = lane * E + e;
@@ -346,6 +358,7 @@ __device__ __forceinline__ void gdn_wy16_body(
 }
 
 #include "gdn/fold.cuh"  // the commit kernel gdn_fold: its body and GDN_FOLD
+#include "gdn/decode.cuh"  // gdn_decode: a one-row step that commits its state in place (GDN_DECODE)
 
 // gdn_wy16_dk{DK}_cg{CG}_p{RPT}_r{R}: CTA of 32 * (DK / RPT) * CG threads, MINB of them per SM at least
 #define GDN_WY16(DK, CG, RPT, R, MINB)                                                                     \
@@ -377,3 +390,7 @@ GDN_FOLD(128, 1)
 GDN_FOLD(128, 2)
 GDN_FOLD(64, 1)
 GDN_FOLD(64, 2)
+GDN_DECODE(128, 1)
+GDN_DECODE(128, 2)
+GDN_DECODE(64, 1)
+GDN_DECODE(64, 2)

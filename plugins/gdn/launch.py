@@ -93,3 +93,31 @@ def gdn_fold(pool, slot, k_hat, v, g, beta, n, *, B, T, Hk, Hv, dk, dv, L=1, num
     args = [(pool, P), (slot or 0, P), (k_hat, P), (v, P), (g, P), (beta, P), (n, P), (B, I), (num_slots, I), (T, I),
             (Hk, I), (Hv, I), (dv, I)]
     launch(fn, (dv // (32 * cg), Hv, L * B), (dk * cg, 1, 1), 0, stream, args, pdl=True)
+
+
+def gdn_decode(q, k, v, g, beta, pool, slot, n, o, *, B, Hk, Hv, dk, dv, num_slots, in_dtype="bfloat16",
+               gb_dtype="float32", o_dtype=None, state_dtype="float32", scale=None, stream=0, cg=None, rs_qk=None,
+               rs_v=None, rs_gb=None, A_log=0, dt_bias=0, p_dtype="float32"):
+    """GdnChunkWY16 at T = 1 that commits its row in place (decode.cuh): o [B,1,Hv,dv] as gdn_wy16's; pool (one
+    layer, [num_slots,Hv,dk,dv] fp32) rows slot[b] <- the state gdn_fold of the row leaves, where n[b] > 0 and
+    slot[b] >= 0 (slot < 0: a zero state, nothing written). q, k [B,1,Hk,dk], v [B,1,Hv,dv], g, beta [B,1,Hv], row
+    strides and in-kernel gates as gdn_wy16's; slot and n [B] int32 on the device."""
+    cg = _gdn_cg(B, Hv, dk, dv, cg, (1, 2), spec.DECODE_CG)
+    spec.check_dims(B, 1, Hk, Hv, dk, dv, cg)
+    dtype_code(state_dtype, "gdn state", spec.STATE_DTYPES)
+    idt = dtype_code(in_dtype, "gdn q/k/v")
+    gdt = dtype_code(gb_dtype, "gdn g/beta")
+    odt = dtype_code(o_dtype or in_dtype, "gdn o")
+    pdt = dtype_code(p_dtype, "gdn A_log/dt_bias")
+    kernel_need(bool(A_log) == bool(dt_bias), "gdn: A_log and dt_bias come together (in-kernel gates) or not at all")
+    kernel_need(num_slots >= 1 and bool(n), f"gdn_decode: need a pool of >= 1 slot and n (num_slots={num_slots})")
+    kernel_need(B <= MAX_GRID_Z, f"gdn_decode: B = {B} exceeds the grid limit {MAX_GRID_Z}")
+    scale = dk ** -0.5 if scale is None else scale
+    rs_qk, rs_v, rs_gb = rs_qk or Hk * dk, rs_v or Hv * dv, rs_gb or Hv
+    kernel_need(rs_qk >= Hk * dk and rs_v >= Hv * dv and rs_gb >= Hv,
+                f"gdn: row strides ({rs_qk}, {rs_v}, {rs_gb}) narrower than a row ({Hk * dk}, {Hv * dv}, {Hv})")
+    fn = get_function("gdn", f"gdn_decode_dk{dk}_cg{cg}")
+    args = [(q, P), (k, P), (v, P), (idt, I), (g, P), (beta, P), (gdt, I), (A_log, P), (dt_bias, P), (pdt, I),
+            (pool, P), (slot or 0, P), (n, P), (o, P), (odt, I), (Hk, I), (Hv, I), (dv, I), (scale, F), (rs_qk, I),
+            (rs_v, I), (rs_gb, I)]
+    launch(fn, (dv // (32 * cg), Hv, B), (dk * cg, 1, 1), 0, stream, args, pdl=True)

@@ -34,3 +34,17 @@ def gdn_chunk(q, k, v, a, b, A_log, dt_bias, state, scale=None, slot=None, valid
         attrs = {"scale": dk ** -0.5 if scale is None else scale}
         return gdn_ref.GdnOut(*S.node(SPEC, (q, k, v, g, beta, state), attrs))
     return gdn_ref.gdn_chunk_wy16(q, k, v, g, beta, state, scale=scale)
+
+
+def gdn_decode_commit(q, k, v, a, b, A_log, dt_bias, pool, layer: int, slot, n, scale=None):
+    """gdn_chunk at T = 1 whose row is committed where the state is read: returns o [B,1,Hv,dv]; pool [L,slots,Hv,dk,dv]
+    (all GDN layers, fp32) gets, in rows slot[b] of its layer `layer` where n[b] > 0, the state the commit's gdn_fold
+    of that row would leave. The torch backend's plain decode step calls it (one read and one write of the state on
+    CUDA, where gdn_chunk + gdn_fold take three passes); exported graphs keep read-only pools (gdn_chunk + the
+    runtime's fold), so it has no ONNX form. CPU: gdn_wy16's reference then gdn_fold's, the same functions as the
+    graph + commit path."""
+    if S.exporting():
+        raise RuntimeError("gdn_decode_commit mutates the state pool; exported graphs run gdn_chunk and the commit")
+    from dflash_trt.plugins import torch_ops  # noqa: F401  registers torch.ops.dflash.*
+
+    return torch.ops.dflash.gdn_decode(q, k, v, a, b, pool, layer, S.i32(slot), n, scale, A_log, dt_bias)

@@ -25,6 +25,7 @@ STATE_DTYPES = ("float32",)  # the design keeps GDN state (and fold data) in fp3
 KERNEL_DK = (64, 128)
 WY16_CG = {64: (1, 2), 128: (1, 2, 4)}  # column-group factors: a CTA owns 32*cg state columns
 FOLD_CG = {64: (1, 2), 128: (1, 2)}
+DECODE_CG = FOLD_CG  # gdn_decode: the fold's layout (its state update is the fold's row, fold.cuh fold_row)
 CHUNK_ROWS = (4, 8, 16)                  # chunk-row variants of gdn_wy16 (the smallest >= min(T, 16))
 # auto cg: the largest allowed one that still gives >= this many CTAs (cg1 best at B=1, cg4 at B>=8; docs/PERF.md)
 AUTO_CG_MIN_CTAS = 256
@@ -66,7 +67,8 @@ def wy16_dyn_smem(dk: int, cg: int, rpt: int, T: int) -> int:
 def kernel_variants() -> list[str]:
     """Every kernel kernel.cu instantiates (tests check the PTX holds exactly these)."""
     wy = [wy16_name(dk, cg, p, r) for (dk, cg), ps in WY16_FORMS.items() for p in ps for r in CHUNK_ROWS]
-    return wy + [f"gdn_fold_dk{dk}_cg{cg}" for dk, cgs in FOLD_CG.items() for cg in cgs]
+    fold = [f"gdn_fold_dk{dk}_cg{cg}" for dk, cgs in FOLD_CG.items() for cg in cgs]
+    return wy + fold + [f"gdn_decode_dk{dk}_cg{cg}" for dk, cgs in DECODE_CG.items() for cg in cgs]
 
 
 def check_dims(B, T, Hk, Hv, dk, dv, cg=1) -> None:

@@ -8,6 +8,9 @@ dflash_trt.plugins.torch_ops. Index tensors may be int32 or int64; ``slot`` None
       else an empty [0] tensor. With A_log and dt_bias [Hv], g and beta are the raw gate columns a, b and the
       op computes the gates (reference.gdn_gates; on CUDA inside the kernel) and g_f32, beta_f32 are those gates.
   gdn_fold(pool!, slot, k_hat, v, g, beta, n)  all layers: pool [L,slots,Hv,dk,dv], fold data [L,B,T,...]
+  gdn_decode(q, k, v, g, beta, pool!, layer, slot, n, scale, A_log, dt_bias) -> o
+      gdn_wy16 at T = 1 on pool[layer]'s rows slot[b], its row then committed in place (rows with n[b] > 0):
+      the o and the state of gdn_wy16 followed by gdn_fold of n, one read and one write of the state on CUDA.
 """
 from __future__ import annotations
 
@@ -148,3 +151,62 @@ def _gdn_fold_cuda(pool, slot, k_hat, v, g, beta, n):
 @gdn_fold.register_fake
 def _gdn_fold_fake(pool, slot, k_hat, v, g, beta, n):
     return None
+
+
+@torch.library.custom_op("dflash::gdn_decode", mutates_args=("pool",))
+def gdn_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, layer: int,
+               slot: Optional[Tensor], n: Tensor, scale: Optional[float] = None, A_log: Optional[Tensor] = None,
+               dt_bias: Optional[Tensor] = None) -> Tensor:
+    raise NotImplementedError("dflash::gdn_decode: no kernel for this device")
+
+
+def _check_decode(q, v, pool, layer, slot, n) -> None:
+    B, T, _, dk = q.shape
+    if T != 1:
+        raise KernelError(f"gdn_decode: one row per sequence (T = 1), got q {tuple(q.shape)}")
+    if pool.dim() != 5 or tuple(pool.shape[2:]) != (v.shape[2], dk, v.shape[3]) or not 0 <= layer < pool.shape[0]:
+        raise KernelError(f"gdn_decode: pool {tuple(pool.shape)} must be [L,slots,Hv,dk,dv] = [L,slots,{v.shape[2]},"
+                          f"{dk},{v.shape[3]}] with layer {layer} < L")
+    if tuple(n.reshape(-1).shape) != (B,) or (slot is not None and tuple(slot.reshape(-1).shape) != (B,)):
+        raise KernelError(f"gdn_decode: n {tuple(n.shape)} and slot must be [B] = [{B}]")
+
+
+@gdn_decode.register_kernel("cpu")
+def _gdn_decode_cpu(q, k, v, g, beta, pool, layer, slot=None, n=None, scale=None, A_log=None, dt_bias=None):
+    _check_decode(q, v, pool, layer, slot, n)
+    o, k_hat, v_f, g_f, b_f, _ = _gdn_wy16_cpu(q, k, v, g, beta, pool[layer], slot, scale, False, A_log, dt_bias)
+    _gdn_fold_cpu(pool.narrow(0, layer, 1), slot, k_hat[None], v_f[None], g_f[None], b_f[None], n)
+    return o
+
+
+@gdn_decode.register_kernel("cuda")
+def _gdn_decode_cuda(q, k, v, g, beta, pool, layer, slot=None, n=None, scale=None, A_log=None, dt_bias=None):
+    _check_decode(q, v, pool, layer, slot, n)
+    gates = _check_gates(v, A_log, dt_bias)
+    if gates and A_log.dtype != dt_bias.dtype:
+        A_log, dt_bias = A_log.float(), dt_bias.float()
+    if not pool.is_contiguous():
+        raise KernelError("gdn_decode: state pool must be contiguous (updated in place)")
+    B, _, Hk, dk = q.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    (q, rq), (k, rk), (v, rv) = U.rows(q), U.rows(k), U.rows(v)
+    (g, rg), (beta, rb) = U.rows(g, align=4), U.rows(beta, align=4)
+    if rq != rk:
+        (q, rq), (k, rk) = U.rows(q.contiguous()), U.rows(k.contiguous())
+    if rg != rb:
+        (g, rg), (beta, rb) = U.rows(g.contiguous()), U.rows(beta.contiguous())
+    slot, n = U.i32(slot), U.i32(n.reshape(-1))
+    o = torch.empty((B, 1, Hv, dv), device=q.device, dtype=q.dtype)
+    launch.gdn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                      pool[layer].data_ptr(), U.ptr(slot), n.data_ptr(), o.data_ptr(), B=B, Hk=Hk, Hv=Hv, dk=dk,
+                      dv=dv, num_slots=pool.shape[1], in_dtype=U.dname(q), gb_dtype=U.dname(g), o_dtype=U.dname(o),
+                      state_dtype=U.dname(pool), scale=scale, stream=U.stream(q), rs_qk=rq, rs_v=rv, rs_gb=rg,
+                      A_log=A_log.contiguous().data_ptr() if gates else 0,
+                      dt_bias=dt_bias.contiguous().data_ptr() if gates else 0,
+                      p_dtype=U.dname(A_log) if gates else "float32")
+    return o
+
+
+@gdn_decode.register_fake
+def _gdn_decode_fake(q, k, v, g, beta, pool, layer, slot=None, n=None, scale=None, A_log=None, dt_bias=None):
+    return q.new_empty((q.shape[0], 1, v.shape[2], v.shape[3]))

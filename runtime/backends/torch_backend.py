@@ -21,6 +21,7 @@ HOST_OUTPUTS = ("argmax", "drafts")
 class ModuleGraphs:
     """The StepGraphs of the fused step over the reference modules: run_graph, the module calls the exporter
     traces (device tensors in and out)."""
+    commits_decode_gdn = True  # target_k1 with gdn_commit: GatedDeltaNet commits its row (ops.gdn_decode_commit)
 
     def __init__(self, target, drafter=None):
         self.target, self.drafter = target, drafter

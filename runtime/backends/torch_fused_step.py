@@ -120,8 +120,11 @@ class FusedSteps:
         gi = ix if self.graph_int32 else {k: t for k, t in wide.items() if k != "ctx_start"}
         return ix, gi
 
-    def _target(self, graph, ids, pos, gi, valid=None, logits=False):
-        return self.graphs.run(graph, target_inputs(ids, pos, gi, self.pools, valid), logits)
+    def _target(self, graph, ids, pos, gi, valid=None, logits=False, gdn_commit=None):
+        x = target_inputs(ids, pos, gi, self.pools, valid)
+        if gdn_commit is not None:
+            x["gdn_commit"] = gdn_commit
+        return self.graphs.run(graph, x, logits)
 
     def _commit(self, out, n, b, ix, seq_len, pos):
         """The device part of the one commit path, drafter ctx rows at logical rows position - ctx_base.
@@ -189,8 +192,11 @@ class FusedSteps:
         pos = seq_len[:, None]
         rp = _sampling(b)
         ix, gi = self._index(b, seq_len)
-        out = self._target(target_graph(1), bonus[:, None], pos, gi, logits=rp is not None or "logprobs" in b)
         n = b["live"].clone()
+        # graphs that commit a decode row's GDN state themselves read and write it once (no fold data, no fold)
+        gdn_commit = as_int32(n) if self.graphs.commits_decode_gdn else None
+        out = self._target(target_graph(1), bonus[:, None], pos, gi, logits=rp is not None or "logprobs" in b,
+                           gdn_commit=gdn_commit)
         self._commit(out, n, b, ix, seq_len, pos)
         tok = out["argmax"]
         if rp is not None:

@@ -127,6 +127,7 @@ class TrtBackend(ManifestBacked):
 class EngineGraphs:
     """The StepGraphs of the fused step over the engines: each graph one enqueue on the runtime's stream, its
     preallocated outputs returned (device tensors in and out, capturable)."""
+    commits_decode_gdn = False  # engines read pools only (the graph ABI)
 
     def __init__(self, be: TrtBackend):
         self.be = be

@@ -235,6 +235,30 @@ def test_device_step_path_wide_batch_matches_alone(pair):
         assert 32 in log and full(rt)
 
 
+def test_device_decode_step_commits_its_gdn_rows_in_the_graph(pair, alone, monkeypatch):
+    """The torch modules' plain decode step commits its GDN row inside the GDN op (ModuleGraphs.commits_decode_gdn):
+    no decode step runs the commit's fold, and the tokens and every pool (GDN state included) are those of the
+    graph + fold path, bit for bit, with requests joining and leaving (padding rows at slot 0 commit nothing)."""
+    from dflash_trt.runtime.backends.torch_backend import ModuleGraphs
+
+    target, drafter, prompts = pair
+    toks, _ = alone
+    runs = {}
+    for in_graph in (True, False):
+        monkeypatch.setattr(ModuleGraphs, "commits_decode_gdn", in_graph)
+        rt = graph_runtime(target, drafter, prompts, toks)
+        folds = []
+        fold = rt.device.gdn_fold
+        rt.device.gdn_fold = lambda *a, _fold=fold: folds.append(1) or _fold(*a)
+        got, _ = run_batch(rt, prompts, N_NEW, JOINS, gamma=3, spec=False)
+        assert [got[i] for i in range(len(prompts))] == [t[:n] for t, n in zip(toks, N_NEW)] and full(rt)
+        runs[in_graph] = (got, {k: v.clone() for k, v in rt.pools.items()}, len(folds))
+    assert runs[True][2] == 0 and runs[False][2] > 0
+    assert runs[True][0] == runs[False][0]
+    for name, pool in runs[True][1].items():
+        assert pool.equal(runs[False][1][name]), name
+
+
 # ------------------------------------------------------------------ faults
 def test_one_request_out_of_pages_fails_alone(pair, alone):
     target, drafter, prompts = pair

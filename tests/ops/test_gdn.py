@@ -259,6 +259,35 @@ def test_cpu_gdn_fold_all_layers_equals_host_device(L, B, T):
     assert np.array_equal(got.numpy()[:, untouched], pool[:, untouched])  # n = 0 and other slots: bit-identical
 
 
+def test_cpu_gdn_decode_is_the_one_row_verify_then_its_fold():
+    """dflash::gdn_decode on the CPU (a plain decode step that commits its own GDN row): o == the float64 token
+    recurrence; pool[layer] rows slot[b] with n[b] > 0 == that recurrence's state after the row; rows with n = 0, the
+    other layer, other slots and slot -1 (read as a zero state) untouched. Shapes refused by name."""
+    import dflash_trt.plugins.torch_ops  # noqa: F401
+    B, Hk, Hv, dk, dv, L, S = 4, 1, 2, 32, 16, 2, 7
+    q, k, v, _, _, _ = gdn_inputs(B, 1, Hk, Hv, dk, dv)
+    a, b, A_log, dt_bias = torch.randn(B, 1, Hv) * 3, torch.randn(B, 1, Hv), torch.randn(Hv), torch.randn(Hv)
+    pool = torch.randn(L, S, Hv, dk, dv) * 0.3
+    slot, n = torch.tensor([5, 1, -1, 3]), torch.tensor([1, 0, 1, 1])
+    got = pool.clone()
+    o = torch.ops.dflash.gdn_decode(q, k, v, a, b, got, 1, slot, n, None, A_log, dt_bias)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    state = pool[1][slot.clamp(min=0)] * (slot >= 0)[:, None, None, None]
+    ro, rs = gdn_recurrent(*(x.double() for x in (q, k, v, g, beta, state)))
+    torch.testing.assert_close(o.double(), ro, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1][[5, 3]].double(), rs[[0, 3]], rtol=1e-4, atol=1e-5)
+    untouched = pool.clone()
+    untouched[1][[5, 3]] = got[1][[5, 3]]
+    assert torch.equal(got, untouched)
+    with pytest.raises(KernelError, match="T = 1"):
+        torch.ops.dflash.gdn_decode(q.expand(B, 2, Hk, dk), k.expand(B, 2, Hk, dk), v.expand(B, 2, Hv, dv),
+                                    a.expand(B, 2, Hv), b.expand(B, 2, Hv), got, 0, slot, n, None, A_log, dt_bias)
+    with pytest.raises(KernelError, match="layer 2 < L"):
+        torch.ops.dflash.gdn_decode(q, k, v, a, b, got, 2, slot, n, None, A_log, dt_bias)
+    with pytest.raises(KernelError, match=r"\[B\] = \[4\]"):
+        torch.ops.dflash.gdn_decode(q, k, v, a, b, got, 0, slot, n[:3], None, A_log, dt_bias)
+
+
 def test_cpu_gdn_fold_checks_shapes():
     import dflash_trt.plugins.torch_ops  # noqa: F401
     pool, k_hat, v, g, beta, slot, n = (torch.from_numpy(a) for a in fold_case(2, 3, 4, 1, 2, 8, 8, 5, seed=0))

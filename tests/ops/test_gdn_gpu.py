@@ -286,3 +286,46 @@ def test_verify_commit_equals_plain_decode_steps_bit_for_bit(monkeypatch, cg, B,
         _fold(plain, slot, one, live)
     assert torch.equal(spec, plain)
     assert torch.equal(spec[0], pool[0])  # slot 0 holds no sequence here
+
+
+@pytest.mark.parametrize("cg", ["0", "1", "2"])
+@pytest.mark.parametrize("B,Hk,Hv,dk,dtype", [(1, 16, 48, 128, torch.bfloat16), (5, 2, 4, 128, torch.bfloat16),
+                                               (64, 2, 6, 128, torch.bfloat16), (3, 1, 2, 64, torch.bfloat16),
+                                               (4, 2, 4, 128, torch.float32)])
+def test_decode_commit_equals_verify_then_fold_bit_for_bit(monkeypatch, cg, B, Hk, Hv, dk, dtype):
+    """dflash::gdn_decode (one row that commits its own state) leaves exactly (torch.equal) the pool a T=1 gdn_wy16
+    and the commit's gdn_fold of the same row leave: the one GDN state of plain and speculative decoding. Rows with
+    n = 0 and the other layer and slots stay untouched; slot -1 reads a zero state. q, k, v and the raw gates are
+    strided views of wider rows, as the model hands them. o == gdn_wy16's o up to its rounding, and == the float64
+    recurrence."""
+    monkeypatch.setenv("DFLASH_GDN_CG", cg)
+    L, S, dv, layer = 2, B + 3, 128, 1
+    gen = torch.Generator().manual_seed(B * 11 + Hv + dk)
+    rn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    row = rn(B, 1, 2 * Hk * dk + Hv * dv + 8).to(dtype).to(DEV)  # [q | k | v | other]: the conv output's rows
+    q = row[..., :Hk * dk].unflatten(-1, (Hk, dk))
+    k = row[..., Hk * dk:2 * Hk * dk].unflatten(-1, (Hk, dk))
+    v = row[..., 2 * Hk * dk:2 * Hk * dk + Hv * dv].unflatten(-1, (Hv, dv))
+    proj = (rn(B, 1, 2 * Hv + 3) * 3).to(dtype).to(DEV)
+    b, a = proj[..., :Hv], proj[..., Hv:2 * Hv]
+    A_log, dt_bias = (rn(Hv) * 0.5).to(DEV), rn(Hv).to(DEV)
+    pool = (rn(L, S, Hv, dk, dv) * 0.3).to(DEV)
+    slot = torch.randperm(S, generator=gen)[:B].int().to(DEV)
+    n = (torch.arange(B) % 3 != 2).int().to(DEV)  # every third row commits nothing
+    if B > 1:
+        slot[-1] = -1  # a zero state, never written
+    want = pool.clone()
+    o_ref, *fold, _ = torch.ops.dflash.gdn_wy16(q, k, v, a, b, want[layer], slot, None, False, A_log, dt_bias)
+    _fold(want[layer], slot, fold, n)
+    got = pool.clone()
+    o = torch.ops.dflash.gdn_decode(q, k, v, a, b, got, layer, slot, n, None, A_log, dt_bias)
+    torch.cuda.synchronize()
+    assert o.shape == o_ref.shape and o.dtype == dtype
+    assert torch.equal(got, want)
+    tag = f"B{B} dk{dk} cg{cg} {str(dtype)[6:]}"
+    record_err(f"gdn_decode o vs gdn_wy16 ({tag})", o, o_ref, 1e-2 if dtype == torch.bfloat16 else 1e-5)
+    g, beta = ref_gdn.gdn_gates(a, b, A_log, dt_bias)
+    state = pool[layer][slot.long().clamp(min=0)].double() * (slot >= 0).double()[:, None, None, None]
+    ro, _ = ref_gdn.gdn_recurrent(*_d(q, k, v, g, beta), state)
+    record_err(f"gdn_decode o vs recurrence ({tag})", o, ro, 1e-2 if dtype == torch.bfloat16 else 1e-4)
+

@@ -17,7 +17,8 @@ SLOW_SM120 = ("gdn", "paged_attention")  # 30 s of ptxas each; their PTX compile
 ENTRIES = {
     "gdn": [f"gdn_wy16_dk{dk}_cg1_p{p}_r{r}" for dk in (64, 128) for p in (32, 16, 8) for r in (4, 8, 16)]
     + [f"gdn_wy16_dk{dk}_cg{cg}_p32_r{r}" for dk, cg in ((64, 2), (128, 2), (128, 4)) for r in (4, 8, 16)]
-    + ["gdn_fold_dk128_cg1", "gdn_fold_dk128_cg2", "gdn_fold_dk64_cg1", "gdn_fold_dk64_cg2"],
+    + ["gdn_fold_dk128_cg1", "gdn_fold_dk128_cg2", "gdn_fold_dk64_cg1", "gdn_fold_dk64_cg2"]
+    + ["gdn_decode_dk128_cg1", "gdn_decode_dk128_cg2", "gdn_decode_dk64_cg1", "gdn_decode_dk64_cg2"],
     "conv": ["conv_verify", "conv_roll"],
     "paged_attention": [f"paged_attention_hd{h}_{d}" for h in (64, 128, 256) for d in ("bf16", "f16", "f32")]
     + ["paged_attention_combine", "kv_write"],
