@@ -26,7 +26,7 @@ def test_tables_follow_the_bundles():
     assert names == ["GdnChunkWY16", "CausalConvVerify", "PagedAttention", "MoeExperts"]
     assert list(onnx_functions.SPECS) == names == list(trt_plugins.PLUGINS)
     assert list(nvrtc.SPECS) == list(registry.OP_FOLDERS)
-    assert ops.__all__ == ["conv_verify", "gdn_chunk", "moe_experts", "paged_attention"]
+    assert ops.__all__ == ["conv_verify", "gdn_chunk", "gdn_decode_commit", "moe_experts", "paged_attention"]
 
 
 def test_host_and_torch_devices_have_the_same_commit_methods():

@@ -50,12 +50,12 @@ def mma_tiles(q_dtype: str, p_dtype: str, n_dtype: str) -> bool:
 def cta_rows(hd: int, G: int, T: int, mma: bool = False) -> int:
     """The R the launcher runs for G*T query rows per kv head. CUDA cores: the small R when it pads fewer rows
     (row groups x R) than the full R, else the full R (fewer row groups read the K/V tiles fewer times). With
-    mma_tiles: the small R only when one small CTA holds them all (a decode step's GQA group), else MMA_ROWS (one
-    CTA on tensor cores beats several small ones that each read the K/V tiles). The small R is below both big
-    ones, so R and `mma` name the kernel."""
+    mma_tiles: MMA_ROWS, also for a decode step's GQA group of a few rows (the tensor-core pass streams the tiles
+    nearer the copy rate than the CUDA-core small pass: docs/PERF.md). The small R is below both big ones, so R and
+    `mma` name the kernel."""
     full, small = rows_per_cta(hd), rows_per_cta(hd, small=True)
     if mma:
-        return small if G * T <= small else MMA_ROWS
+        return MMA_ROWS
     return small if -(-G * T // small) * small < -(-G * T // full) * full else full
 
 

@@ -153,15 +153,16 @@ def test_combine_groups_cover_every_split_plan():
 
 
 @pytest.mark.parametrize("hd,G,T,dtypes,kernel", [
-    (128, 8, 1, ("bfloat16",) * 3, "paged_attention_hd128_bf16_small"),      # decode GQA group: CUDA cores
+    (128, 8, 1, ("bfloat16",) * 3, "paged_attention_hd128_bf16_mma"),        # decode GQA group: tensor cores too
     (128, 8, 16, ("bfloat16",) * 3, "paged_attention_hd128_bf16_mma"),       # verify block: tensor cores
     (64, 2, 16, ("float16",) * 3, "paged_attention_hd64_f16_mma"),           # 32 rows: one mma CTA, not 2 small
-    (256, 1, 5, ("bfloat16",) * 3, "paged_attention_hd256_bf16_small"),      # 5 rows fit one small CTA of 8
+    (256, 1, 5, ("bfloat16",) * 3, "paged_attention_hd256_bf16_mma"),        # 5 rows: one mma CTA
+    (256, 6, 1, ("float32",) * 3, "paged_attention_hd256_f32_small"),        # fp32 decode group: a small CTA
     (128, 8, 16, ("float32",) * 3, "paged_attention_hd128_f32"),             # fp32 scores stay on CUDA cores
     (128, 8, 16, ("float32", "bfloat16", "bfloat16"), "paged_attention_hd128_bf16"),  # q of another dtype
 ])
 def test_tensor_core_pass_takes_16_bit_blocks(hd, G, T, dtypes, kernel):
-    """The launcher's choice: 16-bit q and K/V tiles of a block of rows run mma.cuh (MMA_ROWS rows a CTA); its
+    """The launcher's choice: 16-bit q and K/V tiles run mma.cuh (MMA_ROWS rows a CTA), decode steps too; its
     workspace is within the bound a TensorRT plugin allocates."""
     from dflash_trt.plugins.paged_attention import spec
     q, p, n = dtypes
