@@ -43,6 +43,22 @@ def _gdn_rpt(ctas: int, cg: int, dk: int = 128) -> int:
     return rpt or spec.auto_rpt(ctas, dk)
 
 
+def _row_codes(state_dtype, in_dtype, gb_dtype, o_dtype, p_dtype, A_log, dt_bias) -> tuple:
+    """The dtype codes (q/k/v, g/beta, o, A_log/dt_bias) of a gdn_wy16 / gdn_decode call, its state dtype checked."""
+    dtype_code(state_dtype, "gdn state", spec.STATE_DTYPES)
+    kernel_need(bool(A_log) == bool(dt_bias), "gdn: A_log and dt_bias come together (in-kernel gates) or not at all")
+    return (dtype_code(in_dtype, "gdn q/k/v"), dtype_code(gb_dtype, "gdn g/beta"),
+            dtype_code(o_dtype or in_dtype, "gdn o"), dtype_code(p_dtype, "gdn A_log/dt_bias"))
+
+
+def _row_strides(rs_qk, rs_v, rs_gb, Hk, Hv, dk, dv) -> tuple:
+    """Elements between (b, t) rows of q/k, v and g/beta (None: packed), none narrower than a row."""
+    rs_qk, rs_v, rs_gb = rs_qk or Hk * dk, rs_v or Hv * dv, rs_gb or Hv
+    kernel_need(rs_qk >= Hk * dk and rs_v >= Hv * dv and rs_gb >= Hv,
+                f"gdn: row strides ({rs_qk}, {rs_v}, {rs_gb}) narrower than a row ({Hk * dk}, {Hv * dv}, {Hv})")
+    return rs_qk, rs_v, rs_gb
+
+
 def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_f, g_f, b_f, state_out, *, B, T, Hk, Hv, dk, dv,
              in_dtype="bfloat16", gb_dtype="float32", o_dtype=None, state_dtype="float32", scale=None,
              stream=0, cg=None, rs_qk=None, rs_v=None, rs_gb=None, A_log=0, dt_bias=0, p_dtype="float32"):
@@ -57,17 +73,10 @@ def gdn_wy16(q, k, v, g, beta, state, slot, o, k_hat, v_f, g_f, b_f, state_out, 
     the gates (reference.gdn_gates)."""
     cg = _gdn_cg(B, Hv, dk, dv, cg, (1, 2, 4))
     spec.check_dims(B, T, Hk, Hv, dk, dv, cg)
-    dtype_code(state_dtype, "gdn state", spec.STATE_DTYPES)
-    idt = dtype_code(in_dtype, "gdn q/k/v")
-    gdt = dtype_code(gb_dtype, "gdn g/beta")
-    odt = dtype_code(o_dtype or in_dtype, "gdn o")
-    pdt = dtype_code(p_dtype, "gdn A_log/dt_bias")
-    kernel_need(bool(A_log) == bool(dt_bias), "gdn: A_log and dt_bias come together (in-kernel gates) or not at all")
+    idt, gdt, odt, pdt = _row_codes(state_dtype, in_dtype, gb_dtype, o_dtype, p_dtype, A_log, dt_bias)
     kernel_need(bool(k_hat) == bool(v_f) == bool(g_f) == bool(b_f), "gdn: the fold data outputs come all or none")
     scale = dk ** -0.5 if scale is None else scale
-    rs_qk, rs_v, rs_gb = rs_qk or Hk * dk, rs_v or Hv * dv, rs_gb or Hv
-    kernel_need(rs_qk >= Hk * dk and rs_v >= Hv * dv and rs_gb >= Hv,
-                f"gdn: row strides ({rs_qk}, {rs_v}, {rs_gb}) narrower than a row ({Hk * dk}, {Hv * dv}, {Hv})")
+    rs_qk, rs_v, rs_gb = _row_strides(rs_qk, rs_v, rs_gb, Hk, Hv, dk, dv)
     ctas = dv // (32 * cg) * Hv * B
     rpt = _gdn_rpt(ctas, cg, dk)
     smem = spec.wy16_dyn_smem(dk, cg, rpt, T)
@@ -104,18 +113,11 @@ def gdn_decode(q, k, v, g, beta, pool, slot, n, o, *, B, Hk, Hv, dk, dv, num_slo
     strides and in-kernel gates as gdn_wy16's; slot and n [B] int32 on the device."""
     cg = _gdn_cg(B, Hv, dk, dv, cg, (1, 2), spec.DECODE_CG)
     spec.check_dims(B, 1, Hk, Hv, dk, dv, cg)
-    dtype_code(state_dtype, "gdn state", spec.STATE_DTYPES)
-    idt = dtype_code(in_dtype, "gdn q/k/v")
-    gdt = dtype_code(gb_dtype, "gdn g/beta")
-    odt = dtype_code(o_dtype or in_dtype, "gdn o")
-    pdt = dtype_code(p_dtype, "gdn A_log/dt_bias")
-    kernel_need(bool(A_log) == bool(dt_bias), "gdn: A_log and dt_bias come together (in-kernel gates) or not at all")
+    idt, gdt, odt, pdt = _row_codes(state_dtype, in_dtype, gb_dtype, o_dtype, p_dtype, A_log, dt_bias)
     kernel_need(num_slots >= 1 and bool(n), f"gdn_decode: need a pool of >= 1 slot and n (num_slots={num_slots})")
     kernel_need(B <= MAX_GRID_Z, f"gdn_decode: B = {B} exceeds the grid limit {MAX_GRID_Z}")
     scale = dk ** -0.5 if scale is None else scale
-    rs_qk, rs_v, rs_gb = rs_qk or Hk * dk, rs_v or Hv * dv, rs_gb or Hv
-    kernel_need(rs_qk >= Hk * dk and rs_v >= Hv * dv and rs_gb >= Hv,
-                f"gdn: row strides ({rs_qk}, {rs_v}, {rs_gb}) narrower than a row ({Hk * dk}, {Hv * dv}, {Hv})")
+    rs_qk, rs_v, rs_gb = _row_strides(rs_qk, rs_v, rs_gb, Hk, Hv, dk, dv)
     fn = get_function("gdn", f"gdn_decode_dk{dk}_cg{cg}")
     args = [(q, P), (k, P), (v, P), (idt, I), (g, P), (beta, P), (gdt, I), (A_log, P), (dt_bias, P), (pdt, I),
             (pool, P), (slot or 0, P), (n, P), (o, P), (odt, I), (Hk, I), (Hv, I), (dv, I), (scale, F), (rs_qk, I),

@@ -51,6 +51,22 @@ def _check_gates(v, A_log, dt_bias) -> bool:
     return A_log is not None
 
 
+def _kernel_rows(q, k, v, g, beta, A_log, dt_bias):
+    """The kernels' row views: ((q, k, v, g, beta), (rs_qk, rs_v, rs_gb), gates, A_log, dt_bias). Rows are read in
+    place at their stride (q/k/v slices of the conv output, g/beta or the raw a/b of the projection); q and k, g and
+    beta share a stride (else made contiguous). gates: the kernel computes them (A_log and dt_bias given, one dtype)."""
+    gates = _check_gates(v, A_log, dt_bias)
+    if gates and A_log.dtype != dt_bias.dtype:
+        A_log, dt_bias = A_log.float(), dt_bias.float()
+    (q, rq), (k, rk), (v, rv) = U.rows(q), U.rows(k), U.rows(v)
+    (g, rg), (beta, rb) = U.rows(g, align=4), U.rows(beta, align=4)
+    if rq != rk:
+        (q, rq), (k, rk) = U.rows(q.contiguous()), U.rows(k.contiguous())
+    if rg != rb:
+        (g, rg), (beta, rb) = U.rows(g.contiguous()), U.rows(beta.contiguous())
+    return (q, k, v, g, beta), (rq, rv, rg), gates, A_log, dt_bias
+
+
 @gdn_wy16.register_kernel("cpu")
 def _gdn_wy16_cpu(q, k, v, g, beta, state, slot=None, scale=None, output_state=False, A_log=None, dt_bias=None):
     if _check_gates(v, A_log, dt_bias):
@@ -66,18 +82,9 @@ def _gdn_wy16_cpu(q, k, v, g, beta, state, slot=None, scale=None, output_state=F
 
 @gdn_wy16.register_kernel("cuda")
 def _gdn_wy16_cuda(q, k, v, g, beta, state, slot=None, scale=None, output_state=False, A_log=None, dt_bias=None):
-    gates = _check_gates(v, A_log, dt_bias)
-    if gates and A_log.dtype != dt_bias.dtype:
-        A_log, dt_bias = A_log.float(), dt_bias.float()
     B, T, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
-    # rows read in place at their stride: q/k/v as slices of the conv output, g/beta (or raw a/b) of the projection
-    (q, rq), (k, rk), (v, rv) = U.rows(q), U.rows(k), U.rows(v)
-    (g, rg), (beta, rb) = U.rows(g, align=4), U.rows(beta, align=4)
-    if rq != rk:
-        (q, rq), (k, rk) = U.rows(q.contiguous()), U.rows(k.contiguous())
-    if rg != rb:
-        (g, rg), (beta, rb) = U.rows(g.contiguous()), U.rows(beta.contiguous())
+    (q, k, v, g, beta), (rq, rv, rg), gates, A_log, dt_bias = _kernel_rows(q, k, v, g, beta, A_log, dt_bias)
     state = state.contiguous()
     U.check_groups(spec.SPEC, (q, k, v, g, beta, state))
     slot = U.i32(slot)
@@ -182,19 +189,11 @@ def _gdn_decode_cpu(q, k, v, g, beta, pool, layer, slot=None, n=None, scale=None
 @gdn_decode.register_kernel("cuda")
 def _gdn_decode_cuda(q, k, v, g, beta, pool, layer, slot=None, n=None, scale=None, A_log=None, dt_bias=None):
     _check_decode(q, v, pool, layer, slot, n)
-    gates = _check_gates(v, A_log, dt_bias)
-    if gates and A_log.dtype != dt_bias.dtype:
-        A_log, dt_bias = A_log.float(), dt_bias.float()
     if not pool.is_contiguous():
         raise KernelError("gdn_decode: state pool must be contiguous (updated in place)")
     B, _, Hk, dk = q.shape
     Hv, dv = v.shape[2], v.shape[3]
-    (q, rq), (k, rk), (v, rv) = U.rows(q), U.rows(k), U.rows(v)
-    (g, rg), (beta, rb) = U.rows(g, align=4), U.rows(beta, align=4)
-    if rq != rk:
-        (q, rq), (k, rk) = U.rows(q.contiguous()), U.rows(k.contiguous())
-    if rg != rb:
-        (g, rg), (beta, rb) = U.rows(g.contiguous()), U.rows(beta.contiguous())
+    (q, k, v, g, beta), (rq, rv, rg), gates, A_log, dt_bias = _kernel_rows(q, k, v, g, beta, A_log, dt_bias)
     slot, n = U.i32(slot), U.i32(n.reshape(-1))
     o = torch.empty((B, 1, Hv, dv), device=q.device, dtype=q.dtype)
     launch.gdn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
