@@ -4,6 +4,8 @@ paged-attention rows (tools/bench_attention.py: split-KV decode / verify / draft
 Work per (B, K) on Qwen3-Next GDN shapes (Hk=16, Hv=32, dk=dv=128, bf16 q/k/v, fp32 state):
   ours = gdn_wy16 (K rows from the read-only state slot: O + fold data) then gdn_fold (n=K rows
          folded into the slot in place): what a speculative verify + commit costs.
+  decode (K = 1 only) = gdn_decode: the plain decode step's one row, its state committed in place (one read and one
+         write of the state; floor: 2 state passes + io).
   fla  = the fastest of fused_recurrent_gated_delta_rule / chunk_gated_delta_rule over the same K
          rows from the same state with output_final_state=True (O + final state). This is *less*
          work than ours (no rollback-able commit), so it is a lower bound for fla.
@@ -51,8 +53,12 @@ def copy_bandwidth(nbytes=1 << 30):
     return 2 * nbytes / (t * 1e-6)  # bytes/s (read + write)
 
 
+def state_bytes(B):
+    return B * HV * DK * DV * 4
+
+
 def floor_bytes(B, K):
-    state = B * HV * DK * DV * 4
+    state = state_bytes(B)
     io = B * K * (2 * HK * DK * 2 + HV * DV * 2 + 2 * HV * 4 + HV * DV * 2)
     return 3 * state + io
 
@@ -95,6 +101,10 @@ def bench_one(B, K, iters, reps, replays, fla, cgs):
     row["ours_cg"] = launch._gdn_cg(B, HV, DK, DV, 0, (1, 2, 4))
     row["ours_verify_graph_us"] = _time_graph(ours(0, fold=False), reps, replays)
     row["ours_fold_graph_us"] = _time_graph(ours(0, verify=False), reps, replays)
+    if K == 1:  # the plain decode step's kernel: the row committed where the state is read
+        def decode():
+            torch.ops.dflash.gdn_decode(q, k, v, g, beta, pool[None], 0, slot, n)
+        row["decode_graph_us"] = _time_graph(decode, reps, replays)
     if fla is not None:
         best = {}
         for name, fn in (("fused_recurrent", fla.fused_recurrent_gated_delta_rule),
@@ -153,6 +163,8 @@ def main(argv=None):
             row["floor_bytes"] = floor_bytes(B, K)
             row["floor_us"] = row["floor_bytes"] / bw * 1e6
             row["ours_over_floor"] = row["ours_graph_us"] / row["floor_us"]
+            if "decode_graph_us" in row:  # one state pass fewer than verify + fold
+                row["decode_floor_us"] = (row["floor_bytes"] - state_bytes(B)) / bw * 1e6
             if "fla_graph_us" in row:
                 row["speedup_vs_fla_graph"] = row["fla_graph_us"] / row["ours_graph_us"]
                 row["speedup_vs_fla_eager"] = row["fla_eager_us"] / row["ours_eager_us"]
@@ -161,7 +173,9 @@ def main(argv=None):
             print(f"{B:>3} {K:>3} | {f('ours_eager_us', 10)} {f('ours_graph_us', 10)} | {f('fla_eager_us', 9)} "
                   f"{f('fla_graph_us', 9)} {row.get('fla_graph_path', '-'):>15} | {f('speedup_vs_fla_graph', 8, '.2f')}x"
                   f" | {f('floor_us', 7)} {f('ours_over_floor', 9, '.2f')}x | verify {row['ours_verify_graph_us']:.1f}"
-                  f" fold {row['ours_fold_graph_us']:.1f} (cg{row['ours_cg']})", flush=True)
+                  f" fold {row['ours_fold_graph_us']:.1f} (cg{row['ours_cg']})" + (
+                      f" | decode {row['decode_graph_us']:.1f} (floor {row['decode_floor_us']:.1f})"
+                      if "decode_graph_us" in row else ""), flush=True)
     # the GDN kernel's targets, at K=16: >= 1.5x fla's fastest path at batch 8 and 64; within 2x of the floor at 64
     k16 = [r_ for r_ in rows if r_["K"] == 16 and r_["B"] in (8, 64) and "speedup_vs_fla_graph" in r_]
     b64 = [r_ for r_ in rows if r_["B"] == 64 and r_["K"] == 16]
