@@ -100,11 +100,12 @@ class FusedSteps:
         self.state = SlotState(rt.sizes.max_seqs, rt.device.device)
 
     # ---- pieces ---------------------------------------------------------------------------
-    def _index(self, b, seq_len, window=None) -> tuple[dict, dict]:
-        """(ix, gi): the step's index tensors (slot, block and ctx tables, seq_len, the drafter window) as every
-        kernel reads them, int32, cast once a step (opaque_ops.as_int32 says why; the step buffers hold the ABI's
-        int64), and the same tensors as the graphs take them: ix, or (graph_int32 False) the int64 ones."""
-        wide = {k: b[k] for k in ("slot", "block_table", "ctx_table") if k in b}
+    def _index(self, b, seq_len, window=None, live=False) -> tuple[dict, dict]:
+        """(ix, gi): the step's index tensors (slot, block and ctx tables, seq_len, the drafter window; with `live`
+        the live flags too) as every kernel reads them, int32, cast once a step (opaque_ops.as_int32 says why; the
+        step buffers hold the ABI's int64), and the same tensors as the graphs take them: ix, or (graph_int32 False)
+        the int64 ones."""
+        wide = {k: b[k] for k in ("slot", "block_table", "ctx_table", "live") if k in b and (k != "live" or live)}
         wide["seq_len"] = seq_len
         if window is not None:
             wide["kv_start"], wide["kv_len"] = window
@@ -191,10 +192,11 @@ class FusedSteps:
         seq_len, bonus = self.state.seq_len[b["srow"]], self.state.bonus[b["srow"]]
         pos = seq_len[:, None]
         rp = _sampling(b)
-        ix, gi = self._index(b, seq_len)
+        # graphs that commit a decode row's GDN state themselves read and write it once (no fold data, no fold): n is
+        # the live rows, cast with the step's other index tensors
+        ix, gi = self._index(b, seq_len, live=self.graphs.commits_decode_gdn)
         n = b["live"].clone()
-        # graphs that commit a decode row's GDN state themselves read and write it once (no fold data, no fold)
-        gdn_commit = as_int32(n) if self.graphs.commits_decode_gdn else None
+        gdn_commit = ix.get("live")
         out = self._target(target_graph(1), bonus[:, None], pos, gi, logits=rp is not None or "logprobs" in b,
                            gdn_commit=gdn_commit)
         self._commit(out, n, b, ix, seq_len, pos)
