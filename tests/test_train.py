@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 
 from dflash_trt.config import DrafterConfig, TargetConfig  # noqa: E402
 from dflash_trt.modeling.drafter import Drafter  # noqa: E402
-from dflash_trt.modeling.target import TargetModel, gdn_chunk_dense  # noqa: E402
+from dflash_trt.modeling.gdn_dense import gdn_chunk_dense  # noqa: E402
+from dflash_trt.modeling.target import TargetModel  # noqa: E402
 from dflash_trt.tools.tiny import tiny_drafter_config, tiny_target_config  # noqa: E402
 from dflash_trt.tools.train.configs import init_weights  # noqa: E402
 
