@@ -116,3 +116,16 @@ def test_batch_scripted_lines_from_the_batch_steps(capsys):
     assert all(hit for _, _, hit in res["targets"].values())
     S.print_batches(res)
     assert "scripted phased (batch 16)" in capsys.readouterr().out
+
+
+def test_batch_rows_print_as_each_batch_is_measured(capsys):
+    """A run prints each batch's row when it is measured: the header with the first batch only, then one row each."""
+    b = {"plain_tok_s": 1500.0, "over_batch1": 14.2, "plain_step_ms": 10.7, "plain_idle_pct": 0.4, "spec_step_ms": 15.1,
+         "spec_over_plain": 1.41, "identical": True}
+    res = {"batches": {16: b}}
+    S.print_batches(res, only=16)
+    res["batches"][64] = {**b, "plain_tok_s": 4000.0}
+    S.print_batches(res, only=64)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and out[0].split()[0] == "batch"
+    assert [x.split()[:2] for x in out[1:]] == [["16", "1500.0"], ["64", "4000.0"]]

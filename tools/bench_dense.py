@@ -194,12 +194,15 @@ def run(a) -> int:
     res["prefill_tokens"] = PREFILL_TOKENS
     res["prefill_tok_s"] = prefill_tok_s(rt, dev, [int(t) for t in rng.integers(0, vocab - 1, PREFILL_TOKENS)])
     print(f"prefill {res['prefill_tokens']}-token prompt: {res['prefill_tok_s']:.0f} tok/s", flush=True)
-    res["batches"] = batch_decode(rt, vocab, rng, batches, a.max_new_tokens, gamma, res["decode"])
-    for B, b in res["batches"].items():  # the plain step's floor at the decode's mean context
+    res["batches"] = {}
+    for B in (b for b in batches if b > 1):  # each batch reported as soon as it is measured
+        b = res["batches"][B] = batch_decode(rt, vocab, rng, [B], a.max_new_tokens, gamma, res["decode"])[B]
+        # the plain step's floor at the decode's mean context
         b["floor_ms"] = floor_bytes(target, rt.pools, PROMPT + a.max_new_tokens // 2, 1, B) / (bw * 1e9) * 1e3
         b["step_over_floor"] = b["plain_step_ms"] / b["floor_ms"]
-    batch_scripted(res, gamma)
-    show(print_batches, res)
+        batch_scripted(res, gamma)
+        print_batches(res, only=B)
+        sys.stdout.flush()
     if a.profile:
         res["profile"] = profile_batches(rt, [prompt], batches)
         show(print_profile, res)

@@ -134,16 +134,22 @@ def scale_targets(res: dict) -> dict:
     return out
 
 
-def print_batches(res: dict) -> None:
-    if res.get("batches"):
+def print_batches(res: dict, only=None) -> None:
+    """The batch table, or (only = B) its header when B is the first batch, B's row and B's scripted lines: a run
+    prints each batch as it is measured (a killed one keeps the batches it finished)."""
+    rows = {B: b for B, b in res.get("batches", {}).items() if only is None or B == only}
+    if rows and (only is None or only == next(iter(res["batches"]))):
         print(f"{'batch':>5} {'plain tok/s':>11} {'x batch 1':>9} {'step ms':>8} {'floor ms':>8} {'ratio':>5} "
               f"{'idle %':>6} {'spec step ms':>12} {'spec/plain':>10} {'identical':>9}")
-        for B, b in res["batches"].items():
-            floor = (f"{b['floor_ms']:>8.3f} {b['step_over_floor']:>5.2f}" if "floor_ms" in b else f"{'-':>8} {'-':>5}")
-            print(f"{B:>5} {b['plain_tok_s']:>11.1f} {b['over_batch1']:>9.2f} {b['plain_step_ms']:>8.3f} {floor} "
-                  f"{b['plain_idle_pct']:>6.1f} {b['spec_step_ms']:>12.3f} {b['spec_over_plain']:>10.2f} "
-                  f"{str(b['identical']):>9}")
-        for b in res["batches"].values():
+    for B, b in rows.items():
+        floor = (f"{b['floor_ms']:>8.3f} {b['step_over_floor']:>5.2f}" if "floor_ms" in b else f"{'-':>8} {'-':>5}")
+        print(f"{B:>5} {b['plain_tok_s']:>11.1f} {b['over_batch1']:>9.2f} {b['plain_step_ms']:>8.3f} {floor} "
+              f"{b['plain_idle_pct']:>6.1f} {b['spec_step_ms']:>12.3f} {b['spec_over_plain']:>10.2f} "
+              f"{str(b['identical']):>9}")
+        if only is not None and "scripted" in b:
+            print_scripted(b["scripted"])
+    if only is None:
+        for b in rows.values():
             if "scripted" in b:
                 print_scripted(b["scripted"])
 
