@@ -18,6 +18,7 @@ from dflash_trt.config import TargetConfig
 from dflash_trt.modeling.fuse import Linear, fuse_linears, linears
 from dflash_trt.modeling.gdn_dense import gdn_chunk_dense
 from dflash_trt.modeling.mlp import MLP, SparseMoE
+from dflash_trt.modeling.regions import EAGER
 from dflash_trt.plugins import ops
 from dflash_trt.plugins.gdn.reference import gdn_gates
 
@@ -226,6 +227,33 @@ class Attention(nn.Module):
         return self.o_proj((o.transpose(1, 2) * torch.sigmoid(gate)).reshape(B, T, c.num_heads * c.head_dim))
 
 
+def embed_rope(embed, input_ids, positions, rotary_dim: int, theta: float):
+    """The step's first piece: token embeddings [B,T,H] and the RoPE tables of the positions."""
+    h = embed(input_ids)
+    return (h, *rope_cos_sin(positions, rotary_dim, theta, h.dtype))
+
+
+def attention_layer(layer, h, cos, sin, kv_pool, pool_layer: int, block_table, seq_len):
+    """One attention decoder layer of the step: (h after the layer, its K/V rows [2,B,T,Hkv,hd] as cached)."""
+    y, k, v = layer.self_attn(layer.input_layernorm(h), cos, sin, kv_pool, pool_layer, block_table, seq_len)
+    h = h + y
+    return h + layer.mlp(layer.post_attention_layernorm(h)), torch.stack([k, v])
+
+
+def gdn_layer(layer, h, conv_state, state, slot, valid_len, commit):
+    """One GDN decoder layer of the step: (h after the layer, pre-conv columns, GdnOut or None when committed)."""
+    y, cols, out = layer.linear_attn(layer.input_layernorm(h), conv_state, state, slot, valid_len, commit)
+    h = h + y
+    return h + layer.mlp(layer.post_attention_layernorm(h)), cols, out
+
+
+def head(norm, lm_head, h, valid_len):
+    """The step's last piece: fp32 logits of every row, or (prefill, valid_len given) of each sequence's last row,
+    and their argmax."""
+    logits = lm_head.fp32(norm(h if valid_len is None else last_rows(h, valid_len)))
+    return logits, argmax_last(logits)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig, layer_type: str, index: int):
         super().__init__()
@@ -249,6 +277,7 @@ class TargetModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tap_ids = list(tap_ids or [])
+        self.regions = EAGER  # how step runs its pieces (modeling/regions.py)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if empty else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, i) for i, t in enumerate(cfg.layer_types))
@@ -328,33 +357,29 @@ class TargetModel(nn.Module):
         if gdn_commit is not None and (valid_len is not None or input_ids.shape[1] != 1):
             raise ValueError(f"gdn_commit is for one-row decode steps, got input_ids {tuple(input_ids.shape)}"
                              f"{' with valid_len' if valid_len is not None else ''}")
-        cfg = self.cfg
-        h = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, h.dtype)
+        run = self.regions
+        h, cos, sin = run(embed_rope, self.embed_tokens, input_ids, positions, self.cfg.rotary_dim, self.cfg.rope_theta)
         kv_rows, fold, states, cols_all, taps = [], [], [], [], {}
         ia = ig = 0
         for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
             if layer.is_attention:
-                y, k, v = layer.self_attn(x, cos, sin, kv_pool, ia, block_table, seq_len)
-                kv_rows.append(torch.stack([k, v]))
+                h, kv = run(attention_layer, layer, h, cos, sin, *run.layer_of(kv_pool, ia), block_table, seq_len)
+                kv_rows.append(kv)
                 ia += 1
             else:
-                commit = None if gdn_commit is None else (gdn_pool, ig, gdn_commit)
-                y, cols, out = layer.linear_attn(x, conv_pool[ig], gdn_pool[ig], slot, valid_len, commit)
+                commit = None if gdn_commit is None else (*run.layer_of(gdn_pool, ig), gdn_commit)
+                h, cols, out = run(gdn_layer, layer, h, conv_pool[ig], gdn_pool[ig], slot, valid_len, commit)
                 cols_all.append(cols)
                 if out is not None and valid_len is None:  # out None: committed in place
                     fold.append((out.k_hat, out.v, out.g, out.beta))
                 elif out is not None:
                     states.append(out.state)
                 ig += 1
-            h = h + y
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in self.tap_ids:
                 taps[i] = self._tap(i, h)
-        logits = self.logits(h if valid_len is None else last_rows(h, valid_len))
+        logits, argmax = run(head, self.norm, self.lm_head, h, valid_len)
         out = {
-            "argmax": argmax_last(logits),
+            "argmax": argmax,
             "kv_rows": torch.stack(kv_rows) if kv_rows else None,
             "conv_cols": torch.stack(cols_all) if cols_all else None,
             "ctx_hidden": torch.cat([taps[t] for t in self.tap_ids], dim=-1) if self.tap_ids else None,

@@ -25,7 +25,8 @@ import numpy as np
 from dflash_trt.files import write_json
 from dflash_trt.tools.bench_e2e import copy_bandwidth_gbs, print_profile, profile_batches
 from dflash_trt.tools.bench_e2e_run import prefill_tok_s
-from dflash_trt.tools.bench_moe import context_sweep, random_bench_runtime, random_init, spec_vs_plain, step_bytes
+from dflash_trt.tools.bench_moe import (compiled_words, context_sweep, random_bench_runtime, random_init, spec_vs_plain,
+                                        step_bytes)
 from dflash_trt.tools.bench_scale import (PROMPT, batch_decode, batch_scripted, long_context, print_batches,
                                           print_long_context, scale_targets)
 from dflash_trt.tools.scripted import bench_scripted, print_scripted
@@ -225,7 +226,7 @@ def show(part, res) -> None:
 def print_header(res) -> None:
     fp8 = (", FP8 projections (target and drafter)" if res["fp8"] else "") + (", DFlash2 drafter" if res.get("dflash2") else "")
     print(f"bench e2e: {res['model']} ({res['layers']} layers, {res['dtype']}{fp8}"
-          f"{', compiled steps' if res['compiled'] else ''}, {res['weights_GB']:.1f} GB) on {res['hardware']}; "
+          f"{compiled_words(res['compiled'])}, {res['weights_GB']:.1f} GB) on {res['hardware']}; "
           f"device copy {res['copy_bandwidth_GBps']:.0f} GB/s; drafter taps {res['drafter_taps']}")
 
 

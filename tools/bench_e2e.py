@@ -345,6 +345,9 @@ def main(argv=None) -> int:
     p.add_argument("--step-ks", default=",".join(map(str, range(1, 17))),
                    help="verify widths of the per-K target step latency sweep (default 1..16; 1 and 16 always)")
     p.add_argument("--no-compile", action="store_true", help="run the captured steps without Inductor")
+    p.add_argument("--compile-regions", action="store_true",
+                   help="random-27b / random-moe-35b-a3b: compile the models' pieces (each kind of layer once) instead "
+                        "of each step whole: compile time independent of --layers; the step's glue runs uncompiled")
     p.add_argument("--profile", action="store_true",
                    help="also break the decode and spec steps down by kernel, at batch 1 and the widest --batch")
     p.add_argument("--fp8", action="store_true", help="random-27b: FP8 block-wise projections (the release layout)")

@@ -124,9 +124,17 @@ def _capture(fn, reps: int = 20):
     return outs[0], ms
 
 
+def compiled_words(compiled) -> str:
+    """How the report names the steps' compile ("regions" is not the default, and says so)."""
+    if compiled == "regions":
+        return ", compiled by regions (--compile-regions, not the default)"
+    return ", compiled steps" if compiled else ""
+
+
 def _compiled(owner, name: str, compiled: bool):
-    """owner.name through Inductor as the runtime's compiled steps run it (torch_compile.CompiledStep), or itself."""
-    if not compiled:
+    """owner.name through Inductor as the runtime's compiled steps run it (torch_compile.CompiledStep), or itself
+    (also where compiled is "regions": the target's pieces compile inside its step)."""
+    if not compiled or compiled == "regions":
         return getattr(owner, name)
     from dflash_trt.runtime.backends.torch_compile import CompiledStep
 
@@ -238,7 +246,7 @@ def random_bench_runtime(a, build, sizes):
 
     dev = CudaDevice()
     target, drafter = build(getattr(torch, a.dtype or "bfloat16"), dev.device)
-    compiled = not a.no_compile
+    compiled = "regions" if getattr(a, "compile_regions", False) and not a.no_compile else not a.no_compile
     rt = Runtime(TorchBackend(target, drafter, compile_steps=compiled), target.cfg, drafter.cfg, sizes, device=dev)
     return rt, dev, target, compiled
 
@@ -277,7 +285,7 @@ def run(a) -> int:
     rng = np.random.default_rng(1)
     res["steps"] = steps = context_sweep(rt, dev, 512, bw, parse_step_ks(a.step_ks), compiled, rng)
     res["step16_over_step1"] = steps[16]["ms"] / steps[1]["ms"]
-    res["moe_block"] = moe_block(target, bw, compiled)
+    res["moe_block"] = moe_block(target, bw, bool(compiled))  # the block alone, compiled whole either way
     prompt = [int(t) for t in rng.integers(0, target.cfg.vocab_size - 1, 48)]
     res["decode"] = spec_vs_plain(rt, prompt, a.max_new_tokens, a.gamma or 15, steps[1]["ms"])
     res["step1_split"] = step1_split(res, sum(hasattr(layer.mlp, "experts") for layer in target.layers))
@@ -305,7 +313,7 @@ def step1_split(res, moe_layers: int) -> dict:
 
 def print_table(res) -> None:
     print(f"bench e2e: {res['model']} ({res['layers']} layers, {res['dtype']}"
-          f"{', compiled steps' if res.get('compiled') else ''}, {res['weights_GB']:.1f} GB, "
+          f"{compiled_words(res.get('compiled'))}, {res['weights_GB']:.1f} GB, "
           f"{res['expert_MB']:.2f} MB/expert) on {res['hardware']}; device copy {res['copy_bandwidth_GBps']:.0f} GB/s")
     print(f"{'K':>3} {'step ms':>8} {'floor ms':>9} {'ratio':>6} {'distinct/layer':>15} {'(mean of draws)':>16}")
     for K, s in res["steps"].items():

@@ -12,6 +12,7 @@ import hashlib
 import numpy as np
 import torch
 
+from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX
 from dflash_trt.export.graphs import run_graph
 from dflash_trt.plugins.opspec import dtype_name
 
@@ -27,7 +28,10 @@ class ModuleGraphs:
         self.target, self.drafter = target, drafter
 
     def run(self, graph: str, inputs: dict, want_logits: bool) -> dict:
-        """Graph `graph` on device tensors `inputs` (ABI names); its outputs as device tensors."""
+        """Graph `graph` on device tensors `inputs` (ABI names); its outputs as device tensors. The target's step runs
+        its pieces through target.regions (modeling/regions.py); a drafter graph is one piece."""
+        if graph == DRAFTER_CTX or graph.startswith(DRAFTER_BLOCK):
+            return self.target.regions(run_graph, graph, None, self.drafter, inputs, want_logits)
         return run_graph(graph, self.target, self.drafter, inputs, want_logits=want_logits)
 
 
@@ -41,7 +45,8 @@ class TorchBackend:
     def __init__(self, target, drafter=None, want_logits: bool = False, device: str | None = None,
                  compile_steps: bool = False, checkpoint_hashes: dict | None = None):
         """compile_steps: on CUDA, the prefill/decode/spec steps through Inductor (runtime/backends/torch_compile.py):
-        faster steps for a compile per step key on first use (figures: docs/PERF.md). Ignored on CPU.
+        faster steps for a compile per step key on first use (figures: docs/PERF.md); "regions": the models' pieces
+        compiled instead of each step whole (torch_compile.CompiledRegions). Ignored on CPU.
         checkpoint_hashes: 'target' / 'drafter' -> the hash of the checkpoint each module was loaded from."""
         self.target, self.drafter, self.want_logits = target, drafter, want_logits
         self.checkpoint_hashes = dict(checkpoint_hashes or {})
@@ -52,6 +57,7 @@ class TorchBackend:
             raise ValueError(f"on CPU the runtime keeps pools in numpy; target dtype {self.kv_dtype} is not "
                              "supported there (load the target in float32)")
         self.compile_steps = bool(compile_steps) and self.device.type == "cuda"
+        self.compile_regions = compile_steps == "regions"
         if self.device.type == "cuda":  # the GPU step: fewer, better-chosen GEMMs (same math)
             from dflash_trt.runtime.backends.torch_compile import prefer_cublaslt
 
@@ -90,7 +96,7 @@ class TorchBackend:
         if self.compile_steps:
             from dflash_trt.runtime.backends.torch_compile import compile_steps
 
-            compile_steps(steps)
+            compile_steps(steps, regions=self.compile_regions)
         return steps
 
     @torch.no_grad()

@@ -28,6 +28,7 @@ import torch
 from dflash_trt.abi import MAX_K
 from dflash_trt.config import cache_root
 from dflash_trt.log import progress
+from dflash_trt.modeling.regions import Eager
 from dflash_trt.owned import write_marker
 from dflash_trt.plugins.cuda_launch import pdl_switch
 from dflash_trt.runtime.batching import BUCKETS
@@ -121,15 +122,15 @@ class CompiledStep:
     backend: a torch.compile backend ("aot_eager" traces exactly as Inductor does without generating code:
     the CPU test of the tracing)."""
 
-    def __init__(self, owner, name: str, backend: str = "inductor", store=None):
-        cfg = torch._dynamo.config
-        for limit in ("cache_size_limit", "recompile_limit"):  # each key is a recompile of the same code object
-            if hasattr(cfg, limit):
-                setattr(cfg, limit, max(getattr(cfg, limit), RECOMPILE_LIMIT))
+    def __init__(self, owner, name: str, backend: str = "inductor", store=None, regions: bool = False):
+        """regions: the step itself runs eagerly and its model pieces compile (CompiledRegions, set on the models by
+        compile_steps); this object then only announces and times each key's first call."""
+        _raise_recompile_limits()
         self.owner, self.name, self.store = owner, name, store
         self.fn = _no_grad(getattr(owner, name))
         options = step_options(backend)
-        self.compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, backend=backend, options=options)
+        self.compiled = self.fn if regions else torch.compile(self.fn, fullgraph=True, dynamic=False, backend=backend,
+                                                              options=options)
         self.unbound = torch.compile(getattr(type(owner), name), fullgraph=True, dynamic=False, backend=backend,
                                      options=options) if store is not None else None
         self.failures: list[str] = []
@@ -219,19 +220,65 @@ class CompiledStep:
         return out
 
 
+def _raise_recompile_limits() -> None:
+    """Each step key is a recompile of the same code object (a model piece: of each piece)."""
+    cfg = torch._dynamo.config
+    limits = {"cache_size_limit": RECOMPILE_LIMIT, "recompile_limit": RECOMPILE_LIMIT,
+              "accumulated_cache_size_limit": 8 * RECOMPILE_LIMIT, "accumulated_recompile_limit": 8 * RECOMPILE_LIMIT}
+    for limit, n in limits.items():
+        if hasattr(cfg, limit):
+            setattr(cfg, limit, max(getattr(cfg, limit), n))
+
+
+class CompiledRegions(Eager):
+    """The model pieces of modeling/regions.py through torch.compile (fullgraph, static shapes), one compiled function
+    per piece: a piece's graph serves every layer it guards alike (same code, same shapes; the weights and the
+    layer's pool slices are its inputs), so a step's compile time no longer grows with its layers. A piece whose
+    compile fails (traced before anything ran) runs eagerly from then on, its reason warned once."""
+    views = True
+
+    def __init__(self, backend: str = "inductor"):
+        _raise_recompile_limits()
+        self.backend, self.options = backend, step_options(backend)
+        self.compiled: dict = {}
+        self.failures: dict = {}  # piece -> why it runs eagerly
+
+    def __call__(self, fn, *args):
+        if fn in self.failures:
+            return fn(*args)
+        c = self.compiled.get(fn)
+        if c is None:
+            c = self.compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.backend,
+                                                  options=self.options)
+        try:
+            return c(*args)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            line = " ".join([x.strip() for x in str(e).splitlines() if x.strip()][:2]) or type(e).__name__
+            self.failures[fn] = line
+            warnings.warn(f"compiled piece {fn.__name__} fell back to eager: {line}")
+            return fn(*args)
+
+
 def step_options(backend: str) -> dict | None:
     """Inductor's options for the steps (INDUCTOR_OPTIONS and the PDL switch); None for another backend."""
     return {**INDUCTOR_OPTIONS, "triton.enable_pdl": pdl_switch()} if backend == "inductor" else None
 
 
-def compile_steps(steps, backend: str = "inductor", store: bool | None = None) -> None:
+def compile_steps(steps, backend: str = "inductor", store: bool | None = None, regions: bool = False) -> None:
     """Replace steps.prefill / decode / spec by their compiled versions (in place). store: keep each compiled key
     on disk for later processes (step_store.py); None: with Inductor where step_store.default_on() and the steps
-    run torch modules."""
+    run torch modules. regions: compile the models' pieces (CompiledRegions) instead of each step whole: compile
+    time independent of the layer count; the step's glue (index casts, accept, commit) then runs eagerly inside
+    its CUDA graph, and no step is stored."""
     from dflash_trt.runtime.backends import step_store
 
     if backend == "inductor":
         use_cache_dir()
+    if regions:
+        steps.graphs.target.regions = CompiledRegions(backend)
+        for name in COMPILED:
+            setattr(steps, name, CompiledStep(steps, name, backend, regions=True))
+        return
     if store is None:
         store = backend == "inductor" and step_store.default_on()
     st = None
