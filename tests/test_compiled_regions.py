@@ -1,0 +1,88 @@
+"""Regional compile on CPU (torch_compile.CompiledRegions with the aot_eager backend: Dynamo + AOTAutograd as Inductor
+receives them): the steps' tokens equal the uncompiled steps' (greedy plain and DFlash, sampled DFlash), every piece
+traces whole, and the number of compiled graphs does not grow with the layer count (one graph per piece and key,
+reused by every layer of its kind)."""
+import numpy as np
+import pytest
+import torch
+
+from dflash_trt.abi import PoolSizes
+from dflash_trt.modeling.regions import EAGER
+from dflash_trt.runtime.backends.graph_executor import GraphStepExecutor
+from dflash_trt.runtime.backends.torch_backend import TorchBackend
+from dflash_trt.runtime.backends.torch_compile import CompiledRegions, compile_steps
+from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
+from dflash_trt.runtime.runtime import Runtime
+from dflash_trt.tools.bench_dense import build_random_dense
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+SIZES = PoolSizes(kv_blocks=96, page_size=4, max_seq_len=96, max_seqs=2, dkv_blocks=96, prefill_chunk=16)
+DIMS = dict(hidden=64, inter=128, heads=4, kv_heads=2, head_dim=32, gdn_k=2, gdn_v=4, gdn_dim=32, vocab=256,
+            d_heads=4, d_kv_heads=2, d_head_dim=16)
+
+
+def _pair(layers: int):
+    torch.manual_seed(0)
+    return build_random_dense(torch.float32, "cpu", layers, dims=DIMS)
+
+
+def _runtime(pair):
+    t, d = pair
+    return Runtime(TorchBackend(t, d), t.cfg, d.cfg, SIZES, device=TorchCpuDevice(),
+                   executor=lambda rt: GraphStepExecutor(rt, inflight=1))
+
+
+def _runs(rt, prompt):
+    return [rt.generate(prompt, 8, gamma=g, spec=s, **kw)[0] for g, s, kw in
+            ((None, False, {}), (3, True, {}), (3, True, dict(temperature=1.0, top_k=8, seed=11)))]
+
+
+def _regional(pair, prompt):
+    """(compiled runs, uncompiled runs, Dynamo's graph count) with the target's pieces compiled."""
+    want = _runs(_runtime(pair), prompt)
+    rt = _runtime(pair)
+    compile_steps(rt.executor.steps, backend="aot_eager", regions=True)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    regions = pair[0].regions
+    try:
+        got = _runs(rt, prompt)
+    finally:
+        pair[0].regions = EAGER  # the module outlives this runtime
+    assert not counters["graph_break"] and not regions.failures, (dict(counters["graph_break"]), regions.failures)
+    return got, want, counters["stats"]["unique_graphs"]
+
+
+def test_regional_steps_match_uncompiled_and_compile_once_per_kind_of_layer():
+    torch._dynamo.reset()
+    prompt = [int(x) for x in np.random.default_rng(3).integers(0, 250, 9)]
+    got, want, graphs4 = _regional(_pair(4), prompt)
+    assert got == want
+    torch._dynamo.reset()
+    got, want, graphs12 = _regional(_pair(12), prompt)
+    assert got == want
+    # embedding, GDN layer, attention layer, head (x prefill / decode / verify shapes) and the drafter graphs: the
+    # same set of graphs for 4 and for 12 layers
+    assert graphs4 == graphs12 and graphs4 > 0, (graphs4, graphs12)
+
+
+def test_pieces_take_their_own_layer_of_a_pool():
+    """A compiled piece takes its layer's slice of a pool with index 0 (an index would specialise the piece per
+    layer); the eager step and the exported graphs take the whole pool and the layer's index."""
+    pool = torch.arange(24.0).view(4, 6)
+    view, i = CompiledRegions("aot_eager").layer_of(pool, 2)
+    assert i == 0 and view.shape == (1, 6) and view.data_ptr() == pool[2].data_ptr()
+    assert EAGER.layer_of(pool, 2) == (pool, 2)
+
+
+def test_a_piece_that_cannot_compile_runs_eagerly_and_says_why():
+    regions = CompiledRegions("aot_eager")
+
+    def piece(x):
+        torch._dynamo.graph_break()  # fullgraph: the trace fails before anything ran
+        return x + 1
+
+    with pytest.warns(UserWarning, match="compiled piece piece fell back to eager"):
+        assert torch.equal(regions(piece, torch.zeros(2)), torch.ones(2))
+    assert piece in regions.failures
+    assert torch.equal(regions(piece, torch.ones(2)), torch.full((2,), 2.0))
