@@ -62,7 +62,7 @@ def check_checkpoint_dir(d: str, what: str) -> None:
 
 def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = "torch",
                  sizes: PoolSizes | None = None, step_costs=None, ks=DEFAULT_KS, device: str = "cpu",
-                 dtype: str | None = None, compile_steps: bool = True,
+                 dtype: str | None = None, compile_steps: bool | str = True,
                  export_dir: str | None = None,
                  gpu_memory_utilization: float | None = None,
                  tensor_parallel_size: int = 1, drafter_fp8: bool | None = None) -> tuple[Runtime, object]:
@@ -81,6 +81,7 @@ def load_runtime(model_dir: str, drafter_dir: str | None = None, backend: str = 
     sizes when given and the dtype).
     compile_steps (torch on CUDA; on by default): the steps through Inductor, faster steps for a compile per step key
     on first use, kept in the cache for later processes (runtime/backends/torch_compile.py; figures: docs/PERF.md);
+    "regions": the models' pieces compiled instead (each kind of layer once; torch_compile.CompiledRegions);
     False: eager steps. Ignored on the CPU. A missing GPU fails with one clear line.
     gpu_memory_utilization (torch on CUDA): the KV pools take what this fraction of the GPU's memory leaves once
     the weights are loaded (runtime/memory.py); `sizes` then gives only their shape (max_seq_len, max_seqs, page
@@ -217,7 +218,7 @@ def _torch_runtime(backend, model_dir, drafter_dir, sizes, step_costs, device, d
         if gpu_memory_utilization is not None:
             sizes = _sized_for_gpu(target.cfg, drafter.cfg if drafter else None, sizes,
                                    gpu_memory_utilization, dev.device, dtype)
-    be = make_backend(backend, target=target, drafter=drafter, compile_steps=compile_steps and dev is not None,
+    be = make_backend(backend, target=target, drafter=drafter, compile_steps=compile_steps if dev is not None else False,
                       checkpoint_hashes=hashes)
     if world != 1:
         from dflash_trt.runtime.parallel.launch import abort_group_on_error

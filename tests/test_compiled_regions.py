@@ -86,3 +86,10 @@ def test_a_piece_that_cannot_compile_runs_eagerly_and_says_why():
         assert torch.equal(regions(piece, torch.zeros(2)), torch.ones(2))
     assert piece in regions.failures
     assert torch.equal(regions(piece, torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_compile_steps_takes_true_false_or_regions():
+    t, d = _pair(4)
+    assert TorchBackend(t, d, compile_steps="regions").compile_regions
+    with pytest.raises(ValueError, match="True, False or 'regions'"):
+        TorchBackend(t, d, compile_steps="whole")

@@ -56,6 +56,8 @@ class TorchBackend:
         if self.device.type == "cpu" and self.kv_dtype not in ("float32", "float64"):
             raise ValueError(f"on CPU the runtime keeps pools in numpy; target dtype {self.kv_dtype} is not "
                              "supported there (load the target in float32)")
+        if isinstance(compile_steps, str) and compile_steps != "regions":
+            raise ValueError(f"compile_steps: True, False or 'regions', got {compile_steps!r}")
         self.compile_steps = bool(compile_steps) and self.device.type == "cuda"
         self.compile_regions = compile_steps == "regions"
         if self.device.type == "cuda":  # the GPU step: fewer, better-chosen GEMMs (same math)
