@@ -93,3 +93,31 @@ def test_compile_steps_takes_true_false_or_regions():
     assert TorchBackend(t, d, compile_steps="regions").compile_regions
     with pytest.raises(ValueError, match="True, False or 'regions'"):
         TorchBackend(t, d, compile_steps="whole")
+
+
+def test_decode_gdn_piece_commits_into_its_pool_slice_in_place(monkeypatch):
+    """With the CUDA path's op calls, the decode step's GDN piece hands dflash::gdn_decode its own input (the
+    layer's pool slice) as the base it mutates: no copy of the pool inside the piece; tokens as the reference."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from dflash_trt.plugins import seam_base, torch_ops  # noqa: F401
+
+    pair = _pair(4)
+    prompt = [int(x) for x in np.random.default_rng(5).integers(0, 250, 9)]
+    want = _runtime(pair).generate(prompt, 6, gamma=None, spec=False)[0]
+    monkeypatch.setattr(seam_base, "cuda_ops", lambda t: torch.ops.dflash)
+    graphs = []
+    rt = _runtime(pair)
+    compile_steps(rt.executor.steps, backend=aot_autograd(fw_compiler=lambda gm, _: graphs.append(gm) or
+                                                          make_boxed_func(gm.forward)), regions=True)
+    torch._dynamo.reset()
+    try:
+        assert rt.generate(prompt, 6, gamma=None, spec=False)[0] == want
+    finally:
+        pair[0].regions = EAGER
+    decodes = [n for gm in graphs for n in gm.graph.nodes if n.target == torch.ops.higher_order.auto_functionalized_v2
+               and n.args[0] == torch.ops.dflash.gdn_decode.default]
+    assert len(decodes) == 1, len(decodes)  # one graph for the GDN layers' decode piece, one op in it
+    base = decodes[0].kwargs["_all_bases"][0]
+    assert base.op == "placeholder" and tuple(base.meta["val"].shape)[0] == 1

@@ -1,7 +1,8 @@
 """Compiled steps (runtime/backends/torch_compile.py: Inductor inside the step's CUDA graph) on the shipped trained
 pair, fp32: plain and DFlash γ=15 tokens == the CPU reference for 128 new tokens; the compiled step's graph replay
 == its launch outside the graph, bit for bit; the compile really fused something (fewer kernels a step); and in bf16
-no compiled step copies a pool."""
+no compiled step copies a pool. The regional compile (compile_steps="regions"): tokens == the CPU reference, no piece
+copies a pool layer."""
 import os
 
 import numpy as np
@@ -135,3 +136,45 @@ def test_compiled_steps_write_the_pools_in_place(reference):  # noqa: F811
     assert allocs, "no buffer allocation found in the generated code: the pattern is stale"
     sizes = [(math.prod(int(x) for x in shape.split(",") if x.strip()), dt) for shape, dt in allocs]
     assert not [pools[s] for s in sizes if s in pools], "a compiled step copies a pool"
+
+
+
+def test_regional_compile_tokens_equal_cpu_reference(modules, reference):  # noqa: F811
+    """compile_steps="regions" (each kind of layer compiled once, torch_compile.CompiledRegions), fp32: plain and
+    DFlash γ=15 tokens == the CPU reference, every piece compiled."""
+    from dflash_trt.modeling.regions import EAGER
+
+    rt = gpu_runtime(modules, compile_steps="regions")
+    try:
+        for gamma, spec in ((None, False), (15, True)):
+            out, _ = rt.generate(reference["prompt_ids"][0], N_NEW, gamma=gamma, spec=spec)
+            assert out == reference["tokens"][0], spec
+        assert not modules[0].regions.failures, modules[0].regions.failures
+    finally:
+        modules[0].regions = EAGER  # the fixture's modules serve other runtimes
+
+
+def test_regional_pieces_write_pool_layers_in_place(reference):  # noqa: F811
+    """bf16 (the path with our gemv kernels): no compiled piece allocates a buffer of a pool layer's size and dtype
+    (each piece commits into its layer's slice of the pool in place)."""
+    import math
+    import re
+
+    import torch
+    from torch._inductor.utils import run_and_get_code
+
+    from dflash_trt.export.checkpoint import load_drafter, load_target
+
+    t = load_target(os.path.join(MODELS, "target"), torch.bfloat16).cuda()
+    rt = gpu_runtime((t, load_drafter(os.path.join(MODELS, "drafter"), t, torch.bfloat16).cuda()),
+                     compile_steps="regions")
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        _, codes = run_and_get_code(lambda: [rt.generate(reference["prompt_ids"][0], 8, gamma=g, spec=s)
+                                             for g, s in ((None, False), (15, True))])
+    assert not t.regions.failures, t.regions.failures
+    layers = {"kv_pool": len(t.cfg.attn_layers), "gdn_pool": len(t.cfg.gdn_layers), "conv_pool": len(t.cfg.gdn_layers)}
+    slices = {(rt.pools[k].numel() // n, str(rt.pools[k].dtype).removeprefix("torch.")): k for k, n in layers.items()}
+    allocs = re.findall(r"empty_strided_cuda\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)", "\n".join(codes))
+    assert allocs, "no buffer allocation found in the generated code: the pattern is stale"
+    sizes = [(math.prod(int(x) for x in shape.split(",") if x.strip()), dt) for shape, dt in allocs]
+    assert not [slices[s] for s in sizes if s in slices], "a compiled piece copies a pool layer"
