@@ -66,13 +66,7 @@ __device__ __forceinline__ void gdn_decode_body(
     const float qv = Qs[r0 + m * RS];
     po.x += qv * s[m].x; po.y += qv * s[m].y; po.z += qv * s[m].z; po.w += qv * s[m].w;
   }
-#pragma unroll
-  for (int off = 1; off < RS; off <<= 1) {
-    po.x += __shfl_xor_sync(0xffffffffu, po.x, off);
-    po.y += __shfl_xor_sync(0xffffffffu, po.y, off);
-    po.z += __shfl_xor_sync(0xffffffffu, po.z, off);
-    po.w += __shfl_xor_sync(0xffffffffu, po.w, off);
-  }
+  quad_sum<RS>(po);
   if (r0 == 0) {
     const i64 oi = ((i64)b * Hv + hv) * DV + d0 + 4 * c4;
     stf(o, o_dt, oi, po.x); stf(o, o_dt, oi + 1, po.y); stf(o, o_dt, oi + 2, po.z); stf(o, o_dt, oi + 3, po.w);

@@ -4,6 +4,18 @@
 // roundings than n one-row steps); the rows' serial dependence (u_i needs S_(i-1)) is the cost (docs/PERF.md).
 #define CH 16  // rows per shared-memory batch
 
+// Sum p over the RS lanes that hold one column quad's rows: a fixed butterfly, so every lane ends with the same bits.
+template <int RS>
+__device__ __forceinline__ void quad_sum(float4& p) {
+#pragma unroll
+  for (int off = 1; off < RS; off <<= 1) {
+    p.x += __shfl_xor_sync(0xffffffffu, p.x, off);
+    p.y += __shfl_xor_sync(0xffffffffu, p.y, off);
+    p.z += __shfl_xor_sync(0xffffffffu, p.z, off);
+    p.w += __shfl_xor_sync(0xffffffffu, p.w, off);
+  }
+}
+
 // One row of the recurrence on a thread's NR rows r0 + m*RS of four state columns (s): S' = e^g S; u = beta (v -
 // S'^T k_hat); S = S' + k_hat u^T, with k_hat the row's [DK] keys, vv its four values, dec = e^g and bt = beta. The dk
 // sum is a fixed butterfly over the RS lanes of one column quad (the same bits in every lane). Every kernel that
@@ -17,13 +29,7 @@ __device__ __forceinline__ void fold_row(float4 (&s)[NR], const float* k_hat, in
     s[m].x *= dec; s[m].y *= dec; s[m].z *= dec; s[m].w *= dec;
     pr.x += kv * s[m].x; pr.y += kv * s[m].y; pr.z += kv * s[m].z; pr.w += kv * s[m].w;
   }
-#pragma unroll
-  for (int off = 1; off < RS; off <<= 1) {  // butterfly: every lane ends with the same sum
-    pr.x += __shfl_xor_sync(0xffffffffu, pr.x, off);
-    pr.y += __shfl_xor_sync(0xffffffffu, pr.y, off);
-    pr.z += __shfl_xor_sync(0xffffffffu, pr.z, off);
-    pr.w += __shfl_xor_sync(0xffffffffu, pr.w, off);
-  }
+  quad_sum<RS>(pr);
   const float4 u = make_float4(bt * (vv.x - pr.x), bt * (vv.y - pr.y), bt * (vv.z - pr.z), bt * (vv.w - pr.w));
 #pragma unroll
   for (int m = 0; m < NR; ++m) {  // S = S' + k_hat u^T
