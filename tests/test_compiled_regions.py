@@ -121,3 +121,15 @@ def test_decode_gdn_piece_commits_into_its_pool_slice_in_place(monkeypatch):
     assert len(decodes) == 1, len(decodes)  # one graph for the GDN layers' decode piece, one op in it
     base = decodes[0].kwargs["_all_bases"][0]
     assert base.op == "placeholder" and tuple(base.meta["val"].shape)[0] == 1
+
+
+def test_regional_steps_of_a_sparse_moe_target_match_uncompiled(tmp_path):
+    """A sparse-MoE target (its MoE and dense MLP layers are pieces of their own kinds): tokens as uncompiled."""
+    from dflash_trt.export.checkpoint import load_drafter, load_target
+    from dflash_trt.tools.tiny import TINY_MOE, make_tiny_pair
+
+    torch._dynamo.reset()
+    tdir, ddir = make_tiny_pair(str(tmp_path), seed=5, target_over=dict(TINY_MOE))
+    t = load_target(tdir)
+    got, want, graphs = _regional((t, load_drafter(ddir, t)), [3, 14, 15, 92, 65, 35, 89, 79, 32])
+    assert got == want and graphs > 0
