@@ -12,6 +12,10 @@ puts its prefill between the others' steps. Inductor's on-disk caches (FX graphs
 under the dflash-trt cache (use_cache_dir), so a later process loads the compiled code; what every process still
 pays is Dynamo's trace of the step (figures: docs/PERF.md).
 
+Regional compile (opt-in, compile_steps(regions=True)): the models' pieces (modeling/regions.py) compile instead of
+each step whole, one graph per kind of layer reused by every layer of that kind, so the compile no longer grows with
+the layer count; the step's glue then runs uncompiled inside its CUDA graph (figures: docs/PERF.md).
+
 fp32 targets: cuBLAS's heuristics pick slow kernels for the small fp32 GEMMs of a verify step, cuBLASLt fast ones.
 torch's BLAS preference is process-wide: `prefer_cublaslt` sets it when the GPU runtime computes in fp32.
 Figures for each choice here: docs/PERF.md (runtime step).
