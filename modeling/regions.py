@@ -16,6 +16,10 @@ class Eager:
     def __call__(self, fn, *args):
         return fn(*args)
 
+    def model_call(self, fn, *args):
+        """A call into the models from the step's glue (the step's pieces run inside it)."""
+        return fn(*args)
+
     def layer_of(self, pool, index: int):
         """(the pool a layer's op takes, the layer's index in it)."""
         return (pool.narrow(0, index, 1), 0) if self.views else (pool, index)

@@ -1,7 +1,7 @@
 """Regional compile on CPU (torch_compile.CompiledRegions with the aot_eager backend: Dynamo + AOTAutograd as Inductor
 receives them): the steps' tokens equal the uncompiled steps' (greedy plain and DFlash, sampled DFlash), every piece
-traces whole, and the number of compiled graphs does not grow with the layer count (one graph per piece and key,
-reused by every layer of its kind)."""
+traces whole, the step's glue breaks only at its calls into the models, and the number of compiled graphs does not
+grow with the layer count (one graph per piece and key, reused by every layer of its kind)."""
 import numpy as np
 import pytest
 import torch
@@ -49,7 +49,9 @@ def _regional(pair, prompt):
         got = _runs(rt, prompt)
     finally:
         pair[0].regions = EAGER  # the module outlives this runtime
-    assert not counters["graph_break"] and not regions.failures, (dict(counters["graph_break"]), regions.failures)
+    # the glue's only graph breaks: its calls into the models (CompiledRegions.model_call), pieces compiled inside
+    breaks = [why for why in counters["graph_break"] if "_model_call" not in why]
+    assert counters["graph_break"] and not breaks and not regions.failures, (breaks, regions.failures)
     return got, want, counters["stats"]["unique_graphs"]
 
 

@@ -156,7 +156,7 @@ def test_regional_compile_tokens_equal_cpu_reference(modules, reference):  # noq
 
 def test_regional_pieces_write_pool_layers_in_place(reference):  # noqa: F811
     """bf16 (the path with our gemv kernels): no compiled piece allocates a buffer of a pool layer's size and dtype
-    (each piece commits into its layer's slice of the pool in place)."""
+    (each piece commits into its layer's slice of the pool in place), and no glue graph one of a pool's."""
     import math
     import re
 
@@ -174,7 +174,8 @@ def test_regional_pieces_write_pool_layers_in_place(reference):  # noqa: F811
     assert not t.regions.failures, t.regions.failures
     layers = {"kv_pool": len(t.cfg.attn_layers), "gdn_pool": len(t.cfg.gdn_layers), "conv_pool": len(t.cfg.gdn_layers)}
     slices = {(rt.pools[k].numel() // n, str(rt.pools[k].dtype).removeprefix("torch.")): k for k, n in layers.items()}
+    slices.update({(p.numel(), str(p.dtype).removeprefix("torch.")): k for k, p in rt.pools.items()})  # the glue's
     allocs = re.findall(r"empty_strided_cuda\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)", "\n".join(codes))
     assert allocs, "no buffer allocation found in the generated code: the pattern is stale"
     sizes = [(math.prod(int(x) for x in shape.split(",") if x.strip()), dt) for shape, dt in allocs]
-    assert not [slices[s] for s in sizes if s in slices], "a compiled piece copies a pool layer"
+    assert not [slices[s] for s in sizes if s in slices], "a compiled graph copies a pool (layer)"

@@ -347,7 +347,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="run the captured steps without Inductor")
     p.add_argument("--compile-regions", action="store_true",
                    help="random-27b / random-moe-35b-a3b: compile the models' pieces (each kind of layer once) instead "
-                        "of each step whole: compile time independent of --layers; the step's glue runs uncompiled")
+                        "of each step whole, the step's glue compiled between its model calls: compile time "
+                        "independent of --layers")
     p.add_argument("--profile", action="store_true",
                    help="also break the decode and spec steps down by kernel, at batch 1 and the widest --batch")
     p.add_argument("--fp8", action="store_true", help="random-27b: FP8 block-wise projections (the release layout)")

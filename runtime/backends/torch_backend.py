@@ -30,6 +30,9 @@ class ModuleGraphs:
     def run(self, graph: str, inputs: dict, want_logits: bool) -> dict:
         """Graph `graph` on device tensors `inputs` (ABI names); its outputs as device tensors. The target's step runs
         its pieces through target.regions (modeling/regions.py); a drafter graph is one piece."""
+        return self.target.regions.model_call(self._run, graph, inputs, want_logits)
+
+    def _run(self, graph: str, inputs: dict, want_logits: bool) -> dict:
         if graph == DRAFTER_CTX or graph.startswith(DRAFTER_BLOCK):
             return self.target.regions(run_graph, graph, None, self.drafter, inputs, want_logits)
         return run_graph(graph, self.target, self.drafter, inputs, want_logits=want_logits)

@@ -14,7 +14,7 @@ pays is Dynamo's trace of the step (figures: docs/PERF.md).
 
 Regional compile (opt-in, compile_steps(regions=True)): the models' pieces (modeling/regions.py) compile instead of
 each step whole, one graph per kind of layer reused by every layer of that kind, so the compile no longer grows with
-the layer count; the step's glue then runs uncompiled inside its CUDA graph (figures: docs/PERF.md).
+the layer count; the step's glue compiles as the graphs between its calls into the models (figures: docs/PERF.md).
 
 fp32 targets: cuBLAS's heuristics pick slow kernels for the small fp32 GEMMs of a verify step, cuBLASLt fast ones.
 torch's BLAS preference is process-wide: `prefer_cublaslt` sets it when the GPU runtime computes in fp32.
@@ -127,14 +127,13 @@ class CompiledStep:
     the CPU test of the tracing)."""
 
     def __init__(self, owner, name: str, backend: str = "inductor", store=None, regions: bool = False):
-        """regions: the step itself runs eagerly and its model pieces compile (CompiledRegions, set on the models by
-        compile_steps); this object then only announces and times each key's first call."""
+        """regions: the model pieces compile on their own (CompiledRegions, set on the models by compile_steps) and
+        the step's glue around them compiles as the graphs between its model calls (each call a graph break)."""
         _raise_recompile_limits()
         self.owner, self.name, self.store = owner, name, store
         self.fn = _no_grad(getattr(owner, name))
         options = step_options(backend)
-        self.compiled = self.fn if regions else torch.compile(self.fn, fullgraph=True, dynamic=False, backend=backend,
-                                                              options=options)
+        self.compiled = torch.compile(self.fn, fullgraph=not regions, dynamic=False, backend=backend, options=options)
         self.unbound = torch.compile(getattr(type(owner), name), fullgraph=True, dynamic=False, backend=backend,
                                      options=options) if store is not None else None
         self.failures: list[str] = []
@@ -247,6 +246,11 @@ class CompiledRegions(Eager):
         self.compiled: dict = {}
         self.failures: dict = {}  # piece -> why it runs eagerly
 
+    def model_call(self, fn, *args):
+        """The glue compiles around it (CompiledStep with regions): a graph break, the models' pieces compiled on their
+        own inside it."""
+        return _model_call(fn, *args)
+
     def __call__(self, fn, *args):
         if fn in self.failures:
             return fn(*args)
@@ -263,6 +267,11 @@ class CompiledRegions(Eager):
             return fn(*args)
 
 
+@torch._dynamo.disable
+def _model_call(fn, *args):
+    return fn(*args)
+
+
 def step_options(backend: str) -> dict | None:
     """Inductor's options for the steps (INDUCTOR_OPTIONS and the PDL switch); None for another backend."""
     return {**INDUCTOR_OPTIONS, "triton.enable_pdl": pdl_switch()} if backend == "inductor" else None
@@ -271,9 +280,9 @@ def step_options(backend: str) -> dict | None:
 def compile_steps(steps, backend: str = "inductor", store: bool | None = None, regions: bool = False) -> None:
     """Replace steps.prefill / decode / spec by their compiled versions (in place). store: keep each compiled key
     on disk for later processes (step_store.py); None: with Inductor where step_store.default_on() and the steps
-    run torch modules. regions: compile the models' pieces (CompiledRegions) instead of each step whole: compile
-    time independent of the layer count; the step's glue (index casts, accept, commit) then runs eagerly inside
-    its CUDA graph, and no step is stored."""
+    run torch modules. regions: compile the models' pieces (CompiledRegions) and the step's glue between its model
+    calls instead of each step whole: compile time independent of the layer count; no step is stored. It sets
+    target.regions: every runtime over these modules then runs their pieces compiled."""
     from dflash_trt.runtime.backends import step_store
 
     if backend == "inductor":
