@@ -21,6 +21,15 @@ DIMS = dict(hidden=64, inter=128, heads=4, kv_heads=2, head_dim=32, gdn_k=2, gdn
             d_heads=4, d_kv_heads=2, d_head_dim=16)
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Dynamo's caches hang on the code objects (the fused steps' methods, shared with the whole-step compile's tests):
+    each test here starts and leaves them empty."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _pair(layers: int):
     torch.manual_seed(0)
     return build_random_dense(torch.float32, "cpu", layers, dims=DIMS)
@@ -56,7 +65,6 @@ def _regional(pair, prompt):
 
 
 def test_regional_steps_match_uncompiled_and_compile_once_per_kind_of_layer():
-    torch._dynamo.reset()
     prompt = [int(x) for x in np.random.default_rng(3).integers(0, 250, 9)]
     got, want, graphs4 = _regional(_pair(4), prompt)
     assert got == want
@@ -130,7 +138,6 @@ def test_regional_steps_of_a_sparse_moe_target_match_uncompiled(tmp_path):
     from dflash_trt.export.checkpoint import load_drafter, load_target
     from dflash_trt.tools.tiny import TINY_MOE, make_tiny_pair
 
-    torch._dynamo.reset()
     tdir, ddir = make_tiny_pair(str(tmp_path), seed=5, target_over=dict(TINY_MOE))
     t = load_target(tdir)
     got, want, graphs = _regional((t, load_drafter(ddir, t)), [3, 14, 15, 92, 65, 35, 89, 79, 32])
