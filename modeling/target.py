@@ -4,6 +4,8 @@ One forward, `step`, serves every target graph of the ABI (target_k{K}, target_p
 tokens per sequence on top of the state held in the pools (paged KV, GDN state slots, conv slots).
 Pools are read-only here; the graph returns what the runtime's commit path writes back:
 new K/V rows, GDN fold data (or the final state for prefill), pre-conv columns and ctx_hidden.
+`step` runs its pieces (embed_rope, gdn_layer / attention_layer per layer, head) through `self.regions`
+(modeling/regions.py): called as they are, or each compiled once for every layer of its kind.
 
 Shapes: B sequences, T new tokens, H hidden, La/Lg attention/GDN layer counts,
 Hk/Hv GDN key/value heads with dims dk/dv, C = conv_dim, W = conv kernel.
