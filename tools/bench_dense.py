@@ -201,7 +201,7 @@ def run(a) -> int:
         # the plain step's floor at the decode's mean context
         b["floor_ms"] = floor_bytes(target, rt.pools, PROMPT + a.max_new_tokens // 2, 1, B) / (bw * 1e9) * 1e3
         b["step_over_floor"] = b["plain_step_ms"] / b["floor_ms"]
-        batch_scripted(res, gamma)
+        batch_scripted(res, gamma, only=B)
         print_batches(res, only=B)
         sys.stdout.flush()
     if a.profile:

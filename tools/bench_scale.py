@@ -100,14 +100,16 @@ def long_context(rt, dev, target, rows: int, bw: float, compiled: bool, rng, max
     return res
 
 
-def batch_scripted(res: dict, gamma: int) -> None:
-    """The scripted fixed / auto K lines (tools/scripted.py) at each measured batch B > 1, from that batch's plain
-    and spec steps (widths 1 and gamma + 1), into res["batches"][B]["scripted"] and their checks into
-    res["targets"]."""
+def batch_scripted(res: dict, gamma: int, only=None) -> None:
+    """The scripted fixed / auto K lines (tools/scripted.py) at each measured batch B > 1 (only = B: at B alone), from
+    that batch's plain and spec steps (widths 1 and gamma + 1), into res["batches"][B]["scripted"] and their checks
+    into res["targets"]."""
     from dflash_trt.runtime.draft_length import CostTable
     from dflash_trt.tools.scripted import scripted_lines
 
     for B, b in res.get("batches", {}).items():
+        if only is not None and B != only:
+            continue
         costs = CostTable({(1, B): b["plain_step_ms"] / 1e3, (gamma + 1, B): b["spec_step_ms"] / 1e3})
         b["scripted"] = scripted_lines(costs, bucket=B)
         res.setdefault("targets", {}).update(b["scripted"]["targets"])
@@ -146,12 +148,9 @@ def print_batches(res: dict, only=None) -> None:
         print(f"{B:>5} {b['plain_tok_s']:>11.1f} {b['over_batch1']:>9.2f} {b['plain_step_ms']:>8.3f} {floor} "
               f"{b['plain_idle_pct']:>6.1f} {b['spec_step_ms']:>12.3f} {b['spec_over_plain']:>10.2f} "
               f"{str(b['identical']):>9}")
-        if only is not None and "scripted" in b:
+    for b in rows.values():
+        if "scripted" in b:
             print_scripted(b["scripted"])
-    if only is None:
-        for b in rows.values():
-            if "scripted" in b:
-                print_scripted(b["scripted"])
 
 
 def print_long_context(res: dict) -> None:
