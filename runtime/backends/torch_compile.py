@@ -170,8 +170,7 @@ class CompiledStep:
             else:
                 out = self._compile_in_process(key, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:  # traced before anything ran: safe to rerun
-            head = [x.strip() for x in str(e).splitlines() if x.strip()][:2]  # "backend raised:" + why
-            line = " ".join(head) or type(e).__name__
+            line = compile_failure(e)
             self.failures.append(line)
             self.eager_keys.add(key)
             warnings.warn(f"compiled step {self.name} fell back to eager for this key (others stay compiled): {line}")
@@ -223,6 +222,11 @@ class CompiledStep:
         return out
 
 
+def compile_failure(e: Exception) -> str:
+    """A failed compile in one line: its first two non-empty lines ("backend raised:" + why), or its type."""
+    return " ".join([x.strip() for x in str(e).splitlines() if x.strip()][:2]) or type(e).__name__
+
+
 def _raise_recompile_limits() -> None:
     """Each step key is a recompile of the same code object (a model piece: of each piece)."""
     cfg = torch._dynamo.config
@@ -261,7 +265,7 @@ class CompiledRegions(Eager):
         try:
             return c(*args)
         except torch._dynamo.exc.TorchDynamoException as e:
-            line = " ".join([x.strip() for x in str(e).splitlines() if x.strip()][:2]) or type(e).__name__
+            line = compile_failure(e)
             self.failures[fn] = line
             warnings.warn(f"compiled piece {fn.__name__} fell back to eager: {line}")
             return fn(*args)
