@@ -106,14 +106,21 @@ def test_sampled_steps_compile_and_draw_the_uncompiled_tokens(compiled_rt, modul
     assert not steps.decode.failures and not steps.spec.failures, (steps.decode.failures, steps.spec.failures)
 
 
+def _allocations(codes) -> list:
+    """(numel, dtype name) of every buffer Inductor's generated code allocates."""
+    import math
+    import re
+
+    allocs = re.findall(r"empty_strided_cuda\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)", "\n".join(codes))
+    assert allocs, "no buffer allocation found in the generated code: the pattern is stale"
+    return [(math.prod(int(x) for x in shape.split(",") if x.strip()), dt) for shape, dt in allocs]
+
+
 def test_compiled_steps_write_the_pools_in_place(reference):  # noqa: F811
     """No compiled step allocates a buffer of a pool's size and dtype: the commit writes every pool in place. Where
     Inductor cannot order a write after every read of its pool it copies the whole pool in and back out around it
     (the bf16 decode step once did for the KV pool: two 17.8 MB copies, 35 us of a 0.23 ms step). bf16: the path with
     our gemv kernels, where that graph came out."""
-    import math
-    import re
-
     import torch
     from torch._inductor.utils import run_and_get_code
 
@@ -132,11 +139,8 @@ def test_compiled_steps_write_the_pools_in_place(reference):  # noqa: F811
         _, codes = run_and_get_code(run)
     assert len(codes) >= 3, len(codes)  # prefill, decode, spec
     pools = {(p.numel(), str(p.dtype).removeprefix("torch.")): name for name, p in rt.pools.items()}
-    allocs = re.findall(r"empty_strided_cuda\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)", "\n".join(codes))
-    assert allocs, "no buffer allocation found in the generated code: the pattern is stale"
-    sizes = [(math.prod(int(x) for x in shape.split(",") if x.strip()), dt) for shape, dt in allocs]
+    sizes = _allocations(codes)
     assert not [pools[s] for s in sizes if s in pools], "a compiled step copies a pool"
-
 
 
 def test_regional_compile_tokens_equal_cpu_reference(modules, reference):  # noqa: F811
@@ -157,9 +161,6 @@ def test_regional_compile_tokens_equal_cpu_reference(modules, reference):  # noq
 def test_regional_pieces_write_pool_layers_in_place(reference):  # noqa: F811
     """bf16 (the path with our gemv kernels): no compiled piece allocates a buffer of a pool layer's size and dtype
     (each piece commits into its layer's slice of the pool in place), and no glue graph one of a pool's."""
-    import math
-    import re
-
     import torch
     from torch._inductor.utils import run_and_get_code
 
@@ -175,7 +176,5 @@ def test_regional_pieces_write_pool_layers_in_place(reference):  # noqa: F811
     layers = {"kv_pool": len(t.cfg.attn_layers), "gdn_pool": len(t.cfg.gdn_layers), "conv_pool": len(t.cfg.gdn_layers)}
     slices = {(rt.pools[k].numel() // n, str(rt.pools[k].dtype).removeprefix("torch.")): k for k, n in layers.items()}
     slices.update({(p.numel(), str(p.dtype).removeprefix("torch.")): k for k, p in rt.pools.items()})  # the glue's
-    allocs = re.findall(r"empty_strided_cuda\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)", "\n".join(codes))
-    assert allocs, "no buffer allocation found in the generated code: the pattern is stale"
-    sizes = [(math.prod(int(x) for x in shape.split(",") if x.strip()), dt) for shape, dt in allocs]
+    sizes = _allocations(codes)
     assert not [slices[s] for s in sizes if s in slices], "a compiled graph copies a pool (layer)"
