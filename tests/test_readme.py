@@ -72,7 +72,7 @@ def test_cli_reference_lists_every_option(cmd):
 
 
 def test_bench_reference_names_real_options():
-    real = set().union(*(_options(["bench", s]) for s in ("kernels", "generate", "e2e", "host", "serve")))
+    real = set().union(*(_options(["bench", s]) for s in ("kernels", "generate", "e2e", "host", "serve", "startup")))
     documented = reference("bench", tables=False)
     assert documented and documented <= real, documented - real
 

@@ -1,5 +1,5 @@
-"""`dflash-trt bench {kernels,generate,e2e,host,serve}`: benchmarks print absolute numbers with the hardware named and
-a ratio against a baseline measured in the same run; each can write JSON."""
+"""`dflash-trt bench {kernels,generate,e2e,host,serve,startup}`: benchmarks print absolute numbers with the
+hardware named and a ratio against a baseline measured in the same run; each can write JSON."""
 from __future__ import annotations
 
 import os
@@ -115,10 +115,14 @@ def bench_generate(argv) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("kernels", "generate", "e2e", "host", "serve"):
-        print("usage: dflash-trt bench {kernels,generate,e2e,host,serve} [options]  (see --help of each)",
+    if not argv or argv[0] not in ("kernels", "generate", "e2e", "host", "serve", "startup"):
+        print("usage: dflash-trt bench {kernels,generate,e2e,host,serve,startup} [options]  (see --help of each)",
               file=sys.stderr)
         return 2
+    if argv[0] == "startup":
+        from dflash_trt.tools import bench_startup
+
+        return int(bench_startup.main(argv[1:]) or 0)
     if argv[0] == "serve":
         from dflash_trt.tools import bench_serve
 
