@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX, PREFILL, parse_drafter_block, parse_target_graph
+from dflash_trt.modeling.regions import EAGER
 
 
-def run_graph(name: str, target, drafter, x: dict, want_logits: bool = False) -> dict:
-    """Run graph `name` on inputs `x` (ABI input names -> tensors); returns its outputs by ABI name."""
+def run_graph(name: str, target, drafter, x: dict, want_logits: bool = False, regions=EAGER) -> dict:
+    """Run graph `name` on inputs `x` (ABI input names -> tensors); returns its outputs by ABI name. regions: how
+    the target's step runs its pieces (modeling/regions.py)."""
     if parse_target_graph(name) is not None or name == PREFILL:
         return target.step(x["input_ids"], x["positions"], x["slot"], x["seq_len"], x["block_table"],
                            x["kv_pool"], x["gdn_pool"], x["conv_pool"], valid_len=x.get("valid_len"),
-                           want_logits=want_logits, gdn_commit=x.get("gdn_commit"))
+                           want_logits=want_logits, gdn_commit=x.get("gdn_commit"), regions=regions)
     if drafter is None:
         raise ValueError(f"graph '{name}' needs a drafter")
     if name == DRAFTER_CTX:

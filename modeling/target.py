@@ -4,7 +4,7 @@ One forward, `step`, serves every target graph of the ABI (target_k{K}, target_p
 tokens per sequence on top of the state held in the pools (paged KV, GDN state slots, conv slots).
 Pools are read-only here; the graph returns what the runtime's commit path writes back:
 new K/V rows, GDN fold data (or the final state for prefill), pre-conv columns and ctx_hidden.
-`step` runs its pieces (embed_rope, gdn_layer / attention_layer per layer, head) through `self.regions`
+`step` runs its pieces (embed_rope, gdn_layer / attention_layer per layer, head) through its `regions` argument
 (modeling/regions.py): called as they are, or each compiled once for every layer of its kind.
 
 Shapes: B sequences, T new tokens, H hidden, La/Lg attention/GDN layer counts,
@@ -279,7 +279,6 @@ class TargetModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tap_ids = list(tap_ids or [])
-        self.regions = EAGER  # how step runs its pieces (modeling/regions.py)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if empty else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, i) for i, t in enumerate(cfg.layer_types))
@@ -347,7 +346,7 @@ class TargetModel(nn.Module):
                 "ctx_hidden": torch.cat([taps[t] for t in self.tap_ids], -1) if self.tap_ids else None}
 
     def step(self, input_ids, positions, slot, seq_len, block_table, kv_pool, gdn_pool, conv_pool,
-             valid_len=None, want_logits=False, gdn_commit=None):
+             valid_len=None, want_logits=False, gdn_commit=None, regions=EAGER):
         """One target graph. input_ids/positions [B,T] int64; slot, seq_len [B]; block_table [B,max_blocks];
         kv_pool [La,2,blocks,bs,Hkv,hd]; gdn_pool [Lg,slots,Hv,dk,dv] fp32; conv_pool [Lg,slots,C,W-1].
         valid_len [B] (prefill only): rows >= valid_len are padding; the GDN state is then returned as the
@@ -359,7 +358,7 @@ class TargetModel(nn.Module):
         if gdn_commit is not None and (valid_len is not None or input_ids.shape[1] != 1):
             raise ValueError(f"gdn_commit is for one-row decode steps, got input_ids {tuple(input_ids.shape)}"
                              f"{' with valid_len' if valid_len is not None else ''}")
-        run = self.regions
+        run = regions
         h, cos, sin = run(embed_rope, self.embed_tokens, input_ids, positions, self.cfg.rotary_dim, self.cfg.rope_theta)
         kv_rows, fold, states, cols_all, taps = [], [], [], [], {}
         ia = ig = 0

@@ -53,11 +53,8 @@ def _regional(pair, prompt):
     compile_steps(rt.executor.steps, backend="aot_eager", regions=True)
     counters = torch._dynamo.utils.counters
     counters.clear()
-    regions = pair[0].regions
-    try:
-        got = _runs(rt, prompt)
-    finally:
-        pair[0].regions = EAGER  # the module outlives this runtime
+    regions = rt.executor.steps.graphs.regions
+    got = _runs(rt, prompt)
     # the glue's only graph breaks: its calls into the models (CompiledRegions.model_call), pieces compiled inside
     breaks = [why for why in counters["graph_break"] if "_model_call" not in why]
     assert counters["graph_break"] and not breaks and not regions.failures, (breaks, regions.failures)
@@ -74,6 +71,19 @@ def test_regional_steps_match_uncompiled_and_compile_once_per_kind_of_layer():
     # embedding, GDN layer, attention layer, head (x prefill / decode / verify shapes) and the drafter graphs: the
     # same set of graphs for 4 and for 12 layers
     assert graphs4 == graphs12 and graphs4 > 0, (graphs4, graphs12)
+
+
+def test_compiled_pieces_belong_to_their_runtime_not_to_the_modules():
+    """A second runtime over the same modules runs its pieces as they are (it compiled nothing): the compiled
+    pieces live on the first runtime's graphs, not on the shared modules."""
+    pair = _pair(4)
+    compiled = _runtime(pair)
+    compile_steps(compiled.executor.steps, backend="aot_eager", regions=True)
+    other = _runtime(pair)
+    assert isinstance(compiled.executor.steps.graphs.regions, CompiledRegions)
+    assert other.executor.steps.graphs.regions is EAGER
+    other.generate([3, 14, 15, 92, 65], 4, gamma=None, spec=False)
+    assert not compiled.executor.steps.graphs.regions.compiled  # the other runtime's steps did not run its pieces
 
 
 def test_pieces_take_their_own_layer_of_a_pool():
@@ -122,10 +132,7 @@ def test_decode_gdn_piece_commits_into_its_pool_slice_in_place(monkeypatch):
     compile_steps(rt.executor.steps, backend=aot_autograd(fw_compiler=lambda gm, _: graphs.append(gm) or
                                                           make_boxed_func(gm.forward)), regions=True)
     torch._dynamo.reset()
-    try:
-        assert rt.generate(prompt, 6, gamma=None, spec=False)[0] == want
-    finally:
-        pair[0].regions = EAGER
+    assert rt.generate(prompt, 6, gamma=None, spec=False)[0] == want
     decodes = [n for gm in graphs for n in gm.graph.nodes if n.target == torch.ops.higher_order.auto_functionalized_v2
                and n.args[0] == torch.ops.dflash.gdn_decode.default]
     assert len(decodes) == 1, len(decodes)  # one graph for the GDN layers' decode piece, one op in it

@@ -146,16 +146,12 @@ def test_compiled_steps_write_the_pools_in_place(reference):  # noqa: F811
 def test_regional_compile_tokens_equal_cpu_reference(modules, reference):  # noqa: F811
     """compile_steps="regions" (each kind of layer compiled once, torch_compile.CompiledRegions), fp32: plain and
     DFlash γ=15 tokens == the CPU reference, every piece compiled."""
-    from dflash_trt.modeling.regions import EAGER
-
     rt = gpu_runtime(modules, compile_steps="regions")
-    try:
-        for gamma, spec in ((None, False), (15, True)):
-            out, _ = rt.generate(reference["prompt_ids"][0], N_NEW, gamma=gamma, spec=spec)
-            assert out == reference["tokens"][0], spec
-        assert not modules[0].regions.failures, modules[0].regions.failures
-    finally:
-        modules[0].regions = EAGER  # the fixture's modules serve other runtimes
+    for gamma, spec in ((None, False), (15, True)):
+        out, _ = rt.generate(reference["prompt_ids"][0], N_NEW, gamma=gamma, spec=spec)
+        assert out == reference["tokens"][0], spec
+    regions = rt.executor.steps.graphs.regions
+    assert regions.compiled and not regions.failures, regions.failures
 
 
 def test_regional_pieces_write_pool_layers_in_place(reference):  # noqa: F811
@@ -172,7 +168,8 @@ def test_regional_pieces_write_pool_layers_in_place(reference):  # noqa: F811
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         _, codes = run_and_get_code(lambda: [rt.generate(reference["prompt_ids"][0], 8, gamma=g, spec=s)
                                              for g, s in ((None, False), (15, True))])
-    assert not t.regions.failures, t.regions.failures
+    regions = rt.executor.steps.graphs.regions
+    assert regions.compiled and not regions.failures, regions.failures
     layers = {"kv_pool": len(t.cfg.attn_layers), "gdn_pool": len(t.cfg.gdn_layers), "conv_pool": len(t.cfg.gdn_layers)}
     slices = {(rt.pools[k].numel() // n, str(rt.pools[k].dtype).removeprefix("torch.")): k for k, n in layers.items()}
     slices.update({(p.numel(), str(p.dtype).removeprefix("torch.")): k for k, p in rt.pools.items()})  # the glue's

@@ -14,6 +14,7 @@ import torch
 
 from dflash_trt.abi import DRAFTER_BLOCK, DRAFTER_CTX
 from dflash_trt.export.graphs import run_graph
+from dflash_trt.modeling.regions import EAGER
 from dflash_trt.plugins.opspec import dtype_name
 
 HOST_OUTPUTS = ("argmax", "drafts")
@@ -26,16 +27,17 @@ class ModuleGraphs:
 
     def __init__(self, target, drafter=None):
         self.target, self.drafter = target, drafter
+        self.regions = EAGER  # how these graphs run the models' pieces (modeling/regions.py): this object's own
 
     def run(self, graph: str, inputs: dict, want_logits: bool) -> dict:
         """Graph `graph` on device tensors `inputs` (ABI names); its outputs as device tensors. The target's step runs
-        its pieces through target.regions (modeling/regions.py); a drafter graph is one piece."""
-        return self.target.regions.model_call(self._run, graph, inputs, want_logits)
+        its pieces through self.regions; a drafter graph is one piece."""
+        return self.regions.model_call(self._run, graph, inputs, want_logits)
 
     def _run(self, graph: str, inputs: dict, want_logits: bool) -> dict:
         if graph == DRAFTER_CTX or graph.startswith(DRAFTER_BLOCK):
-            return self.target.regions(run_graph, graph, None, self.drafter, inputs, want_logits)
-        return run_graph(graph, self.target, self.drafter, inputs, want_logits=want_logits)
+            return self.regions(run_graph, graph, None, self.drafter, inputs, want_logits)
+        return run_graph(graph, self.target, self.drafter, inputs, want_logits=want_logits, regions=self.regions)
 
 
 class TorchBackend:

@@ -285,14 +285,15 @@ def compile_steps(steps, backend: str = "inductor", store: bool | None = None, r
     """Replace steps.prefill / decode / spec by their compiled versions (in place). store: keep each compiled key
     on disk for later processes (step_store.py); None: with Inductor where step_store.default_on() and the steps
     run torch modules. regions: compile the models' pieces (CompiledRegions) and the step's glue between its model
-    calls instead of each step whole: compile time independent of the layer count; no step is stored. It sets
-    target.regions: every runtime over these modules then runs their pieces compiled."""
+    calls instead of each step whole: compile time independent of the layer count; no step is stored. The
+    compiled pieces are these steps' graphs' own (steps.graphs.regions): another runtime over the same modules
+    keeps its own."""
     from dflash_trt.runtime.backends import step_store
 
     if backend == "inductor":
         use_cache_dir()
     if regions:
-        steps.graphs.target.regions = CompiledRegions(backend)
+        steps.graphs.regions = CompiledRegions(backend)
         for name in COMPILED:
             setattr(steps, name, CompiledStep(steps, name, backend, regions=True))
         return
