@@ -254,7 +254,7 @@ def test_build_refuses_values_that_cannot_be_meant(capsys, tmp_path, extra, matc
     (["e2e", "--model", "x", "--dtype", "int8"], "--dtype 'int8' not supported"),
     (["e2e", "--model", "x", "--step-ks", "1,8"], "--step-ks wants comma-separated K in 1..16 including 1 and 16"),
     (["e2e", "--model", "x", "--step-ks", "1,17,16"], "--step-ks wants"),
-    (["host", "--batch", "32"], "--batch values must be in 1..16"),
+    (["host", "--batch", "128"], "--batch values must be in 1..64"),
 ])
 def test_bench_bad_inputs(capsys, tmp_path, pair, broken_weights, argv, match):
     empty = tmp_path / "empty.txt"

@@ -1,5 +1,5 @@
 """`dflash-trt bench host`: the runtime's host side alone, on the CPU. One scheduler step in Python (plan, page
-reservation, step tables, staging fill, collect, commit bookkeeping, emit) at batch 1 / 4 / 16, plain and DFlash,
+reservation, step tables, staging fill, collect, commit bookkeeping, emit) at batches of 1-64, plain and DFlash,
 with the device's step replaced by a stand-in that writes plausible results (n = accepted + 1) and does nothing
 else. On a GPU this host time overlaps the step in flight; once it exceeds the device's step time it sets the
 pace (bench e2e's idle% then rises). The ratio printed is host(batch B) / host(batch 1) of the same run.
@@ -100,6 +100,7 @@ def main(argv=None) -> int:
     from dflash_trt.runtime.devices.torch_cpu import TorchCpuDevice
     from dflash_trt.runtime.load import UsageError
     from dflash_trt.runtime.runtime import Runtime
+    from dflash_trt.runtime.batching import BUCKETS
     from dflash_trt.runtime.scheduler import PREFETCH
     from dflash_trt.export.checkpoint import load_drafter, load_target
     from dflash_trt.tools.bench import hardware
@@ -115,13 +116,15 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batch.split(",")]
-    if not all(1 <= b <= 16 for b in batches) or a.max_new_tokens < 2 or not 0 <= a.accepted <= a.gamma:
-        raise UsageError("--batch values must be in 1..16, --max-new-tokens >= 2, 0 <= --accepted <= --gamma")
+    top = BUCKETS[-1]
+    if not all(1 <= b <= top for b in batches) or a.max_new_tokens < 2 or not 0 <= a.accepted <= a.gamma:
+        raise UsageError(f"--batch values must be in 1..{top}, --max-new-tokens >= 2, 0 <= --accepted <= --gamma")
     tdir, ddir = (a.model, a.drafter) if a.model else default_pair()[:2]
     target = load_target(tdir)
     drafter = load_drafter(ddir, target) if ddir else None
-    sizes = PoolSizes(max_seq_len=1024, kv_blocks=16 * 64 + 64, page_size=16, max_seqs=16 + PREFETCH,
-                      dkv_blocks=16 * 64 + 64, ctx_window=1024, prefill_chunk=64)
+    widest = max(batches)  # pages for that many sequences of up to 1024 rows, and the serving run's prefetched ones
+    sizes = PoolSizes(max_seq_len=1024, kv_blocks=(widest + PREFETCH) * 64, page_size=16, max_seqs=widest + PREFETCH,
+                      dkv_blocks=(widest + PREFETCH) * 64, ctx_window=1024, prefill_chunk=64)
     rt = Runtime(TorchBackend(target, drafter), target.cfg, drafter.cfg if drafter else None, sizes,
                  device=TorchCpuDevice(), executor=GraphStepExecutor)
     rt.executor.steps = StandInSteps(rt.executor.steps.state, a.accepted)
