@@ -21,7 +21,8 @@ from dflash_trt.config import ConfigError
 from dflash_trt.modeling.fp8_gemm import w8a8, w8a8_takes
 from dflash_trt.modeling.fuse import Linear, fp8_takes, linear
 from dflash_trt.modeling.mlp import Experts, SparseMoE
-from dflash_trt.plugins import ops
+from dflash_trt.plugins import ops, torch_ops  # noqa: F401  (torch_ops registers dflash::moe_experts_fp8)
+from dflash_trt.plugins.moe.spec import FP8_BLOCK
 from dflash_trt.plugins.gemv_fp8.reference import E4M3_MAX, MIN_AMAX, dequantize_blockwise, scale_rows as _rows  # noqa: F401
 from dflash_trt.quant import Fp8Config
 
@@ -93,10 +94,22 @@ class Fp8Experts(nn.Module):
         self.down_proj_scale_inv = _frozen(torch.ones(n, _cdiv(hidden, bn), _cdiv(inter, bk)))
 
     def forward(self, x, topk_idx, topk_w):
-        """As Experts.forward, on the weights dequantized to x's dtype (the op seam's reference or kernels)."""
+        """As Experts.forward. CUDA inference with 16-bit x and 128x128 blocks: dflash::moe_experts_fp8, the grouped
+        kernels streaming the selected experts' fp8 bytes (W8A16, plugins/moe); otherwise (CPU, ONNX export,
+        autograd) the weights dequantized to x's dtype and the op seam's reference or kernels."""
+        if self._kernel_takes(x):
+            return torch.ops.dflash.moe_experts_fp8(x, topk_idx, topk_w, self.gate_up_proj,
+                                                    self.gate_up_proj_scale_inv, self.down_proj,
+                                                    self.down_proj_scale_inv)
         gate_up = _dequantize(self.gate_up_proj, self.gate_up_proj_scale_inv, self.block, x.dtype)
         down = _dequantize(self.down_proj, self.down_proj_scale_inv, self.block, x.dtype)
         return ops.moe_experts(x, topk_idx, topk_w, gate_up, down)
+
+    def _kernel_takes(self, x) -> bool:
+        H, I = self.down_proj.shape[1:]  # noqa: E741
+        return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.block == (FP8_BLOCK, FP8_BLOCK)
+                and H % FP8_BLOCK == 0 and I % FP8_BLOCK == 0 and not torch.is_grad_enabled()
+                and not torch.onnx.is_in_onnx_export())
 
 
 def _fp8_twin(owner: nn.Module, child: str, mod: nn.Module, q: Fp8Config, path: str):

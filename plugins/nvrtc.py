@@ -82,15 +82,18 @@ def read_source(name: str) -> str:
         return f.read()
 
 
-def _headers(src: str, dirs=(HERE,)) -> dict:
-    """Local ``#include "x.cuh"`` files (first found in `dirs`), handed to NVRTC in memory."""
-    out = {}
+def _headers(src: str, dirs=(HERE,), out=None) -> dict:
+    """Local ``#include "x.cuh"`` files (first found in `dirs`) and theirs in turn, handed to NVRTC in memory."""
+    out = {} if out is None else out
     for inc in re.findall(r'#include\s+"([^"]+)"', src):
+        if inc in out:
+            continue
         for d in dirs:
             path = os.path.join(d, inc)
             if os.path.exists(path):
                 with open(path) as f:
                     out[inc] = f.read()
+                _headers(out[inc], dirs, out)
                 break
     return out
 

@@ -82,27 +82,36 @@ def dense_drafter_config(layers: int = LAYERS, dims: dict = DIMS_27B, dflash2: b
     )
 
 
-def fp8_config():
+def fp8_config(skip=FP8_SKIP):
     from dflash_trt.quant import Fp8Config
 
-    return Fp8Config(skip=FP8_SKIP)
+    return Fp8Config(skip=skip)
 
 
-def quantize_random(target, gen) -> list[str]:
-    """The target's projections made FP8 as the release converts them (quantize_modules with FP8_SKIP), each filled
-    with random e4m3 weights and one scale per block so that W ~ N(0, 0.02) like the 16-bit layers; the 16-bit
-    weights they replace are freed layer by layer. Returns the converted checkpoint module names."""
+def quantize_random(target, gen, skip=FP8_SKIP) -> list[str]:
+    """The target's projections (and routed experts) made FP8 as the release converts them (quantize_modules with
+    the release's skip list), each filled with random e4m3 weights and one scale per block so that W ~ N(0, 0.02)
+    like the 16-bit layers; the 16-bit weights they replace are freed layer by layer. Returns the converted
+    checkpoint module names."""
     import torch
 
-    from dflash_trt.modeling.fp8 import Fp8Linear, quantize_modules
+    from dflash_trt.modeling.fp8 import Fp8Experts, Fp8Linear, quantize_modules
 
-    done = quantize_modules(target, fp8_config(), "model.")
+    done = quantize_modules(target, fp8_config(skip), "model.")
     with torch.no_grad():
         for m in target.modules():
             if isinstance(m, Fp8Linear):
-                r = torch.randn(m.weight.shape, device=m.weight.device, generator=gen, dtype=torch.bfloat16)
-                m.weight.copy_(r.mul_(FP8_TYPICAL).clamp_(-448, 448).to(m.weight.dtype))
-                m.weight_scale_inv.fill_(0.02 / FP8_TYPICAL)
+                pairs = [(m.weight, m.weight_scale_inv)]
+            elif isinstance(m, Fp8Experts):
+                pairs = [(m.gate_up_proj, m.gate_up_proj_scale_inv), (m.down_proj, m.down_proj_scale_inv)]
+            else:
+                continue
+            for w, s in pairs:
+                for i in range(w.shape[0] if w.dim() == 3 else 1):  # one expert at a time: a small 16-bit temporary
+                    wi = w[i] if w.dim() == 3 else w
+                    r = torch.randn(wi.shape, device=wi.device, generator=gen, dtype=torch.bfloat16)
+                    wi.copy_(r.mul_(FP8_TYPICAL).clamp_(-448, 448).to(wi.dtype))
+                s.fill_(0.02 / FP8_TYPICAL)
     return done
 
 

@@ -302,8 +302,10 @@ def check_args(a) -> None:
     if any(not t > 0 for t in temps):
         raise UsageError(f"--temperatures wants comma-separated temperatures > 0 (or ''), got {a.temperatures!r}")
     parse_step_ks(a.step_ks)
-    if (a.fp8 or a.dflash2) and a.model != "random-27b":
-        raise UsageError(f"--fp8 and --dflash2 build the random-27b preset only, not --model {a.model!r}")
+    if a.fp8 and a.model not in PRESETS:
+        raise UsageError(f"--fp8 builds the random-27b and random-moe-35b-a3b presets only, not --model {a.model!r}")
+    if a.dflash2 and a.model != "random-27b":
+        raise UsageError(f"--dflash2 builds the random-27b preset only, not --model {a.model!r}")
     if a.context is not None and a.model != "random-27b":
         raise UsageError(f"--context builds the random-27b preset only, not --model {a.model!r}")
     if a.model == "random-moe-35b-a3b" and batches != [1]:
@@ -351,7 +353,8 @@ def main(argv=None) -> int:
                         "independent of --layers")
     p.add_argument("--profile", action="store_true",
                    help="also break the decode and spec steps down by kernel, at batch 1 and the widest --batch")
-    p.add_argument("--fp8", action="store_true", help="random-27b: FP8 block-wise projections (the release layout)")
+    p.add_argument("--fp8", action="store_true",
+                   help="random-27b / random-moe-35b-a3b: FP8 block-wise projections and experts (the release layout)")
     p.add_argument("--dflash2", action="store_true",
                    help="random-27b: a DFlash2 drafter (convolutions + candidate selector) of the same size")
     p.add_argument("--layers", type=int, default=None,

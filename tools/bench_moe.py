@@ -64,9 +64,16 @@ def moe_drafter_config(layers: int = LAYERS) -> dict:
     )
 
 
-def build_random_moe(dtype, device, layers: int = LAYERS):
+# the FP8 release's 16-bit modules: bench_dense's (embeddings, lm_head, the GDN a / b projections), the router and
+# the shared expert's gate
+FP8_SKIP_MOE = ("model.embed_tokens", "lm_head", "in_proj_a", "in_proj_b", "mlp.gate", "mlp.shared_expert_gate")
+
+
+def build_random_moe(dtype, device, layers: int = LAYERS, fp8: bool = False):
     """(target, drafter) with random weights made on the device (N(0, 0.02) matrices, zero-centred norms at 0,
-    GDN A_log / dt_bias in their usual ranges)."""
+    GDN A_log / dt_bias in their usual ranges); fp8: the target's projections and routed experts FP8 as the
+    release stores them (bench_dense.quantize_random with FP8_SKIP_MOE), then the drafter's projections (as
+    load_runtime quantizes a drafter beside an FP8 target)."""
     import torch
 
     from dflash_trt.config import DrafterConfig, TargetConfig
@@ -75,10 +82,22 @@ def build_random_moe(dtype, device, layers: int = LAYERS):
 
     tcfg = moe_target_config(layers)
     gen = torch.Generator(device=device).manual_seed(0)
-    with torch.device(device):
-        target = TargetModel(TargetConfig.from_dict(tcfg)).to(dtype)
-        drafter = Drafter(DrafterConfig.from_dict(moe_drafter_config(layers)), tcfg["hidden_size"]).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in dtype: an fp32 model first would not fit at 40 layers
+    try:
+        with torch.device(device):
+            target = TargetModel(TargetConfig.from_dict(tcfg))
+            drafter = Drafter(DrafterConfig.from_dict(moe_drafter_config(layers)), tcfg["hidden_size"])
+    finally:
+        torch.set_default_dtype(default)
     random_init([*target.named_parameters(), *drafter.named_parameters()], gen, device)
+    if fp8:
+        from dflash_trt.modeling.fp8 import quantize_projections
+        from dflash_trt.tools.bench_dense import quantize_random
+
+        with torch.device(device):
+            quantize_random(target, gen, FP8_SKIP_MOE)
+        quantize_projections(drafter)
     return target.eval(), drafter.eval().bind_target(target)
 
 
@@ -98,17 +117,17 @@ def random_init(named_params, gen, device) -> None:
 
 
 def _expert_bytes(target) -> int:
-    """Bytes of ONE routed expert (gate + up + down) of one layer."""
+    """Bytes of ONE routed expert (gate + up + down, and their block scales when FP8) of one layer."""
     ex = next(layer.mlp.experts for layer in target.layers if hasattr(layer.mlp, "experts"))
-    return (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * ex.gate_up_proj.element_size()
+    return sum(p[0].numel() * p.element_size() for p in ex.parameters())
 
 
 def step_bytes(target, pools, ctx_rows: int, K: int, distinct_per_layer: list[float], batch: int = 1) -> float:
     """The floor's bytes of one step of K tokens for each of `batch` sequences of ctx_rows rows (see the module
     doc); a dense target: no experts, []. Parameters count as stored (FP8 projections: 1 byte a weight + their
     fp32 scales); each sequence adds its state and KV rows."""
-    experts = {id(layer.mlp.experts.gate_up_proj) for layer in target.layers if hasattr(layer.mlp, "experts")}
-    experts |= {id(layer.mlp.experts.down_proj) for layer in target.layers if hasattr(layer.mlp, "experts")}
+    moe = [layer.mlp.experts for layer in target.layers if hasattr(layer.mlp, "experts")]
+    experts = {id(p) for ex in moe for p in ex.parameters()}
     emb = target.embed_tokens.weight
     dense = sum(p.numel() * p.element_size() for p in target.parameters() if id(p) not in experts and p is not emb)
     dense += batch * K * emb.shape[1] * emb.element_size()
@@ -191,8 +210,6 @@ def moe_block(target, bw: float, compiled: bool, tokens=(1, 4, 16, 64)) -> dict:
     floor of the block's bytes (router + shared expert + the distinct experts selected)."""
     import torch
 
-    from dflash_trt.plugins import ops
-
     block = next(layer.mlp for layer in target.layers if hasattr(layer.mlp, "experts"))
     run_block = _compiled(block, "forward", compiled)
     eb = _expert_bytes(target)
@@ -204,8 +221,7 @@ def moe_block(target, bw: float, compiled: bool, tokens=(1, 4, 16, 64)) -> dict:
             x = torch.randn(T, target.cfg.hidden_size, device="cuda", generator=gen).to(block.gate.weight.dtype)
             idx, w = block.route(x)
             d = int(idx.unique().numel())
-            ex = block.experts
-            _, ms_experts = _capture(lambda: ops.moe_experts(x, idx, w, ex.gate_up_proj, ex.down_proj))
+            _, ms_experts = _capture(lambda: block.experts(x, idx, w))  # bf16 or FP8 experts, as the step runs them
             _, ms_block = _capture(lambda: run_block(x))
             out[T] = {"distinct": d, "experts_us": ms_experts * 1e3, "experts_floor_us": d * eb / (bw * 1e9) * 1e6,
                       "block_us": ms_block * 1e3, "block_floor_us": (d * eb + other) / (bw * 1e9) * 1e6}
@@ -274,11 +290,12 @@ def run(a) -> int:
     sizes = PoolSizes(max_seq_len=1024, kv_blocks=4 * 64 + 64, page_size=16, max_seqs=4, dkv_blocks=4 * 64 + 64,
                       ctx_window=1024, prefill_chunk=64)
     layers = a.layers or LAYERS
-    made = random_bench_runtime(a, lambda dt, d: build_random_moe(dt, d, layers), sizes)
+    made = random_bench_runtime(a, lambda dt, d: build_random_moe(dt, d, layers, a.fp8), sizes)
     if made is None:
         return 2
     rt, dev, target, compiled = made
     res = {"hardware": hardware("cuda"), "model": RANDOM_MOE, "layers": layers, "dtype": a.dtype or "bfloat16",
+           "fp8": bool(a.fp8),
            "compiled": compiled, "weights_GB": sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9,
            "expert_MB": _expert_bytes(target) / 1e6}
     res["copy_bandwidth_GBps"] = bw = copy_bandwidth_gbs(dev)
@@ -312,7 +329,8 @@ def step1_split(res, moe_layers: int) -> dict:
 
 
 def print_table(res) -> None:
-    print(f"bench e2e: {res['model']} ({res['layers']} layers, {res['dtype']}"
+    fp8 = ", FP8 projections and experts" if res.get("fp8") else ""
+    print(f"bench e2e: {res['model']} ({res['layers']} layers, {res['dtype']}{fp8}"
           f"{compiled_words(res.get('compiled'))}, {res['weights_GB']:.1f} GB, "
           f"{res['expert_MB']:.2f} MB/expert) on {res['hardware']}; device copy {res['copy_bandwidth_GBps']:.0f} GB/s")
     print(f"{'K':>3} {'step ms':>8} {'floor ms':>9} {'ratio':>6} {'distinct/layer':>15} {'(mean of draws)':>16}")

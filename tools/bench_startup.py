@@ -44,7 +44,7 @@ def parser() -> ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: the checkpoint's 16-bit dtype on a GPU (bfloat16 for a preset)")
     p.add_argument("--layers", type=int, default=None, help="a preset: target layers built (default: all)")
-    p.add_argument("--fp8", action="store_true", help="random-27b: FP8 block-wise projections")
+    p.add_argument("--fp8", action="store_true", help="a preset: FP8 block-wise projections (and experts)")
     p.add_argument("--compile-regions", action="store_true", help="compile the models' pieces instead of each step")
     p.add_argument("--no-compile", action="store_true", help="eager steps")
     p.add_argument("--gamma", type=gamma_arg, default="auto", help=GAMMA_HELP)
@@ -78,8 +78,8 @@ def check_args(a) -> None:
             check_checkpoint_dir(a.drafter, "--drafter")
         if a.layers is not None:
             raise UsageError(f"--layers builds a preset ({', '.join(PRESETS)}) only, not --model {a.model!r}")
-    if a.fp8 and a.model != "random-27b":
-        raise UsageError(f"--fp8 builds the random-27b preset only, not --model {a.model!r}")
+    if a.fp8 and a.model not in PRESETS:
+        raise UsageError(f"--fp8 builds a preset ({', '.join(PRESETS)}) only, not --model {a.model!r}")
     if a.cache and not os.path.isdir(a.cache):
         raise UsageError(f"--cache {a.cache}: not a directory")
 
@@ -122,7 +122,7 @@ def build_runtime(a):
     if a.model == "random-27b":
         target, drafter = build_random_dense(dtype, dev.device, a.layers or 64, a.fp8)
     else:
-        target, drafter = build_random_moe(dtype, dev.device, a.layers or 40)
+        target, drafter = build_random_moe(dtype, dev.device, a.layers or 40, a.fp8)
     sizes = bench_sizes(1, a.prompt_tokens, a.new_tokens, default_prefill_chunk(target.cfg))
     return Runtime(TorchBackend(target, drafter, compile_steps=compile_mode(a)), target.cfg, drafter.cfg, sizes,
                    device=dev)

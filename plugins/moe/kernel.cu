@@ -5,7 +5,14 @@
 // chunk (the same permutation for both operands, so the dot products are unchanged): thread (g, tq) of a warp
 // loads 8 consecutive elements [8tq, 8tq+8) of a row with one 16-byte load; elements 0-3 feed the first
 // k16 step, 4-7 the second. fp32: plain FMA (test / tiny-model path).
+// FP8 weights (W8A16: e4m3 [E, rows, K] with fp32 block scales [E, rows/128, K/128], W = fp8 * scale of its
+// 128x128 block; x 16-bit): the same tiles, passes and epilogue; a lane loads its 8 columns of a row as 8 bytes
+// and fp8x8_to16 makes them the words a 16-bit row's 16-byte load gives. A warp's 32-column chunk lies in one
+// 128-column scale block and a tile's 16 rows in one 128-row block, so each chunk's products go to a zeroed
+// partial and acc += scale * partial: the unscaled fp8 values (exact in 16 bits) meet x on the tensor cores and
+// each weight is scaled once in fp32, as gemv_fp8 does.
 #include "common.cuh"
+#include "gemv_fp8/fp8_words.cuh"
 #ifndef MOE_WARPS
 #error "MOE_WARPS / MOE_PASS come from moe/spec.py through NVRTC -D options"
 #endif
@@ -87,20 +94,48 @@ __device__ __forceinline__ void row_bases(int tile, int I, int& r0, int& r1) {
   else { r0 = tile * 32; r1 = tile * 32 + 16; }
 }
 
-// W [E, rows, K] and B rows in one 16-bit dtype (dt); out: h (KIND 0, dt, [P, I]) or y (KIND 1, fp32, [P, H]).
-template <int KIND, bool F16>
-__device__ __forceinline__ void gemm_mma(const u16* __restrict__ W, int rows, int K, const u16* __restrict__ B,
-                                         int topk, int I, Plan pl, void* __restrict__ out, int out_ld) {
+// Columns [k, k + 8) of a weight row as four words of 16-bit pairs: one 16-byte load (16-bit weights) or one
+// 8-byte load converted (W8: e4m3). row: the row's element at this lane's first column.
+template <bool W8, bool F16>
+__device__ __forceinline__ uint4 load_cols8(const void* row, int k) {
+  if constexpr (W8) return fp8x8_to16<F16>(*(const uint2*)((const unsigned char*)row + k));
+  else return *(const uint4*)((const u16*)row + k);
+}
+template <bool W8>
+__device__ __forceinline__ const void* weight_at(const void* W, i64 i) {
+  return W8 ? (const void*)((const unsigned char*)W + i) : (const void*)((const u16*)W + i);
+}
+
+// One 32-column chunk of both 16-row tiles against one 8-column tile of B: two k16 steps each (the permutation
+// above: words x, y the first, z, w the second).
+template <bool F16>
+__device__ __forceinline__ void mma_chunk(float (&d0)[4], float (&d1)[4], const uint4& a00, const uint4& a01,
+                                          const uint4& a10, const uint4& a11, const uint4& b) {
+  mma16816<F16>(d0, a00.x, a01.x, a00.y, a01.y, b.x, b.y);
+  mma16816<F16>(d0, a00.z, a01.z, a00.w, a01.w, b.z, b.w);
+  mma16816<F16>(d1, a10.x, a11.x, a10.y, a11.y, b.x, b.y);
+  mma16816<F16>(d1, a10.z, a11.z, a10.w, a11.w, b.z, b.w);
+}
+
+// W [E, rows, K] in B's 16-bit dtype, or e4m3 with scale [E, rows/128, K/128] (W8); B rows 16-bit; out: h (KIND 0,
+// B's dtype, [P, I]) or y (KIND 1, fp32, [P, H]).
+template <int KIND, bool F16, bool W8>
+__device__ __forceinline__ void gemm_mma(const void* __restrict__ W, const float* __restrict__ scale, int rows, int K,
+                                         const u16* __restrict__ B, int topk, int I, Plan pl, void* __restrict__ out,
+                                         int out_ld) {
   const int j = blockIdx.y, cnt = pl.act_cnt[j];
   if (cnt == 0) return;  // slot past the active experts (uniform per CTA)
   const int e = pl.act_e[j], off = pl.act_off[j];
   int r0, r1;
   row_bases<KIND>(blockIdx.x, I, r0, r1);
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
-  const u16* w00 = W + ((i64)e * rows + r0 + g) * K + tq * 8;
-  const u16* w01 = w00 + (i64)8 * K;
-  const u16* w10 = W + ((i64)e * rows + r1 + g) * K + tq * 8;
-  const u16* w11 = w10 + (i64)8 * K;
+  const void* w00 = weight_at<W8>(W, ((i64)e * rows + r0 + g) * K + tq * 8);
+  const void* w01 = weight_at<W8>(W, ((i64)e * rows + r0 + g + 8) * K + tq * 8);
+  const void* w10 = weight_at<W8>(W, ((i64)e * rows + r1 + g) * K + tq * 8);
+  const void* w11 = weight_at<W8>(W, ((i64)e * rows + r1 + g + 8) * K + tq * 8);
+  const int kb = K >> 7;  // W8: scale blocks per row of blocks; the tiles' rows of scales
+  const float* s0row = W8 ? scale + ((i64)e * (rows >> 7) + (r0 >> 7)) * kb : nullptr;
+  const float* s1row = W8 ? scale + ((i64)e * (rows >> 7) + (r1 >> 7)) * kb : nullptr;
   __shared__ float red[MOE_WARPS][2 * NT * 4][32];
   __shared__ int ent[MOE_PASS];
   for (int t0 = 0; t0 < cnt; t0 += MOE_PASS) {
@@ -122,16 +157,24 @@ __device__ __forceinline__ void gemm_mma(const u16* __restrict__ W, int rows, in
         for (int c = 0; c < 4; ++c) acc[m][n][c] = 0.f;
 #pragma unroll 2
     for (int k0 = w * 32; k0 < K; k0 += MOE_WARPS * 32) {
-      const uint4 a00 = *(const uint4*)(w00 + k0), a01 = *(const uint4*)(w01 + k0);
-      const uint4 a10 = *(const uint4*)(w10 + k0), a11 = *(const uint4*)(w11 + k0);
+      const uint4 a00 = load_cols8<W8, F16>(w00, k0), a01 = load_cols8<W8, F16>(w01, k0);
+      const uint4 a10 = load_cols8<W8, F16>(w10, k0), a11 = load_cols8<W8, F16>(w11, k0);
+      const float s0 = W8 ? __ldg(s0row + (k0 >> 7)) : 1.f, s1 = W8 ? __ldg(s1row + (k0 >> 7)) : 1.f;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         if (n < nt) {
           const uint4 b = brow[n] ? *(const uint4*)(brow[n] + k0) : make_uint4(0, 0, 0, 0);
-          mma16816<F16>(acc[0][n], a00.x, a01.x, a00.y, a01.y, b.x, b.y);
-          mma16816<F16>(acc[0][n], a00.z, a01.z, a00.w, a01.w, b.z, b.w);
-          mma16816<F16>(acc[1][n], a10.x, a11.x, a10.y, a11.y, b.x, b.y);
-          mma16816<F16>(acc[1][n], a10.z, a11.z, a10.w, a11.w, b.z, b.w);
+          if constexpr (W8) {  // this chunk's products, scaled into acc
+            float p0[4] = {0.f, 0.f, 0.f, 0.f}, p1[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_chunk<F16>(p0, p1, a00, a01, a10, a11, b);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              acc[0][n][c] = fmaf(s0, p0[c], acc[0][n][c]);
+              acc[1][n][c] = fmaf(s1, p1[c], acc[1][n][c]);
+            }
+          } else {
+            mma_chunk<F16>(acc[0][n], acc[1][n], a00, a01, a10, a11, b);
+          }
         }
       }
     }
@@ -244,18 +287,34 @@ __device__ __forceinline__ void gemm_f32(const float* __restrict__ W, int rows, 
 #define MOE_GATE_UP_MMA(NAME, F16)                                                                            \
   extern "C" __global__ void __launch_bounds__(NTHREADS) NAME(                                               \
       const u16* gate_up, const u16* x, int H, int I, int topk, PLAN_ARGS, u16* h) {                         \
-    gemm_mma<0, F16>(gate_up, 2 * I, H, x, topk, I, PLAN_OF, h, I);                                          \
+    gemm_mma<0, F16, false>(gate_up, nullptr, 2 * I, H, x, topk, I, PLAN_OF, h, I);                          \
   }
 // down [E, H, I]; h [P, I]; y [P, H] fp32. Grid (H/32, M).
 #define MOE_DOWN_MMA(NAME, F16)                                                                               \
   extern "C" __global__ void __launch_bounds__(NTHREADS) NAME(                                               \
       const u16* down, const u16* h, int H, int I, int topk, PLAN_ARGS, float* y) {                          \
-    gemm_mma<1, F16>(down, H, I, h, topk, I, PLAN_OF, y, H);                                                 \
+    gemm_mma<1, F16, false>(down, nullptr, H, I, h, topk, I, PLAN_OF, y, H);                                 \
   }
 MOE_GATE_UP_MMA(moe_gate_up_bf16, false)
 MOE_GATE_UP_MMA(moe_gate_up_f16, true)
 MOE_DOWN_MMA(moe_down_bf16, false)
 MOE_DOWN_MMA(moe_down_f16, true)
+
+// FP8 experts (W8A16): gate_up [E, 2I, H] e4m3 + scale [E, 2I/128, H/128]; down [E, H, I] e4m3 + scale
+// [E, H/128, I/128]; H and I multiples of 128 (spec.check_fp8). Grids as above.
+#define MOE_FP8(SFX, F16)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(NTHREADS) moe_gate_up_fp8_##SFX(                             \
+      const unsigned char* gate_up, const float* scale, const u16* x, int H, int I, int topk, PLAN_ARGS,      \
+      u16* h) {                                                                                              \
+    gemm_mma<0, F16, true>(gate_up, scale, 2 * I, H, x, topk, I, PLAN_OF, h, I);                             \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(NTHREADS) moe_down_fp8_##SFX(                                \
+      const unsigned char* down, const float* scale, const u16* h, int H, int I, int topk, PLAN_ARGS,         \
+      float* y) {                                                                                            \
+    gemm_mma<1, F16, true>(down, scale, H, I, h, topk, I, PLAN_OF, y, H);                                    \
+  }
+MOE_FP8(bf16, false)
+MOE_FP8(f16, true)
 
 extern "C" __global__ void __launch_bounds__(NTHREADS) moe_gate_up_f32(
     const float* gate_up, const float* x, int H, int I, int topk, PLAN_ARGS, float* h) {
@@ -281,75 +340,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
   stf(out, out_dt, (i64)n * H + c, s);
 }
 
-// ---- router: softmax in fp32 -> the k largest probabilities (descending) -> renormalised when norm --------------
-// reference.route's math in one launch (torch's softmax + topk cost two sort kernels per layer). One CTA per token
-// row n (grid N, blockDim a multiple of 32, <= MOE_ROUTE_THREADS). Dynamic shared memory: p [E], sel [k] floats.
-// Thread t only ever touches p[e] for e = t (mod blockDim): the strided loops below keep p thread-private, so the
-// only barriers are those of the block reductions. Reduction number r uses buffer r & 1 and one barrier: a thread
-// writing buffer b again has passed the barrier of the reduction in between, which every reader of b's previous
-// values reached only after reading them.
-// Equal probabilities go to the lowest expert id. A row with NaN logits selects id E in every slot (outside [0, E):
-// moe_experts drops such pairs).
-__device__ __forceinline__ void arg_better(float& v, int& i, float ov, int oi) {
-  if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-}
-
-template <bool MAX>
-__device__ __forceinline__ float block_reduce(float v, float* red) {
-  const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-  v = MAX ? warp_max(v) : warp_sum(v);
-  if (lane == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float r = red[0];
-  for (int q = 1; q < nw; ++q) r = MAX ? fmaxf(r, red[q]) : r + red[q];  // fixed order: deterministic
-  return r;
-}
-
-extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route(
-    const void* __restrict__ logits, int l_dt, int N, int E, int k, int norm, i64* __restrict__ idx,
-    void* __restrict__ w, int w_dt) {
-  extern __shared__ float route_sm[];
-  float* p = route_sm;        // [E] probabilities; a selected expert's entry becomes -inf
-  float* sel = route_sm + E;  // [k] the selected probabilities, descending
-  __shared__ float rv[2][32];
-  __shared__ int ri[2][32];
-  const int n = blockIdx.x, tid = threadIdx.x, lane = tid & 31, nw = blockDim.x >> 5;
-  if (n >= N) return;
-  const i64 row = (i64)n * E;
-  float m = -INFINITY;
-  for (int e = tid; e < E; e += blockDim.x) {
-    p[e] = ldf(logits, l_dt, row + e);
-    m = fmaxf(m, p[e]);
-  }
-  m = block_reduce<true>(m, rv[0]);
-  float s = 0.f;
-  for (int e = tid; e < E; e += blockDim.x) {
-    p[e] = expf(p[e] - m);
-    s += p[e];
-  }
-  s = block_reduce<false>(s, rv[1]);
-  for (int e = tid; e < E; e += blockDim.x) p[e] /= s;  // divided like torch's softmax (not times 1/s)
-  float total = 0.f;  // sum of the selected probabilities, descending order (every thread holds it)
-  for (int r = 0; r < k; ++r) {
-    float bv = -INFINITY;
-    int bi = E;
-    for (int e = tid; e < E; e += blockDim.x)
-      if (p[e] > bv) { bv = p[e]; bi = e; }  // ascending e, strict >: the lowest id among equals
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-      arg_better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
-    if (lane == 0) { rv[r & 1][tid >> 5] = bv; ri[r & 1][tid >> 5] = bi; }
-    __syncthreads();
-    bv = rv[r & 1][0];
-    bi = ri[r & 1][0];
-    for (int q = 1; q < nw; ++q) arg_better(bv, bi, rv[r & 1][q], ri[r & 1][q]);
-    if (bi < E && bi % blockDim.x == tid) p[bi] = -INFINITY;  // its owner removes the winner
-    if (tid == 0) { sel[r] = bv; idx[(i64)n * k + r] = bi; }
-    total += bv;
-  }
-  __syncthreads();  // sel complete
-  for (int j = tid; j < k; j += blockDim.x) stf(w, w_dt, (i64)n * k + j, norm ? sel[j] / total : sel[j]);
-}
+// ---- router (route.cuh): softmax in fp32 -> the k largest probabilities -> renormalised when norm -------------
+#include "moe/route.cuh"
 
 // ---- decode path (N <= spec.DECODE_TOKENS): per-pair weight streaming (decode.cuh) ---------------------------------
 #include "gemv/rows.cuh"

@@ -26,21 +26,26 @@ def workspace_ints(N: int, k: int, E: int) -> int:
 
 
 def moe_experts(x, topk_idx, topk_w, gate_up, down, out, plan, h, y_pair, *, N, k, E, H, I,  # noqa: E741
-                dtype="bfloat16", idx_dtype="int64", w_dtype="bfloat16", stream=0):
-    """out [N,H] <- MoeExperts(x, topk_idx, topk_w, gate_up, down); all contiguous, weights in x's dtype."""
+                dtype="bfloat16", idx_dtype="int64", w_dtype="bfloat16", stream=0, scales=None):
+    """out [N,H] <- MoeExperts(x, topk_idx, topk_w, gate_up, down); all contiguous, weights in x's dtype, or with
+    scales = (gate_up scale, down scale) e4m3 weights and their fp32 128x128 block scales (W8A16, x 16-bit)."""
     spec.check_dims(N, k, E, H, I)
+    if scales is not None:
+        spec.check_fp8(H, I, dtype_name(dtype))
     dt, wdt, idx64 = _codes(dtype, w_dtype, idx_dtype)
     M, Pn = slots(N, k, E), N * k
     act_e, act_off, act_cnt, entries = plan, plan + 4 * M, plan + 8 * M, plan + 12 * M  # int32 byte offsets
     plan_args = [(act_e, P), (act_off, P), (act_cnt, P), (entries, P)]
     launch(get_function("moe", "moe_plan"), (1, 1, 1), (spec.PLAN_THREADS, 1, 1), 8 * E, stream,
            [(topk_idx, P), (idx64, INT), (Pn, INT), (E, INT), (M, INT), *plan_args])
-    sfx = _SUFFIX[dtype_name(dtype)]
+    sfx = ("fp8_" if scales is not None else "") + _SUFFIX[dtype_name(dtype)]
+    gu_w, dn_w = ([(gate_up, P)], [(down, P)]) if scales is None else \
+        ([(gate_up, P), (scales[0], P)], [(down, P), (scales[1], P)])
     block = (spec.WARPS * 32, 1, 1)
     launch(get_function("moe", f"moe_gate_up_{sfx}"), (I // 16, M, 1), block, 0, stream,
-           [(gate_up, P), (x, P), (H, INT), (I, INT), (k, INT), *plan_args, (h, P)])
+           [*gu_w, (x, P), (H, INT), (I, INT), (k, INT), *plan_args, (h, P)])
     launch(get_function("moe", f"moe_down_{sfx}"), (H // spec.ROWS, M, 1), block, 0, stream,
-           [(down, P), (h, P), (H, INT), (I, INT), (k, INT), *plan_args, (y_pair, P)])
+           [*dn_w, (h, P), (H, INT), (I, INT), (k, INT), *plan_args, (y_pair, P)])
     _combine(y_pair, topk_idx, idx64, topk_w, wdt, out, dt, N=N, k=k, E=E, H=H, stream=stream)
 
 

@@ -41,3 +41,14 @@ def moe_experts(x, topk_idx, topk_w, gate_up, down):
     gu = torch.matmul(x.unsqueeze(0), gate_up.transpose(1, 2))  # [E,N,2I]
     y = torch.matmul(F.silu(gu[..., :inter]) * gu[..., inter:], down.transpose(1, 2))  # [E,N,H]
     return (y * combine.t().unsqueeze(-1)).sum(0)
+
+
+def moe_experts_fp8(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scale):
+    """moe_experts on FP8 experts (e4m3 weights, fp32 scales of 128x128 blocks): W = fp8 * scale in fp32 (the W8A16
+    reference), x and the routing weights in fp32, the result in x's dtype."""
+    from dflash_trt.plugins.gemv_fp8.reference import dequantize_blockwise
+    from dflash_trt.plugins.moe.spec import FP8_BLOCK
+
+    block = (FP8_BLOCK, FP8_BLOCK)
+    gu, dn = (dequantize_blockwise(w, s, block) for w, s in ((gate_up, gate_up_scale), (down, down_scale)))
+    return moe_experts(x.float(), topk_idx, topk_w.float(), gu, dn).to(x.dtype)

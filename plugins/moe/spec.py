@@ -22,6 +22,7 @@ kernel here too: moe_route, one CTA per token row: softmax in fp32, k rounds of 
 from __future__ import annotations
 
 from dflash_trt.plugins.gemv import spec as gemv_spec
+from dflash_trt.plugins.gemv_fp8 import spec as gemv_fp8_spec
 from dflash_trt.plugins.opspec import FLOATS, INTS, OpSpec, Port, check_float_dtypes, kernel_need, need
 
 # kernel limits (kernel.cu reads the -D macros; launch.py these)
@@ -41,6 +42,17 @@ def check_dims(N, k, E, H, I) -> None:  # noqa: E741
     kernel_need(1 <= E <= MAX_EXPERTS, f"moe_experts: {E} experts; the kernel takes 1..{MAX_EXPERTS}")
     kernel_need(H % K_ALIGN == 0 and I % K_ALIGN == 0 and H > 0 and I > 0,
                 f"moe_experts: hidden {H} and expert intermediate {I} must be positive multiples of {K_ALIGN}")
+
+
+FP8_BLOCK = gemv_fp8_spec.BLOCK  # the FP8 experts' scale blocks (rows x columns): Qwen's release layout
+
+
+def check_fp8(H, I, dtype) -> None:  # noqa: E741
+    """The FP8 (W8A16) experts kernels: 16-bit activations, H and I whole 128-blocks (an up row block then starts
+    where the gate's end, and a 32-column chunk never straddles two scale blocks)."""
+    kernel_need(str(dtype) in ("bfloat16", "float16"), f"moe_experts_fp8: activations must be bf16 or f16, got {dtype}")
+    kernel_need(H % FP8_BLOCK == 0 and I % FP8_BLOCK == 0,
+                f"moe_experts_fp8: hidden {H} and expert intermediate {I} must be multiples of {FP8_BLOCK}")
 
 
 def check_route(N, E, k) -> None:

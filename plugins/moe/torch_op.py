@@ -3,6 +3,10 @@ stream, CPU -> the reference math (reference.py), plus fake impls (torch.compile
 dflash_trt.plugins.torch_ops.
 
   moe_experts(x [N,H], topk_idx [N,k] int, topk_w [N,k], gate_up [E,2I,H], down [E,H,I]) -> y [N,H] (x's dtype)
+  moe_experts_fp8(x, topk_idx, topk_w, gate_up e4m3 [E,2I,H], gate_up_scale [E,2I/128,H/128] fp32, down e4m3
+    [E,H,I], down_scale [E,H/128,I/128]) -> y: the same on W = fp8 * scale of its 128x128 block (W8A16, x 16-bit,
+    H and I multiples of 128); CUDA: the grouped kernels streaming the selected experts' fp8 bytes; CPU: the
+    weights dequantized in fp32, then the reference
   moe_route(logits [N,E], k, norm) -> (topk_idx [N,k] int64, topk_w [N,k] in logits' dtype)   (reference.route)
 """
 from __future__ import annotations
@@ -40,25 +44,79 @@ def _moe_experts_cuda(x, topk_idx, topk_w, gate_up, down):
     if gate_up.stride(-1) != 1 or not gate_up.is_contiguous() or not down.is_contiguous():
         raise KernelError("moe_experts: expert weights must be contiguous (copying them per call would defeat it)")
     x, topk_idx, topk_w = x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
-    dev = x.device
-    out = torch.empty_like(x)
-    common = dict(N=N, k=k, E=E, H=H, I=I, dtype=U.dname(x), idx_dtype=U.dname(topk_idx), w_dtype=U.dname(topk_w),
-                  stream=U.stream(x))
     if launch.takes_decode_path(N, k, I, U.dname(x)) and x.data_ptr() % 16 == 0:  # decode: per-pair streaming
-        h = torch.empty(N * k, I, device=dev, dtype=x.dtype)
+        out = torch.empty_like(x)
+        h = torch.empty(N * k, I, device=x.device, dtype=x.dtype)
         launch.moe_experts_decode(x.data_ptr(), topk_idx.data_ptr(), topk_w.data_ptr(), gate_up.data_ptr(),
-                                  down.data_ptr(), out.data_ptr(), h.data_ptr(), **common)
+                                  down.data_ptr(), out.data_ptr(), h.data_ptr(), **_launch_args(x, topk_idx, topk_w, E, I))
         return out
+    return _grouped(x, topk_idx, topk_w, gate_up, down, E, I)
+
+
+def _launch_args(x, topk_idx, topk_w, E, I):  # noqa: E741
+    (N, H), k = x.shape, topk_idx.shape[1]
+    return dict(N=N, k=k, E=E, H=H, I=I, dtype=U.dname(x), idx_dtype=U.dname(topk_idx), w_dtype=U.dname(topk_w),
+                stream=U.stream(x))
+
+
+def _grouped(x, topk_idx, topk_w, gate_up, down, E, I, scales=None):  # noqa: E741
+    """The grouped path (plan, gate_up, down, combine) on contiguous inputs; scales: FP8 weights' (launch.py)."""
+    (N, H), k, dev = x.shape, topk_idx.shape[1], x.device
+    out = torch.empty_like(x)
     y_pair = torch.empty(N * k, H, device=dev, dtype=torch.float32)
     plan = torch.empty(launch.workspace_ints(N, k, E), device=dev, dtype=torch.int32)
     h = torch.empty(N * k, I, device=dev, dtype=x.dtype)
     launch.moe_experts(x.data_ptr(), topk_idx.data_ptr(), topk_w.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
-                       out.data_ptr(), plan.data_ptr(), h.data_ptr(), y_pair.data_ptr(), **common)
+                       out.data_ptr(), plan.data_ptr(), h.data_ptr(), y_pair.data_ptr(),
+                       scales=None if scales is None else tuple(s.data_ptr() for s in scales),
+                       **_launch_args(x, topk_idx, topk_w, E, I))
     return out
 
 
 @moe_experts.register_fake
 def _moe_experts_fake(x, topk_idx, topk_w, gate_up, down):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dflash::moe_experts_fp8", mutates_args=())
+def moe_experts_fp8(x: Tensor, topk_idx: Tensor, topk_w: Tensor, gate_up: Tensor, gate_up_scale: Tensor,
+                    down: Tensor, down_scale: Tensor) -> Tensor:
+    raise NotImplementedError("dflash::moe_experts_fp8: no kernel for this device")
+
+
+def _check_fp8(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scale):
+    """Shapes as moe_experts takes them, e4m3 weights, and the scales' [E, rows/128, cols/128] blocks."""
+    _check(x, topk_idx, topk_w, gate_up, down)
+    need(gate_up.dtype == down.dtype == torch.float8_e4m3fn,
+         f"moe_experts_fp8: weights must be float8_e4m3fn, got {gate_up.dtype} / {down.dtype}")
+    b = spec.FP8_BLOCK
+    for name, w, s in (("gate_up", gate_up, gate_up_scale), ("down", down, down_scale)):
+        want = (w.shape[0], -(-w.shape[1] // b), -(-w.shape[2] // b))
+        need(s.dtype == torch.float32 and tuple(s.shape) == want,
+             f"moe_experts_fp8: {name}_scale {tuple(s.shape)} {s.dtype} must be float32 {want} (128x128 blocks)")
+
+
+@moe_experts_fp8.register_kernel("cpu")
+def _moe_experts_fp8_cpu(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scale):
+    _check_fp8(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scale)
+    return reference.moe_experts_fp8(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scale)
+
+
+@moe_experts_fp8.register_kernel("cuda")
+def _moe_experts_fp8_cuda(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scale):
+    _check_fp8(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scale)
+    (N, H), k, E, I = x.shape, topk_idx.shape[1], gate_up.shape[0], down.shape[2]  # noqa: E741
+    spec.check_dims(N, k, E, H, I)
+    spec.check_fp8(H, I, U.dname(x))
+    if not all(t.is_contiguous() for t in (gate_up, gate_up_scale, down, down_scale)):
+        raise KernelError("moe_experts_fp8: expert weights and scales must be contiguous (a copy per call would "
+                          "defeat the kernel)")
+    x, topk_idx, topk_w = x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
+    return _grouped(x, topk_idx, topk_w, gate_up, down, E, I, scales=(gate_up_scale, down_scale))
+
+
+@moe_experts_fp8.register_fake
+def _moe_experts_fp8_fake(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scale):
     return torch.empty_like(x)
 
 

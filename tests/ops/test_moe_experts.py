@@ -228,3 +228,136 @@ def test_gpu_decode_path_drops_pairs_outside_the_experts(N):
     keep = (bad >= 0) & (bad < REAL["E"])
     ref = reference.moe_experts(x.double(), idx, (w * keep).double(), gu.double(), dn.double())
     op_helpers.record_err(f"moe decode path dropped pairs T={N}", got, ref, TOL[torch.bfloat16])
+
+
+# ---------------------------------------------------------------- FP8 experts (W8A16) ----------------------------
+
+FP8 = torch.float8_e4m3fn
+REAL_FP8 = dict(E=256, k=8, H=2048, I=512)  # Qwen3.6-35B-A3B-FP8 per layer: 128x128 blocks fit both H and I
+
+
+def fp8_case(N, E, k, H, I, dtype=torch.bfloat16, device="cpu", seed=0, routing="random"):  # noqa: E741
+    """case()'s x and routing with e4m3 experts: N(0, 1) * 64 bytes (the e4m3 range, subnormals included) and
+    positive block scales [E, rows/128, cols/128], so W = fp8 * scale ~ N(0, 0.035)."""
+    x, idx, w, _, _ = case(N, E, k, H, I, dtype=dtype, device=device, seed=seed, routing=routing)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    weights = []
+    for rows, cols in ((2 * I, H), (H, I)):
+        q = (torch.randn(E, rows, cols, device=device, generator=g) * 64).clamp(-448, 448).to(FP8)
+        s = torch.rand(E, rows // 128, cols // 128, device=device, generator=g) * 1e-3 * cols ** -0.5 * 45 + 1e-5
+        weights += [q, s]
+    return (x, idx, w, *weights)
+
+
+def fp8_dequantized(q, s):
+    return q.double() * s.double().repeat_interleave(128, -2).repeat_interleave(128, -1)
+
+
+def fp8_reference(x, idx, w, gu, gus, dn, dns):
+    """fp64 oracle of the W8A16 experts: the exact W = fp8 * scale, the kernel's rounded inputs."""
+    return reference.moe_experts(x.double(), idx, w.double(), fp8_dequantized(gu, gus), fp8_dequantized(dn, dns))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_fp8_op_is_the_exactly_dequantized_reference(dtype):
+    from dflash_trt.plugins import torch_ops  # noqa: F401
+
+    args = fp8_case(5, 4, 2, 128, 128, dtype=dtype)
+    got = torch.ops.dflash.moe_experts_fp8(*args)
+    assert got.dtype == dtype and got.shape == args[0].shape
+    want = fp8_reference(*args).to(dtype)
+    torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+def test_fp8_shapes_and_dtypes_named():
+    from dflash_trt.plugins import torch_ops  # noqa: F401
+
+    x, idx, w, gu, gus, dn, dns = fp8_case(3, 4, 2, 128, 128)
+    with pytest.raises(ShapeError, match="down_scale"):
+        torch.ops.dflash.moe_experts_fp8(x, idx, w, gu, gus, dn, dns[:, :, :0])
+    with pytest.raises(ShapeError, match="float8_e4m3fn"):
+        torch.ops.dflash.moe_experts_fp8(x, idx, w, gu.float(), gus, dn, dns)
+    with pytest.raises(KernelError, match="multiples of 128"):
+        spec.check_fp8(2048, 96, "bfloat16")
+    with pytest.raises(KernelError, match="bf16 or f16"):
+        spec.check_fp8(2048, 512, "float32")
+
+
+def test_fp8_fake_impl_and_the_module_keeps_the_cpu_on_its_dequantized_path():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dflash_trt.modeling.fp8 import Fp8Experts
+
+    with FakeTensorMode():
+        y = torch.ops.dflash.moe_experts_fp8(*fp8_case(4, 4, 2, 128, 128))
+    assert y.shape == (4, 128) and y.dtype == torch.bfloat16
+    experts = Fp8Experts(4, 128, 128, (128, 128))
+    x, idx, w, *weights = fp8_case(4, 4, 2, 128, 128, dtype=torch.float32)
+    for name, t in zip(("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"), weights):
+        getattr(experts, name).data = t
+    with torch.no_grad():
+        assert not experts._kernel_takes(x)  # a CPU tensor: the dequantized weights and the op seam
+        torch.testing.assert_close(experts(x, idx, w), fp8_reference(x, idx, w, *weights).float(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def _gpu_fp8_check(name, N, shape, dtype=torch.bfloat16, routing="random", seed=0):
+    from dflash_trt.plugins import torch_ops  # noqa: F401
+
+    args = fp8_case(N, **shape, dtype=dtype, device="cuda", seed=seed, routing=routing)
+    got = torch.ops.dflash.moe_experts_fp8(*args)
+    torch.cuda.synchronize()
+    assert got.dtype == dtype and got.shape == args[0].shape
+    op_helpers.record_err(f"moe fp8 {name} {str(dtype)[6:]}", got, fp8_reference(*args), TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N", [1, 4, 16, 64])
+def test_gpu_fp8_real_shape(N, dtype):
+    _gpu_fp8_check(f"real T={N}", N, REAL_FP8, dtype, seed=N)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,routing", [(64, "same"), (100, "same"), (32, "distinct"), (37, "random")])
+def test_gpu_fp8_skewed_routings_and_other_shapes(N, routing):
+    shape = REAL_FP8 if routing != "random" else dict(E=16, k=4, H=384, I=256)
+    _gpu_fp8_check(f"{routing} T={N}", N, shape, routing=routing, seed=5)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_experts_module_runs_the_kernel_and_agrees_with_its_dequantized_path(monkeypatch):
+    """modeling/fp8.py Fp8Experts on CUDA with bf16 x: the fp8 kernel, within TOL of the fp64 oracle and of the
+    path it replaces (weights dequantized to bf16 per call, then the 16-bit kernels)."""
+    from dflash_trt.modeling.fp8 import Fp8Experts
+
+    x, idx, w, *weights = fp8_case(16, **REAL_FP8, device="cuda", seed=9)
+    experts = Fp8Experts(REAL_FP8["E"], REAL_FP8["H"], REAL_FP8["I"], (128, 128)).cuda()
+    for name, t in zip(("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"), weights):
+        getattr(experts, name).data = t
+    with torch.no_grad():
+        assert experts._kernel_takes(x)
+        got = experts(x, idx, w)
+        monkeypatch.setattr(Fp8Experts, "_kernel_takes", lambda self, x: False)
+        before = experts(x, idx, w)
+    ref = fp8_reference(x, idx, w, *weights)
+    op_helpers.record_err("moe fp8 module", got, ref, TOL[torch.bfloat16])
+    op_helpers.record_err("moe fp8 dequantizing path", before, ref, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cuda_graph_replay_follows_new_routing():
+    from dflash_trt.plugins import torch_ops  # noqa: F401
+
+    x, idx, w, *weights = fp8_case(16, **REAL_FP8, device="cuda", seed=7)
+    torch.ops.dflash.moe_experts_fp8(x, idx, w, *weights)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.ops.dflash.moe_experts_fp8(x, idx, w, *weights)
+    for seed, routing in ((8, "same"), (9, "distinct")):
+        x2, idx2, w2, *_ = fp8_case(16, **REAL_FP8, device="cuda", seed=seed, routing=routing)
+        x.copy_(x2), idx.copy_(idx2), w.copy_(w2)
+        graph.replay()
+        torch.cuda.synchronize()
+        op_helpers.record_err(f"moe fp8 graph replay {routing}", y, fp8_reference(x, idx, w, *weights),
+                              TOL[torch.bfloat16])

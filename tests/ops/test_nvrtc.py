@@ -25,7 +25,9 @@ ENTRIES = {
     "gemv": [f"mma_n{n}_u{u}_w{w}_{d}" for n in (1, 2) for u, w in ((1, 8), (2, 8), (4, 8), (8, 8), (4, 16))
              for d in ("bf16", "f16")],
     "gemv_fp8": gemv_fp8_spec.kernel_variants(),
-    "moe": ["moe_plan", "moe_combine", "moe_route"] + [f"moe_dec_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16")] + [f"moe_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16", "f32")],
+    "moe": ["moe_plan", "moe_combine", "moe_route"]
+    + [f"moe_dec_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16")]
+    + [f"moe_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16", "f32", "fp8_bf16", "fp8_f16")],
 }
 
 
