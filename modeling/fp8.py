@@ -129,17 +129,19 @@ def _fp8_twin(owner: nn.Module, child: str, mod: nn.Module, q: Fp8Config, path: 
 def quantize_modules(model: nn.Module, q: Fp8Config, prefix: str, path: str = "config.json") -> list[str]:
     """Swap model's projections (and routed experts) for FP8 ones where the checkpoint module prefix + name is
     converted by q's skip list (Fp8Config.converts); returns the checkpoint module names made FP8. Call before
-    binding weights (export/checkpoint.py does)."""
+    binding weights (export/checkpoint.py does). Only the names are listed up front: a replaced module is freed
+    as soon as its twin is in place, so a model converted on the GPU peaks at its 16-bit size plus one twin."""
     done = []
-    for owner_name, owner in list(model.named_modules()):
-        for child, mod in list(owner.named_children()):
-            full = f"{owner_name}.{child}" if owner_name else child
-            if full == "lm_head" or not q.converts(prefix + full):
-                continue
-            twin = _fp8_twin(owner, child, mod, q, path)
-            if twin is not None:
-                setattr(owner, child, twin)
-                done.append(prefix + full)
+    names = [(owner_name, child) for owner_name, owner in model.named_modules() for child, _ in owner.named_children()]
+    for owner_name, child in names:
+        full = f"{owner_name}.{child}" if owner_name else child
+        if full == "lm_head" or not q.converts(prefix + full):
+            continue
+        owner = model.get_submodule(owner_name)
+        twin = _fp8_twin(owner, child, getattr(owner, child), q, path)
+        if twin is not None:
+            setattr(owner, child, twin)
+            done.append(prefix + full)
     return done
 
 

@@ -57,3 +57,27 @@ def test_floor_counts_fp8_experts_once_with_their_scales(small_preset):
     dense = everything - stored - emb.numel() * emb.element_size() + H * emb.element_size()
     assert bench_moe.step_bytes(target, pools, 0, 1, []) == dense + state
     assert bench_moe.step_bytes(target, pools, 0, 1, [3.0] * moe_layers) == dense + state + 3 * moe_layers * one
+
+
+def test_conversion_frees_each_replaced_module_as_its_twin_lands(small_preset, monkeypatch):
+    """quantize_modules keeps no reference to the modules it replaced: at every twin made, the ones replaced before
+    are gone (a 64-layer target converted on the GPU then peaks at its 16-bit size plus one twin)."""
+    import weakref
+
+    from dflash_trt.modeling import fp8
+    from dflash_trt.tools.bench_dense import fp8_config
+
+    target, _ = bench_moe.build_random_moe(torch.bfloat16, "cpu", 4)
+    seen, alive_at_each = [], []
+    real = fp8._fp8_twin
+
+    def twin(owner, child, mod, q, path):
+        made = real(owner, child, mod, q, path)
+        if made is not None:  # mod is about to be replaced
+            alive_at_each.append(sum(r() is not None for r in seen))
+            seen.append(weakref.ref(mod))
+        return made
+
+    monkeypatch.setattr(fp8, "_fp8_twin", twin)
+    done = fp8.quantize_modules(target, fp8_config(bench_moe.FP8_SKIP_MOE), "model.")
+    assert len(done) > 10 and alive_at_each[-1] == 0 and max(alive_at_each) == 0
