@@ -48,7 +48,8 @@ def _moe_experts_cuda(x, topk_idx, topk_w, gate_up, down):
         out = torch.empty_like(x)
         h = torch.empty(N * k, I, device=x.device, dtype=x.dtype)
         launch.moe_experts_decode(x.data_ptr(), topk_idx.data_ptr(), topk_w.data_ptr(), gate_up.data_ptr(),
-                                  down.data_ptr(), out.data_ptr(), h.data_ptr(), **_launch_args(x, topk_idx, topk_w, E, I))
+                                  down.data_ptr(), out.data_ptr(), h.data_ptr(),
+                                  **_launch_args(x, topk_idx, topk_w, E, I))
         return out
     return _grouped(x, topk_idx, topk_w, gate_up, down, E, I)
 
