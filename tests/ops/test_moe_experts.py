@@ -2,7 +2,9 @@
 block computes it; the torch op's CPU kernel, shape checks and kernel limits (no GPU); on the GPU the grouped
 kernels against the fp64 reference on random shapes (the real Qwen3.6-35B-A3B per-layer shape among them:
 hidden 2048, 256 experts, top-8, moe_intermediate 512; T in {1, 4, 16, 64}), the skewed routings (every token to
-the same experts; every pair to a distinct expert) and a CUDA-graph replay with routing changed in place.
+the same experts; every pair to a distinct expert) and a CUDA-graph replay with routing changed in place. FP8
+experts (moe_experts_fp8, W8A16): the CPU op against the exactly dequantized weights, its shape refusals, and on
+the GPU the same checks against the fp64 reference of W = fp8 * scale.
 
 Tolerances (max|got-ref| / max|ref|, the fp64 reference fed the same rounded inputs): fp32 2e-6 (fp32 FMA over
 K <= 2048); bf16 / fp16 1e-2 (the kernel rounds h = silu(g)*u to the input dtype once before the down
@@ -112,23 +114,30 @@ def test_decode_path_choice():
 
 # ---------------------------------------------------------------- GPU ----------------------------------------------
 
-def _gpu_check(name, N, shape, dtype, routing="random", seed=0):
+def _gpu_check(name, N, shape, dtype, routing="random", seed=0, fp8=False):
+    """The kernels against the fp64 reference; fp8: FP8 experts (moe_experts_fp8) against their exact weights."""
     from dflash_trt.plugins import torch_ops  # noqa: F401
 
-    x, idx, w, gu, dn = case(N, **shape, dtype=dtype, device="cuda", seed=seed, routing=routing)
-    got = torch.ops.dflash.moe_experts(x, idx, w, gu, dn)
+    if fp8:
+        args = fp8_case(N, **shape, dtype=dtype, device="cuda", seed=seed, routing=routing)
+        got, ref = torch.ops.dflash.moe_experts_fp8(*args), fp8_reference(*args)
+    else:
+        args = case(N, **shape, dtype=dtype, device="cuda", seed=seed, routing=routing)
+        x, idx, w, gu, dn = args
+        got = torch.ops.dflash.moe_experts(*args)
+        ref = reference.moe_experts(x.double(), idx, w.double(), gu.double(), dn.double())
     torch.cuda.synchronize()
-    assert got.dtype == dtype and got.shape == x.shape
-    ref = reference.moe_experts(x.double(), idx, w.double(), gu.double(), dn.double())
-    op_helpers.record_err(f"moe {name} {str(dtype)[6:]}", got, ref, TOL[dtype])
+    assert got.dtype == dtype and got.shape == args[0].shape
+    op_helpers.record_err(f"moe {'fp8 ' if fp8 else ''}{name} {str(dtype)[6:]}", got, ref, TOL[dtype])
     return got
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype,fp8", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True),
+                                       (torch.float16, True)])
 @pytest.mark.parametrize("N", [1, 4, 16, 64])
-def test_gpu_real_shape(N, dtype):
-    _gpu_check(f"real T={N}", N, REAL, dtype, seed=N)
+def test_gpu_real_shape(N, dtype, fp8):
+    _gpu_check(f"real T={N}", N, REAL, dtype, seed=N, fp8=fp8)
 
 
 @pytest.mark.gpu
@@ -233,7 +242,6 @@ def test_gpu_decode_path_drops_pairs_outside_the_experts(N):
 # ---------------------------------------------------------------- FP8 experts (W8A16) ----------------------------
 
 FP8 = torch.float8_e4m3fn
-REAL_FP8 = dict(E=256, k=8, H=2048, I=512)  # Qwen3.6-35B-A3B-FP8 per layer: 128x128 blocks fit both H and I
 
 
 def fp8_case(N, E, k, H, I, dtype=torch.bfloat16, device="cpu", seed=0, routing="random"):  # noqa: E741
@@ -301,28 +309,11 @@ def test_fp8_fake_impl_and_the_module_keeps_the_cpu_on_its_dequantized_path():
                                    rtol=1e-5, atol=1e-6)
 
 
-def _gpu_fp8_check(name, N, shape, dtype=torch.bfloat16, routing="random", seed=0):
-    from dflash_trt.plugins import torch_ops  # noqa: F401
-
-    args = fp8_case(N, **shape, dtype=dtype, device="cuda", seed=seed, routing=routing)
-    got = torch.ops.dflash.moe_experts_fp8(*args)
-    torch.cuda.synchronize()
-    assert got.dtype == dtype and got.shape == args[0].shape
-    op_helpers.record_err(f"moe fp8 {name} {str(dtype)[6:]}", got, fp8_reference(*args), TOL[dtype])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("N", [1, 4, 16, 64])
-def test_gpu_fp8_real_shape(N, dtype):
-    _gpu_fp8_check(f"real T={N}", N, REAL_FP8, dtype, seed=N)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,routing", [(64, "same"), (100, "same"), (32, "distinct"), (37, "random")])
 def test_gpu_fp8_skewed_routings_and_other_shapes(N, routing):
-    shape = REAL_FP8 if routing != "random" else dict(E=16, k=4, H=384, I=256)
-    _gpu_fp8_check(f"{routing} T={N}", N, shape, routing=routing, seed=5)
+    shape = REAL if routing != "random" else dict(E=16, k=4, H=384, I=256)
+    _gpu_check(f"{routing} T={N}", N, shape, torch.bfloat16, routing=routing, seed=5, fp8=True)
 
 
 @pytest.mark.gpu
@@ -331,8 +322,8 @@ def test_gpu_fp8_experts_module_runs_the_kernel_and_agrees_with_its_dequantized_
     path it replaces (weights dequantized to bf16 per call, then the 16-bit kernels)."""
     from dflash_trt.modeling.fp8 import Fp8Experts
 
-    x, idx, w, *weights = fp8_case(16, **REAL_FP8, device="cuda", seed=9)
-    experts = Fp8Experts(REAL_FP8["E"], REAL_FP8["H"], REAL_FP8["I"], (128, 128)).cuda()
+    x, idx, w, *weights = fp8_case(16, **REAL, device="cuda", seed=9)
+    experts = Fp8Experts(REAL["E"], REAL["H"], REAL["I"], (128, 128)).cuda()
     for name, t in zip(("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"), weights):
         getattr(experts, name).data = t
     with torch.no_grad():
@@ -349,13 +340,13 @@ def test_gpu_fp8_experts_module_runs_the_kernel_and_agrees_with_its_dequantized_
 def test_gpu_fp8_cuda_graph_replay_follows_new_routing():
     from dflash_trt.plugins import torch_ops  # noqa: F401
 
-    x, idx, w, *weights = fp8_case(16, **REAL_FP8, device="cuda", seed=7)
+    x, idx, w, *weights = fp8_case(16, **REAL, device="cuda", seed=7)
     torch.ops.dflash.moe_experts_fp8(x, idx, w, *weights)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = torch.ops.dflash.moe_experts_fp8(x, idx, w, *weights)
     for seed, routing in ((8, "same"), (9, "distinct")):
-        x2, idx2, w2, *_ = fp8_case(16, **REAL_FP8, device="cuda", seed=seed, routing=routing)
+        x2, idx2, w2, *_ = fp8_case(16, **REAL, device="cuda", seed=seed, routing=routing)
         x.copy_(x2), idx.copy_(idx2), w.copy_(w2)
         graph.replay()
         torch.cuda.synchronize()
