@@ -294,7 +294,7 @@ def test_fp8_shapes_and_dtypes_named():
 def test_fp8_fake_impl_and_the_module_keeps_the_cpu_on_its_dequantized_path():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dflash_trt.modeling.fp8 import Fp8Experts
+    from dflash_trt.modeling.fp8 import Fp8Experts, experts_kernel_takes
 
     with FakeTensorMode():
         y = torch.ops.dflash.moe_experts_fp8(*fp8_case(4, 4, 2, 128, 128))
@@ -304,7 +304,8 @@ def test_fp8_fake_impl_and_the_module_keeps_the_cpu_on_its_dequantized_path():
     for name, t in zip(("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"), weights):
         getattr(experts, name).data = t
     with torch.no_grad():
-        assert not experts._kernel_takes(x)  # a CPU tensor: the dequantized weights and the op seam
+        # a CPU tensor: the dequantized weights and the op seam
+        assert not experts_kernel_takes(x, experts.down_proj, experts.block)
         torch.testing.assert_close(experts(x, idx, w), fp8_reference(x, idx, w, *weights).float(),
                                    rtol=1e-5, atol=1e-6)
 
@@ -320,6 +321,7 @@ def test_gpu_fp8_skewed_routings_and_other_shapes(N, routing):
 def test_gpu_fp8_experts_module_runs_the_kernel_and_agrees_with_its_dequantized_path(monkeypatch):
     """modeling/fp8.py Fp8Experts on CUDA with bf16 x: the fp8 kernel, within TOL of the fp64 oracle and of the
     path it replaces (weights dequantized to bf16 per call, then the 16-bit kernels)."""
+    from dflash_trt.modeling import fp8
     from dflash_trt.modeling.fp8 import Fp8Experts
 
     x, idx, w, *weights = fp8_case(16, **REAL, device="cuda", seed=9)
@@ -327,9 +329,9 @@ def test_gpu_fp8_experts_module_runs_the_kernel_and_agrees_with_its_dequantized_
     for name, t in zip(("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"), weights):
         getattr(experts, name).data = t
     with torch.no_grad():
-        assert experts._kernel_takes(x)
+        assert fp8.experts_kernel_takes(x, experts.down_proj, experts.block)
         got = experts(x, idx, w)
-        monkeypatch.setattr(Fp8Experts, "_kernel_takes", lambda self, x: False)
+        monkeypatch.setattr(fp8, "experts_kernel_takes", lambda *args: False)
         before = experts(x, idx, w)
     ref = fp8_reference(x, idx, w, *weights)
     op_helpers.record_err("moe fp8 module", got, ref, TOL[torch.bfloat16])
