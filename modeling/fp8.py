@@ -97,7 +97,7 @@ class Fp8Experts(nn.Module):
         """As Experts.forward. CUDA inference with 16-bit x and 128x128 blocks: dflash::moe_experts_fp8, the grouped
         kernels streaming the selected experts' fp8 bytes (W8A16, plugins/moe); otherwise (CPU, ONNX export,
         autograd) the weights dequantized to x's dtype and the op seam's reference or kernels."""
-        if experts_kernel_takes(x, self.down_proj, self.block):
+        if experts_kernel_takes(x, self):
             return torch.ops.dflash.moe_experts_fp8(x, topk_idx, topk_w, self.gate_up_proj,
                                                     self.gate_up_proj_scale_inv, self.down_proj,
                                                     self.down_proj_scale_inv)
@@ -106,14 +106,15 @@ class Fp8Experts(nn.Module):
         return ops.moe_experts(x, topk_idx, topk_w, gate_up, down)
 
 
-def experts_kernel_takes(x, down_proj, block) -> bool:
-    """Whether FP8 experts of down_proj [E, H, I] and scale blocks `block` run x through dflash::moe_experts_fp8:
-    CUDA inference (no autograd, not an ONNX export), 16-bit x, 128x128 blocks, H and I whole blocks. A function of
-    the weights, not a method: a tensor-parallel rank's LocalExperts runs Fp8Experts.forward on its own slice."""
-    H, I = down_proj.shape[1:]  # noqa: E741
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and tuple(block) == (FP8_BLOCK, FP8_BLOCK)
-            and H % FP8_BLOCK == 0 and I % FP8_BLOCK == 0 and not torch.is_grad_enabled()
-            and not torch.onnx.is_in_onnx_export())
+def experts_kernel_takes(x, experts) -> bool:
+    """Whether FP8 experts (Fp8Experts' weights, scales and block) run x through dflash::moe_experts_fp8: CUDA
+    inference (no autograd, not an ONNX export), 16-bit x, 128x128 blocks, H and I whole blocks, contiguous
+    tensors. A function, not a method: a tensor-parallel rank's LocalExperts runs Fp8Experts.forward on its slice."""
+    H, I = experts.down_proj.shape[1:]  # noqa: E741
+    tensors = (experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj, experts.down_proj_scale_inv)
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and tuple(experts.block) == (FP8_BLOCK, FP8_BLOCK)
+            and H % FP8_BLOCK == 0 and I % FP8_BLOCK == 0 and all(t.is_contiguous() for t in tensors)
+            and not torch.is_grad_enabled() and not torch.onnx.is_in_onnx_export())
 
 
 def _fp8_twin(owner: nn.Module, child: str, mod: nn.Module, q: Fp8Config, path: str):

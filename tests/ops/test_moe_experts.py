@@ -305,7 +305,7 @@ def test_fp8_fake_impl_and_the_module_keeps_the_cpu_on_its_dequantized_path():
         getattr(experts, name).data = t
     with torch.no_grad():
         # a CPU tensor: the dequantized weights and the op seam
-        assert not experts_kernel_takes(x, experts.down_proj, experts.block)
+        assert not experts_kernel_takes(x, experts)
         torch.testing.assert_close(experts(x, idx, w), fp8_reference(x, idx, w, *weights).float(),
                                    rtol=1e-5, atol=1e-6)
 
@@ -329,7 +329,7 @@ def test_gpu_fp8_experts_module_runs_the_kernel_and_agrees_with_its_dequantized_
     for name, t in zip(("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"), weights):
         getattr(experts, name).data = t
     with torch.no_grad():
-        assert fp8.experts_kernel_takes(x, experts.down_proj, experts.block)
+        assert fp8.experts_kernel_takes(x, experts)
         got = experts(x, idx, w)
         monkeypatch.setattr(fp8, "experts_kernel_takes", lambda *args: False)
         before = experts(x, idx, w)
