@@ -143,11 +143,10 @@ def child(a) -> int:
     seen = set()
     while rt.has_work:
         rt.step()
-        for phase, now in (("first_token", len(req.tokens) >= 1), ("first_decoded", req.steps >= 1 and
-                                                                   len(req.tokens) >= 2)):
-            if now and phase not in seen:
-                seen.add(phase)
-                mark(phase)
+        reached = {"first_token": len(req.tokens) >= 1, "first_decoded": req.steps >= 1 and len(req.tokens) >= 2}
+        for phase in [p for p, now in reached.items() if now and p not in seen]:
+            seen.add(phase)
+            mark(phase)
     if req.error is not None:
         raise req.error
     mark("done")
