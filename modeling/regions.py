@@ -1,5 +1,6 @@
-"""Where a model's step may be compiled piece by piece: the target runs its embedding, each decoder layer and its head
-through `model.regions(fn, *args)`, and the drafter its graphs. `Eager` (the default) calls fn; the GPU runtime's
+"""Where a model's step may be compiled piece by piece: the target's step runs its embedding, each decoder layer and
+its head through the `regions(fn, *args)` it is given (the torch backend's ModuleGraphs.regions), and the backend
+runs each drafter graph as one piece. `Eager` (the default) calls fn; the GPU runtime's
 regional compile (runtime/backends/torch_compile.py CompiledRegions) swaps in one compiled function per piece, so a
 step of 64 layers compiles one GDN layer and one attention layer instead of 64 (every layer of a kind runs the same
 code on its own weights, and torch.compile reuses a piece's graph across the layers it guards alike).

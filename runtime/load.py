@@ -218,8 +218,8 @@ def _torch_runtime(backend, model_dir, drafter_dir, sizes, step_costs, device, d
         if gpu_memory_utilization is not None:
             sizes = _sized_for_gpu(target.cfg, drafter.cfg if drafter else None, sizes,
                                    gpu_memory_utilization, dev.device, dtype)
-    be = make_backend(backend, target=target, drafter=drafter, compile_steps=compile_steps if dev is not None else False,
-                      checkpoint_hashes=hashes)
+    be = make_backend(backend, target=target, drafter=drafter,
+                      compile_steps=compile_steps if dev is not None else False, checkpoint_hashes=hashes)
     if world != 1:
         from dflash_trt.runtime.parallel.launch import abort_group_on_error
 

@@ -107,8 +107,7 @@ def quantize_random(target, gen, skip=FP8_SKIP) -> list[str]:
             else:
                 continue
             for w, s in pairs:
-                for i in range(w.shape[0] if w.dim() == 3 else 1):  # one expert at a time: a small 16-bit temporary
-                    wi = w[i] if w.dim() == 3 else w
+                for wi in (w if w.dim() == 3 else [w]):  # one expert at a time: a small 16-bit temporary
                     r = torch.randn(wi.shape, device=wi.device, generator=gen, dtype=torch.bfloat16)
                     wi.copy_(r.mul_(FP8_TYPICAL).clamp_(-448, 448).to(wi.dtype))
                 s.fill_(0.02 / FP8_TYPICAL)

@@ -262,9 +262,14 @@ def random_bench_runtime(a, build, sizes):
 
     dev = CudaDevice()
     target, drafter = build(getattr(torch, a.dtype or "bfloat16"), dev.device)
-    compiled = "regions" if getattr(a, "compile_regions", False) and not a.no_compile else not a.no_compile
+    compiled = compile_choice(a)
     rt = Runtime(TorchBackend(target, drafter, compile_steps=compiled), target.cfg, drafter.cfg, sizes, device=dev)
     return rt, dev, target, compiled
+
+
+def compile_choice(a):
+    """TorchBackend's compile_steps from a bench's --no-compile / --compile-regions: False, "regions" or True."""
+    return "regions" if getattr(a, "compile_regions", False) and not a.no_compile else not a.no_compile
 
 
 def context_sweep(rt, dev, ctx: int, bw: float, ks, compiled: bool, rng) -> dict:

@@ -85,7 +85,9 @@ def check_args(a) -> None:
 
 
 def compile_mode(a):
-    return False if a.no_compile else "regions" if a.compile_regions else True
+    from dflash_trt.tools.bench_moe import compile_choice
+
+    return compile_choice(a)
 
 
 def compile_words(a) -> str:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from dflash_trt.plugins import torch_util as U
+from dflash_trt.plugins.gemv_fp8 import spec as gemv_fp8_spec
 from dflash_trt.plugins.moe import launch, reference, spec
 from dflash_trt.plugins.opspec import KernelError, need
 
@@ -90,9 +91,8 @@ def _check_fp8(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scale):
     _check(x, topk_idx, topk_w, gate_up, down)
     need(gate_up.dtype == down.dtype == torch.float8_e4m3fn,
          f"moe_experts_fp8: weights must be float8_e4m3fn, got {gate_up.dtype} / {down.dtype}")
-    b = spec.FP8_BLOCK
     for name, w, s in (("gate_up", gate_up, gate_up_scale), ("down", down, down_scale)):
-        want = (w.shape[0], -(-w.shape[1] // b), -(-w.shape[2] // b))
+        want = (w.shape[0], *gemv_fp8_spec.scale_shape(*w.shape[1:]))
         need(s.dtype == torch.float32 and tuple(s.shape) == want,
              f"moe_experts_fp8: {name}_scale {tuple(s.shape)} {s.dtype} must be float32 {want} (128x128 blocks)")
 

@@ -127,7 +127,7 @@ class CompiledStep:
     the CPU test of the tracing)."""
 
     def __init__(self, owner, name: str, backend: str = "inductor", store=None, regions: bool = False):
-        """regions: the model pieces compile on their own (CompiledRegions, set on the models by compile_steps) and
+        """regions: the model pieces compile on their own (CompiledRegions, set on steps.graphs by compile_steps) and
         the step's glue around them compiles as the graphs between its model calls (each call a graph break)."""
         _raise_recompile_limits()
         self.owner, self.name, self.store = owner, name, store
