@@ -3,30 +3,37 @@
 // plan + tensor-core tiles. At N*k <= 32 pairs the experts rarely repeat, and the grouped kernels' fixed costs
 // (plan launch, 32-row CTAs with few k-steps each, smem reduction) keep them well below the HBM rate (docs/PERF.md).
 // moe_dec_gate_up -> h [P, I] in x's dtype; moe_dec_down -> y [N, H] (the k-combine of moe_combine fused in, same
-// order). Pairs with an expert id outside [0, E) add nothing.
+// order). Pairs with an expert id outside [0, E) add nothing. W8: the experts' weights are e4m3 with fp32 scales
+// [E, rows/128, cols/128] (H and I multiples of 128), each 16-column chunk scaled once in fp32 (gemv/rows.cuh).
 #pragma once
 #include "gemv/rows.cuh"
 
 // h[p, i] = silu(gate_i . x) * (up_i . x), rounded to x's dtype (as the grouped path's epilogue): warp w of CTA
 // (bx, p) streams gate row i = bx * GEMV_WARPS + w and up row I + i of expert e_p together.
 // Grid (I / GEMV_WARPS, P); dynamic smem H * 2 bytes (the pair's token row of x).
-template <bool F16>
-__device__ __forceinline__ void dec_gate_up(const u16* __restrict__ gate_up, const u16* __restrict__ x,
-                                            const void* __restrict__ idx, int idx64, int topk, int E, int H, int I,
-                                            u16* __restrict__ h) {
+template <bool F16, bool W8>
+__device__ __forceinline__ void dec_gate_up(const void* __restrict__ gate_up, const float* __restrict__ scale,
+                                            const u16* __restrict__ x, const void* __restrict__ idx, int idx64,
+                                            int topk, int E, int H, int I, u16* __restrict__ h) {
   extern __shared__ uint4 xs[];
   const int p = blockIdx.y, e = load_id(idx, idx64, p);
   if (e < 0 || e >= E) return;  // uniform per CTA
-  const int nch = H >> 3, tid = threadIdx.x, lane = tid & 31, i = blockIdx.x * GEMV_WARPS + (tid >> 5);
-  const u16* we = gate_up + (i64)e * 2 * I * H;
-  const uint4* wr[2] = {(const uint4*)(we + (i64)i * H), (const uint4*)(we + (i64)(I + i) * H)};  // I % 32 == 0
-  uint4 wv[2][8];
+  const int nch = H >> (W8 ? 4 : 3), tid = threadIdx.x, lane = tid & 31, i = blockIdx.x * GEMV_WARPS + (tid >> 5);
+  const i64 row0 = (i64)e * 2 * I;
+  const uint4* wr[2] = {w_row<W8>(gate_up, row0 + i, H), w_row<W8>(gate_up, row0 + I + i, H)};  // I % 32 == 0
+  const float* sr[2] = {nullptr, nullptr};
+  if (W8) {
+    const int kb = H >> 7;
+    sr[0] = scale + (row0 + i) / 128 * kb;  // 2I % 128 == 0: expert e's scale rows start at row0 / 128
+    sr[1] = scale + (row0 + I + i) / 128 * kb;
+  }
+  uint4 wv[2][W8 ? 4 : 8];
   load_pass(wv, wr, 0, nch, lane);
   const uint4* xr = (const uint4*)(x + (i64)(p / topk) * H);
-  for (int c = tid; c < nch; c += GEMV_WARPS * 32) xs[c] = xr[c];
+  for (int c = tid; c < H >> 3; c += GEMV_WARPS * 32) xs[c] = xr[c];
   __syncthreads();
   float acc[2][1];
-  rows_dot<1, F16>(wv, wr, xs, 1, nch, lane, acc);
+  rows_dot<1, F16, 2, W8 ? 4 : 8, W8>(wv, wr, xs, 1, nch, lane, acc, sr);
   const float v = silu(acc[0][0]) * acc[1][0];
   if (lane == 0) h[(i64)p * I + i] = F16 ? f_to_f16(v) : f_to_bf16(v);
 }
@@ -37,28 +44,39 @@ __device__ __forceinline__ void dec_gate_up(const u16* __restrict__ gate_up, con
 // Grid (ceil(H / DEC_ROWS), N); dynamic smem: h [k][I] 16-bit + partial sums [k][DEC_ROWS] fp32.
 #define DEC_ROWS 8
 #define DEC_U 2
-template <bool F16>
-__device__ __forceinline__ void dec_down(const u16* __restrict__ down, const u16* __restrict__ hp,
-                                         const void* __restrict__ idx, int idx64, const void* __restrict__ tw,
-                                         int tw_dt, int topk, int E, int H, int I, void* __restrict__ out, int out_dt) {
+// Rows row0.. of expert e's down [H, I] (clamped to H-1) and, W8, their scale rows (DEC_ROWS | 128: one block).
+template <bool W8>
+__device__ __forceinline__ void dec_rows(const uint4* (&wr)[DEC_ROWS], const float* (&sr)[DEC_ROWS],
+                                         const void* down, const float* scale, int e, int row0, int H, int I) {
+  const i64 base = (i64)e * H;
+  row_ptrs<W8>(wr, w_row<W8>(down, base, I), row0, H, I);
+#pragma unroll
+  for (int r = 0; r < DEC_ROWS; ++r) sr[r] = W8 ? scale + (base + min(row0 + r, H - 1)) / 128 * (I >> 7) : nullptr;
+}
+template <bool F16, bool W8>
+__device__ __forceinline__ void dec_down(const void* __restrict__ down, const float* __restrict__ scale,
+                                         const u16* __restrict__ hp, const void* __restrict__ idx, int idx64,
+                                         const void* __restrict__ tw, int tw_dt, int topk, int E, int H, int I,
+                                         void* __restrict__ out, int out_dt) {
   extern __shared__ uint4 dsm[];
   u16* h = (u16*)dsm;
   float* part = (float*)(h + topk * I);  // k * I * 2 bytes: a multiple of 64 (I % 32 == 0)
-  const int n = blockIdx.y, tid = threadIdx.x, lane = tid & 31, nch = I >> 3, row0 = blockIdx.x * DEC_ROWS;
+  const int n = blockIdx.y, tid = threadIdx.x, lane = tid & 31, nch = I >> (W8 ? 4 : 3), row0 = blockIdx.x * DEC_ROWS;
   const uint4* wr[DEC_ROWS];
+  const float* sr[DEC_ROWS];
   uint4 wv[DEC_ROWS][DEC_U];
   int j = tid >> 5, e = j < topk ? load_id(idx, idx64, n * topk + j) : -1;
   if (e >= 0 && e < E) {  // the first pair's loads fly while h is staged
-    row_ptrs(wr, down + (i64)e * H * I, row0, H, I);
+    dec_rows<W8>(wr, sr, down, scale, e, row0, H, I);
     load_pass(wv, wr, 0, nch, lane);
   }
   const uint4* hsrc = (const uint4*)(hp + (i64)n * topk * I);  // the token's k rows of h
-  for (int c = tid; c < topk * nch; c += GEMV_WARPS * 32) dsm[c] = hsrc[c];
+  for (int c = tid; c < topk * (I >> 3); c += GEMV_WARPS * 32) dsm[c] = hsrc[c];
   __syncthreads();
   for (; j < topk; j += GEMV_WARPS) {
     float acc[DEC_ROWS][1];
     if (e >= 0 && e < E) {
-      rows_dot<1, F16>(wv, wr, (const uint4*)(h + j * I), 1, nch, lane, acc);
+      rows_dot<1, F16, DEC_ROWS, DEC_U, W8>(wv, wr, (const uint4*)(h + j * I), 1, nch, lane, acc, sr);
     } else {
 #pragma unroll
       for (int r = 0; r < DEC_ROWS; ++r) acc[r][0] = 0.f;
@@ -69,7 +87,7 @@ __device__ __forceinline__ void dec_down(const u16* __restrict__ down, const u16
     const int jn = j + GEMV_WARPS;
     e = jn < topk ? load_id(idx, idx64, n * topk + jn) : -1;
     if (e >= 0 && e < E) {
-      row_ptrs(wr, down + (i64)e * H * I, row0, H, I);
+      dec_rows<W8>(wr, sr, down, scale, e, row0, H, I);
       load_pass(wv, wr, 0, nch, lane);
     }
   }
@@ -85,15 +103,20 @@ __device__ __forceinline__ void dec_down(const u16* __restrict__ down, const u16
   }
 }
 
-#define MOE_DEC(SFX, F16)                                                                                    \
-  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) moe_dec_gate_up_##SFX(                      \
-      const u16* gate_up, const u16* x, const void* idx, int idx64, int topk, int E, int H, int I, u16* h) {  \
-    dec_gate_up<F16>(gate_up, x, idx, idx64, topk, E, H, I, h);                                              \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) moe_dec_down_##SFX(                         \
-      const u16* down, const u16* h, const void* idx, int idx64, const void* tw, int tw_dt, int topk, int E, \
-      int H, int I, void* out, int out_dt) {                                                                 \
-    dec_down<F16>(down, h, idx, idx64, tw, tw_dt, topk, E, H, I, out, out_dt);                              \
+// FP8 entries take the weights' scale right after the weights; the 16-bit ones have none (nullptr).
+#define MOE_DEC(SFX, F16, W8, WT, SCALE, SCALE_ARG)                                                             \
+  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) moe_dec_gate_up_##SFX(                         \
+      const WT* gate_up, SCALE const u16* x, const void* idx, int idx64, int topk, int E, int H, int I, u16* h) { \
+    dec_gate_up<F16, W8>(gate_up, SCALE_ARG, x, idx, idx64, topk, E, H, I, h);                                   \
+  }                                                                                                             \
+  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) moe_dec_down_##SFX(                            \
+      const WT* down, SCALE const u16* h, const void* idx, int idx64, const void* tw, int tw_dt, int topk,      \
+      int E, int H, int I, void* out, int out_dt) {                                                             \
+    dec_down<F16, W8>(down, SCALE_ARG, h, idx, idx64, tw, tw_dt, topk, E, H, I, out, out_dt);                    \
   }
-MOE_DEC(bf16, false)
-MOE_DEC(f16, true)
+#define NO_SCALE
+#define FP8_SCALE const float* scale,
+MOE_DEC(bf16, false, false, u16, NO_SCALE, nullptr)
+MOE_DEC(f16, true, false, u16, NO_SCALE, nullptr)
+MOE_DEC(fp8_bf16, false, true, unsigned char, FP8_SCALE, scale)
+MOE_DEC(fp8_f16, true, true, unsigned char, FP8_SCALE, scale)

@@ -74,19 +74,23 @@ def _codes(dtype, w_dtype, idx_dtype):
 
 
 def moe_experts_decode(x, topk_idx, topk_w, gate_up, down, out, h, *, N, k, E, H, I,  # noqa: E741
-                       dtype="bfloat16", idx_dtype="int64", w_dtype="bfloat16", stream=0):
+                       dtype="bfloat16", idx_dtype="int64", w_dtype="bfloat16", stream=0, scales=None):
     """The decode path of moe_experts (spec.DECODE_TOKENS, decode.cuh): two launches, no plan. Workspace: h
-    [N*k, I] in x's dtype."""
+    [N*k, I] in x's dtype. scales: as moe_experts (e4m3 weights, W8A16)."""
     spec.check_dims(N, k, E, H, I)
     kernel_need(takes_decode_path(N, k, I, dtype),
                 f"moe_experts decode path: at most {spec.DECODE_TOKENS} tokens of a 16-bit dtype and "
                 f"{DEC_SMEM} bytes of shared memory (got N={N}, {dtype}, k={k}, I={I}: {decode_smem(k, I)})")
+    if scales is not None:
+        spec.check_fp8(H, I, dtype_name(dtype))
     dt, wdt, idx64 = _codes(dtype, w_dtype, idx_dtype)
-    sfx, block = _SUFFIX[dtype], (gemv_spec.WARPS * 32, 1, 1)
+    sfx, block = ("fp8_" if scales is not None else "") + _SUFFIX[dtype], (gemv_spec.WARPS * 32, 1, 1)
+    gu_w, dn_w = ([(gate_up, P)], [(down, P)]) if scales is None else \
+        ([(gate_up, P), (scales[0], P)], [(down, P), (scales[1], P)])
     launch(get_function("moe", f"moe_dec_gate_up_{sfx}"), (I // gemv_spec.WARPS, N * k, 1), block, 2 * H, stream,
-           [(gate_up, P), (x, P), (topk_idx, P), (idx64, INT), (k, INT), (E, INT), (H, INT), (I, INT), (h, P)])
+           [*gu_w, (x, P), (topk_idx, P), (idx64, INT), (k, INT), (E, INT), (H, INT), (I, INT), (h, P)])
     launch(get_function("moe", f"moe_dec_down_{sfx}"), (-(-H // DEC_ROWS), N, 1), block, decode_smem(k, I), stream,
-           [(down, P), (h, P), (topk_idx, P), (idx64, INT), (topk_w, P), (wdt, INT), (k, INT), (E, INT), (H, INT),
+           [*dn_w, (h, P), (topk_idx, P), (idx64, INT), (topk_w, P), (wdt, INT), (k, INT), (E, INT), (H, INT),
             (I, INT), (out, P), (dt, INT)])
 
 

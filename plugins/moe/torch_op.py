@@ -5,8 +5,8 @@ dflash_trt.plugins.torch_ops.
   moe_experts(x [N,H], topk_idx [N,k] int, topk_w [N,k], gate_up [E,2I,H], down [E,H,I]) -> y [N,H] (x's dtype)
   moe_experts_fp8(x, topk_idx, topk_w, gate_up e4m3 [E,2I,H], gate_up_scale [E,2I/128,H/128] fp32, down e4m3
     [E,H,I], down_scale [E,H/128,I/128]) -> y: the same on W = fp8 * scale of its 128x128 block (W8A16, x 16-bit,
-    H and I multiples of 128); CUDA: the grouped kernels streaming the selected experts' fp8 bytes; CPU: the
-    weights dequantized in fp32, then the reference
+    H and I multiples of 128); CUDA: the decode or grouped kernels streaming the selected experts' fp8 bytes; CPU:
+    the weights dequantized in fp32, then the reference
   moe_route(logits [N,E], k, norm) -> (topk_idx [N,k] int64, topk_w [N,k] in logits' dtype)   (reference.route)
 """
 from __future__ import annotations
@@ -45,14 +45,24 @@ def _moe_experts_cuda(x, topk_idx, topk_w, gate_up, down):
     if gate_up.stride(-1) != 1 or not gate_up.is_contiguous() or not down.is_contiguous():
         raise KernelError("moe_experts: expert weights must be contiguous (copying them per call would defeat it)")
     x, topk_idx, topk_w = x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
-    if launch.takes_decode_path(N, k, I, U.dname(x)) and x.data_ptr() % 16 == 0:  # decode: per-pair streaming
+    return _run(x, topk_idx, topk_w, gate_up, down, E, I)
+
+
+def _run(x, topk_idx, topk_w, gate_up, down, E, I, scales=None):  # noqa: E741
+    """The decode path (per-pair streaming) for a few tokens, else the grouped one; contiguous inputs."""
+    N, k = x.shape[0], topk_idx.shape[1]
+    if launch.takes_decode_path(N, k, I, U.dname(x)) and x.data_ptr() % 16 == 0:
         out = torch.empty_like(x)
         h = torch.empty(N * k, I, device=x.device, dtype=x.dtype)
         launch.moe_experts_decode(x.data_ptr(), topk_idx.data_ptr(), topk_w.data_ptr(), gate_up.data_ptr(),
-                                  down.data_ptr(), out.data_ptr(), h.data_ptr(),
+                                  down.data_ptr(), out.data_ptr(), h.data_ptr(), scales=_ptrs(scales),
                                   **_launch_args(x, topk_idx, topk_w, E, I))
         return out
-    return _grouped(x, topk_idx, topk_w, gate_up, down, E, I)
+    return _grouped(x, topk_idx, topk_w, gate_up, down, E, I, scales)
+
+
+def _ptrs(scales):
+    return None if scales is None else tuple(s.data_ptr() for s in scales)
 
 
 def _launch_args(x, topk_idx, topk_w, E, I):  # noqa: E741
@@ -70,7 +80,7 @@ def _grouped(x, topk_idx, topk_w, gate_up, down, E, I, scales=None):  # noqa: E7
     h = torch.empty(N * k, I, device=dev, dtype=x.dtype)
     launch.moe_experts(x.data_ptr(), topk_idx.data_ptr(), topk_w.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
                        out.data_ptr(), plan.data_ptr(), h.data_ptr(), y_pair.data_ptr(),
-                       scales=None if scales is None else tuple(s.data_ptr() for s in scales),
+                       scales=_ptrs(scales),
                        **_launch_args(x, topk_idx, topk_w, E, I))
     return out
 
@@ -113,7 +123,7 @@ def _moe_experts_fp8_cuda(x, topk_idx, topk_w, gate_up, gate_up_scale, down, dow
         raise KernelError("moe_experts_fp8: expert weights and scales must be contiguous (a copy per call would "
                           "defeat the kernel)")
     x, topk_idx, topk_w = x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
-    return _grouped(x, topk_idx, topk_w, gate_up, down, E, I, scales=(gate_up_scale, down_scale))
+    return _run(x, topk_idx, topk_w, gate_up, down, E, I, scales=(gate_up_scale, down_scale))
 
 
 @moe_experts_fp8.register_fake

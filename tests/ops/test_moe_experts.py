@@ -224,19 +224,24 @@ def test_gpu_batch_invariant():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("N", [1, 4])
-def test_gpu_decode_path_drops_pairs_outside_the_experts(N):
+def test_gpu_decode_path_drops_pairs_outside_the_experts(N, fp8):
     """Decode path: a pair whose id is outside [0, E) adds nothing (as the grouped path and the reference)."""
     from dflash_trt.plugins import torch_ops  # noqa: F401
 
-    x, idx, w, gu, dn = case(N, **REAL, dtype=torch.bfloat16, device="cuda", seed=12)
+    x, idx, w, *weights = (fp8_case if fp8 else case)(N, **REAL, dtype=torch.bfloat16, device="cuda", seed=12)
     bad = idx.clone()
     bad[:, 3] = REAL["E"]
     bad[0, 5] = -1
-    got = torch.ops.dflash.moe_experts(x, bad, w, gu, dn)
+    op = torch.ops.dflash.moe_experts_fp8 if fp8 else torch.ops.dflash.moe_experts
+    got = op(x, bad, w, *weights)
     keep = (bad >= 0) & (bad < REAL["E"])
-    ref = reference.moe_experts(x.double(), idx, (w * keep).double(), gu.double(), dn.double())
-    op_helpers.record_err(f"moe decode path dropped pairs T={N}", got, ref, TOL[torch.bfloat16])
+    oracle = fp8_reference if fp8 else lambda x, i, w, gu, dn: reference.moe_experts(x.double(), i, w.double(),
+                                                                                      gu.double(), dn.double())
+    ref = oracle(x, idx, w * keep, *weights)
+    op_helpers.record_err(f"moe {'fp8 ' if fp8 else ''}decode path dropped pairs T={N}", got, ref,
+                          TOL[torch.bfloat16])
 
 
 # ---------------------------------------------------------------- FP8 experts (W8A16) ----------------------------
@@ -311,8 +316,10 @@ def test_fp8_fake_impl_and_the_module_keeps_the_cpu_on_its_dequantized_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,routing", [(64, "same"), (100, "same"), (32, "distinct"), (37, "random")])
+@pytest.mark.parametrize("N,routing", [(64, "same"), (100, "same"), (32, "distinct"), (37, "random"),
+                                       (1, "random"), (3, "random"), (4, "distinct")])
 def test_gpu_fp8_skewed_routings_and_other_shapes(N, routing):
+    """The grouped path and (N <= spec.DECODE_TOKENS) the per-pair decode path, on the real and another shape."""
     shape = REAL if routing != "random" else dict(E=16, k=4, H=384, I=256)
     _gpu_check(f"{routing} T={N}", N, shape, torch.bfloat16, routing=routing, seed=5, fp8=True)
 

@@ -26,7 +26,7 @@ ENTRIES = {
              for d in ("bf16", "f16")],
     "gemv_fp8": gemv_fp8_spec.kernel_variants(),
     "moe": ["moe_plan", "moe_combine", "moe_route"]
-    + [f"moe_dec_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16")]
+    + [f"moe_dec_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16", "fp8_bf16", "fp8_f16")]
     + [f"moe_{k}_{d}" for k in ("gate_up", "down") for d in ("bf16", "f16", "f32", "fp8_bf16", "fp8_f16")],
 }
 
