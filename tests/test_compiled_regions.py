@@ -66,11 +66,11 @@ def test_regional_steps_match_uncompiled_and_compile_once_per_kind_of_layer():
     got, want, graphs4 = _regional(_pair(4), prompt)
     assert got == want
     torch._dynamo.reset()
-    got, want, graphs12 = _regional(_pair(12), prompt)
+    got, want, graphs8 = _regional(_pair(8), prompt)
     assert got == want
     # embedding, GDN layer, attention layer, head (x prefill / decode / verify shapes) and the drafter graphs: the
-    # same set of graphs for 4 and for 12 layers
-    assert graphs4 == graphs12 and graphs4 > 0, (graphs4, graphs12)
+    # same set of graphs for 4 and for 8 layers (one and two periods of 3 GDN : 1 attention)
+    assert graphs4 == graphs8 and graphs4 > 0, (graphs4, graphs8)
 
 
 def test_compiled_pieces_belong_to_their_runtime_not_to_the_modules():
