@@ -191,3 +191,15 @@ def test_gpu_k_above_e_refused_before_launch():
         torch.ops.dflash.moe_route(logits, 9, True)
     torch.cuda.synchronize()  # nothing was launched: no sticky CUDA error either
     _check_against_reference(logits, 8, True, "fp32 after refusal")
+
+
+@pytest.mark.gpu
+def test_gpu_a_row_with_a_nan_or_inf_logit_selects_no_expert():
+    """Such a row's probabilities are all NaN: every slot gets id E (moe_experts drops the pair), the other rows
+    route as the reference."""
+    logits = distinct_logits(4, 64, torch.float32, "cuda", seed=9)
+    logits[1, 5], logits[2, 0] = float("nan"), float("inf")
+    idx, w = torch.ops.dflash.moe_route(logits, 4, True)
+    ref_idx, _ = reference.route(logits[[0, 3]], 4, True)
+    assert idx[1].tolist() == idx[2].tolist() == [64] * 4 and bool(w[1:3].isnan().all())
+    assert torch.equal(idx[[0, 3]], ref_idx)
