@@ -9,9 +9,17 @@ import torch
 from torch import nn
 
 from dflash_trt.config import TargetConfig
-from dflash_trt.modeling.fuse import Linear, linear, linears, swiglu
+from dflash_trt.modeling.fuse import BUFFER, FP8, SCALES, Linear, linear, linears, swiglu
 from dflash_trt.plugins import ops, torch_ops  # noqa: F401  (torch_ops registers torch.ops.dflash.moe_route)
+from dflash_trt.plugins.moe import launch as moe_launch
 from dflash_trt.plugins.moe import reference as moe_ref
+from dflash_trt.plugins.moe import spec as moe_spec
+from dflash_trt.plugins.torch_util import dname
+
+
+def kernel_inference(x) -> bool:
+    """Where the CUDA kernels run a block: CUDA tensors, no autograd, not an ONNX export."""
+    return x.is_cuda and not torch.is_grad_enabled() and not torch.onnx.is_in_onnx_export()
 
 
 class MLP(nn.Module):
@@ -79,6 +87,38 @@ class SparseMoE(nn.Module):
         # the dense projections see x's rows per sequence [..., T, H] (FP8 prefill-only W8A8 keys on T:
         # modeling/fp8_gemm.w8a8_takes), the routed experts its rows flat
         logits, shared_gate = (y.reshape(-1, y.shape[-1]) for y in linears(self, self.GATES, x))
+        fused = self.shared_fused(xf)
+        if fused is not None:  # a decode step: routed and shared experts in the same two launches
+            gate_up, down, scales = fused
+            return torch.ops.dflash.moe_experts_shared(xf, *self.top_k_of(logits), self.experts.gate_up_proj,
+                                                       self.experts.down_proj, gate_up, down, shared_gate,
+                                                       scales).reshape(shape)
         routed = self.experts(xf, *self.top_k_of(logits))
         shared = torch.sigmoid(shared_gate) * self.shared_expert(x).reshape(-1, shape[-1])
         return (routed + shared).reshape(shape)
+
+    def shared_fused(self, x):
+        """(shared gate_up [2I,H], down [H,I], FP8 scales or []) where dflash::moe_experts_shared runs the block's
+        experts on x [N,H], else None. It needs CUDA inference on the MoE decode path's rows (plugins/moe launch
+        .takes_decode_path), every routed expert here (not a tensor-parallel rank's share) and a shared expert as
+        wide as a routed one, in their format (FP8: 128x128 blocks), its gate/up fused (TargetModel
+        .fuse_projections), all contiguous."""
+        experts, sh = self.experts, self.shared_expert
+        gate_up, down = getattr(sh, BUFFER + "gate_proj", None), sh.down_proj.weight
+        H, I = down.shape  # noqa: E741
+        if (gate_up is None or not kernel_inference(x)
+                or tuple(experts.gate_up_proj.shape) != (self.gate.out_features, 2 * I, H)
+                or not moe_launch.takes_decode_path(x.shape[0], self.top_k, I, dname(x), shared=True)):
+            return None
+        scales = []
+        if experts.gate_up_proj.dtype == FP8:
+            block = (moe_spec.FP8_BLOCK, moe_spec.FP8_BLOCK)
+            if (gate_up.dtype != FP8 or down.dtype != FP8 or H % block[0] or I % block[0]
+                    or tuple(experts.block) != block or tuple(sh.down_proj.block) != block):
+                return None
+            scales = [experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv,
+                      getattr(sh, BUFFER + "gate_proj" + SCALES), sh.down_proj.weight_scale_inv]
+        elif not gate_up.dtype == down.dtype == experts.gate_up_proj.dtype == x.dtype:
+            return None
+        tensors = (gate_up, down, experts.gate_up_proj, experts.down_proj, *scales)
+        return (gate_up, down, scales) if all(t.is_contiguous() for t in tensors) else None

@@ -56,13 +56,16 @@ DEC_SMEM = 48 * 1024  # moe_dec_down's dynamic shared memory stays within the de
 
 
 def decode_smem(k: int, I: int) -> int:  # noqa: E741
-    """moe_dec_down's dynamic shared memory: h [k, I] 16-bit + partial sums [k, DEC_ROWS] fp32."""
+    """moe_dec_down's dynamic shared memory for k pairs a token: h [k, I] 16-bit + partial sums [k, DEC_ROWS]
+    fp32 (k + 1 with a shared expert)."""
     return k * I * 2 + k * DEC_ROWS * 4
 
 
-def takes_decode_path(N: int, k: int, I: int, dtype: str) -> bool:  # noqa: E741
-    """Whether moe_experts_decode runs this call (the torch op's choice; otherwise the grouped path)."""
-    return N <= spec.DECODE_TOKENS and str(dtype) in ("bfloat16", "float16") and decode_smem(k, I) <= DEC_SMEM
+def takes_decode_path(N: int, k: int, I: int, dtype: str, shared: bool = False) -> bool:  # noqa: E741
+    """Whether moe_experts_decode runs this call (the torch op's choice; otherwise the grouped path). shared: a
+    shared expert fused in (one more pair a token)."""
+    return (N <= spec.DECODE_TOKENS and str(dtype) in ("bfloat16", "float16")
+            and decode_smem(k + int(shared), I) <= DEC_SMEM)
 
 
 def _codes(dtype, w_dtype, idx_dtype):
@@ -74,24 +77,32 @@ def _codes(dtype, w_dtype, idx_dtype):
 
 
 def moe_experts_decode(x, topk_idx, topk_w, gate_up, down, out, h, *, N, k, E, H, I,  # noqa: E741
-                       dtype="bfloat16", idx_dtype="int64", w_dtype="bfloat16", stream=0, scales=None):
+                       dtype="bfloat16", idx_dtype="int64", w_dtype="bfloat16", stream=0, scales=None, shared=None):
     """The decode path of moe_experts (spec.DECODE_TOKENS, decode.cuh): two launches, no plan. Workspace: h
-    [N*k, I] in x's dtype. scales: as moe_experts (e4m3 weights, W8A16)."""
+    [N*k, I] in x's dtype ([N*(k+1), I] with a shared expert). scales: as moe_experts (e4m3 weights, W8A16).
+    shared: (gate_up [2I, H], down [H, I], gate logit pointer in x's dtype, its row stride in elements) of a
+    shared expert added as y += sigmoid(logit) * expert(x), plus (gate_up scale, down scale) with scales."""
     spec.check_dims(N, k, E, H, I)
-    kernel_need(takes_decode_path(N, k, I, dtype),
+    kernel_need(takes_decode_path(N, k, I, dtype, shared is not None),
                 f"moe_experts decode path: at most {spec.DECODE_TOKENS} tokens of a 16-bit dtype and "
-                f"{DEC_SMEM} bytes of shared memory (got N={N}, {dtype}, k={k}, I={I}: {decode_smem(k, I)})")
+                f"{DEC_SMEM} bytes of shared memory (got N={N}, {dtype}, k={k}, I={I}"
+                f"{', a shared expert' if shared is not None else ''}: {decode_smem(k + (shared is not None), I)})")
     if scales is not None:
         spec.check_fp8(H, I, dtype_name(dtype))
     dt, wdt, idx64 = _codes(dtype, w_dtype, idx_dtype)
     sfx, block = ("fp8_" if scales is not None else "") + _SUFFIX[dtype], (gemv_spec.WARPS * 32, 1, 1)
-    gu_w, dn_w = ([(gate_up, P)], [(down, P)]) if scales is None else \
-        ([(gate_up, P), (scales[0], P)], [(down, P), (scales[1], P)])
-    launch(get_function("moe", f"moe_dec_gate_up_{sfx}"), (I // gemv_spec.WARPS, N * k, 1), block, 2 * H, stream,
-           [*gu_w, (x, P), (topk_idx, P), (idx64, INT), (k, INT), (E, INT), (H, INT), (I, INT), (h, P)])
-    launch(get_function("moe", f"moe_dec_down_{sfx}"), (-(-H // DEC_ROWS), N, 1), block, decode_smem(k, I), stream,
-           [*dn_w, (h, P), (topk_idx, P), (idx64, INT), (topk_w, P), (wdt, INT), (k, INT), (E, INT), (H, INT),
-            (I, INT), (out, P), (dt, INT)])
+    w8 = scales is not None
+    sgu, sdn, logit, stride, *sscales = shared if shared is not None else (0, 0, 0, 0, 0, 0)
+    gu_w, dn_w = [(gate_up, P)] + [(scales[0], P)] * w8, [(down, P)] + [(scales[1], P)] * w8
+    sgu_w, sdn_w = [(sgu, P)] + [(sscales[0], P)] * w8, [(sdn, P)] + [(sscales[1], P)] * w8
+    pairs = N * (k + (shared is not None))
+    launch(get_function("moe", f"moe_dec_gate_up_{sfx}"), (I // gemv_spec.WARPS, pairs, 1), block, 2 * H, stream,
+           [*gu_w, (x, P), (topk_idx, P), (idx64, INT), (N, INT), (k, INT), (E, INT), (H, INT), (I, INT), (h, P),
+            *sgu_w])
+    launch(get_function("moe", f"moe_dec_down_{sfx}"), (-(-H // DEC_ROWS), N, 1), block,
+           decode_smem(k + (shared is not None), I), stream,
+           [*dn_w, (h, P), (topk_idx, P), (idx64, INT), (topk_w, P), (wdt, INT), (N, INT), (k, INT), (E, INT),
+            (H, INT), (I, INT), (out, P), (dt, INT), *sdn_w, (logit, P), (stride, INT)])
 
 
 def _combine(y_pair, topk_idx, idx64, topk_w, wdt, out, dt, *, N, k, E, H, stream):

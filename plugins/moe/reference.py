@@ -52,3 +52,29 @@ def moe_experts_fp8(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scal
     block = (FP8_BLOCK, FP8_BLOCK)
     gu, dn = (dequantize_blockwise(w, s, block) for w, s in ((gate_up, gate_up_scale), (down, down_scale)))
     return moe_experts(x.float(), topk_idx, topk_w.float(), gu, dn).to(x.dtype)
+
+
+def shared_expert(x, gate_up, down, logit):
+    """sigmoid(logit) * SwiGLU expert(x): x [N,H], gate_up [2I,H] (gate rows first), down [H,I], logit [N,1] in the
+    model's dtype (its sigmoid rounded there, as HF's; x may be wider: an fp32 / fp64 oracle)."""
+    gu = F.linear(x, gate_up)
+    inter = down.shape[-1]
+    return torch.sigmoid(logit).to(x.dtype) * F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], down)
+
+
+def moe_experts_shared(x, topk_idx, topk_w, gate_up, down, shared_gate_up, shared_down, shared_logit, scales=()):
+    """Routed experts plus the sparse MoE block's shared expert, as the decode path fuses them: moe_experts(...) +
+    shared_expert(...). scales: () for 16-bit weights, or the four fp32 block scales of e4m3 weights (routed
+    gate_up, down, shared gate_up, down): then W8A16 as moe_experts_fp8, in fp32, the result in x's dtype."""
+    if not scales:
+        return moe_experts(x, topk_idx, topk_w, gate_up, down) + shared_expert(x, shared_gate_up, shared_down,
+                                                                                shared_logit)
+    from dflash_trt.plugins.gemv_fp8.reference import dequantize_blockwise
+    from dflash_trt.plugins.moe.spec import FP8_BLOCK
+
+    block = (FP8_BLOCK, FP8_BLOCK)
+    gu, dn, sgu, sdn = (dequantize_blockwise(w, s, block) for w, s in
+                        zip((gate_up, down, shared_gate_up, shared_down), scales))
+    xf = x.float()
+    y = moe_experts(xf, topk_idx, topk_w.float(), gu, dn) + shared_expert(xf, sgu, sdn, shared_logit)
+    return y.to(x.dtype)

@@ -7,6 +7,10 @@ dflash_trt.plugins.torch_ops.
     [E,H,I], down_scale [E,H/128,I/128]) -> y: the same on W = fp8 * scale of its 128x128 block (W8A16, x 16-bit,
     H and I multiples of 128); CUDA: the decode or grouped kernels streaming the selected experts' fp8 bytes; CPU:
     the weights dequantized in fp32, then the reference
+  moe_experts_shared(x, topk_idx, topk_w, gate_up, down, shared_gate_up [2I,H], shared_down [H,I], shared_logit
+    [N,1], scales: [] or the four FP8 scales) -> routed + sigmoid(shared_logit) * shared expert(x), the sparse MoE
+    block's experts in one op; CUDA: the decode path only (<= spec.DECODE_TOKENS tokens), two launches; CPU: the
+    reference (reference.moe_experts_shared)
   moe_route(logits [N,E], k, norm) -> (topk_idx [N,k] int64, topk_w [N,k] in logits' dtype)   (reference.route)
 """
 from __future__ import annotations
@@ -101,10 +105,15 @@ def _check_fp8(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scale):
     _check(x, topk_idx, topk_w, gate_up, down)
     need(gate_up.dtype == down.dtype == torch.float8_e4m3fn,
          f"moe_experts_fp8: weights must be float8_e4m3fn, got {gate_up.dtype} / {down.dtype}")
-    for name, w, s in (("gate_up", gate_up, gate_up_scale), ("down", down, down_scale)):
-        want = (w.shape[0], *gemv_fp8_spec.scale_shape(*w.shape[1:]))
+    _check_scales("moe_experts_fp8", (("gate_up", gate_up, gate_up_scale), ("down", down, down_scale)))
+
+
+def _check_scales(op, named):
+    """Each (name, e4m3 weight [..., rows, cols], scale): fp32 scales of its 128x128 blocks."""
+    for name, w, s in named:
+        want = (*w.shape[:-2], *gemv_fp8_spec.scale_shape(*w.shape[-2:]))
         need(s.dtype == torch.float32 and tuple(s.shape) == want,
-             f"moe_experts_fp8: {name}_scale {tuple(s.shape)} {s.dtype} must be float32 {want} (128x128 blocks)")
+             f"{op}: {name}_scale {tuple(s.shape)} {s.dtype} must be float32 {want} (128x128 blocks)")
 
 
 @moe_experts_fp8.register_kernel("cpu")
@@ -128,6 +137,66 @@ def _moe_experts_fp8_cuda(x, topk_idx, topk_w, gate_up, gate_up_scale, down, dow
 
 @moe_experts_fp8.register_fake
 def _moe_experts_fp8_fake(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scale):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dflash::moe_experts_shared", mutates_args=())
+def moe_experts_shared(x: Tensor, topk_idx: Tensor, topk_w: Tensor, gate_up: Tensor, down: Tensor,
+                       shared_gate_up: Tensor, shared_down: Tensor, shared_logit: Tensor,
+                       scales: list[Tensor]) -> Tensor:
+    raise NotImplementedError("dflash::moe_experts_shared: no kernel for this device")
+
+
+def _check_shared(x, topk_idx, topk_w, gate_up, down, shared_gate_up, shared_down, shared_logit, scales):
+    """The routed experts as moe_experts (or moe_experts_fp8 with four scales) takes them, and the shared expert
+    in their format and width: gate_up [2I,H], down [H,I]; its gate logit [N,1] in x's dtype."""
+    need(len(scales) in (0, 4), f"moe_experts_shared: scales must be [] or the four FP8 block scales, got {len(scales)}")
+    if scales:
+        _check_fp8(x, topk_idx, topk_w, gate_up, scales[0], down, scales[1])
+        _check_scales("moe_experts_shared", (("shared_gate_up", shared_gate_up, scales[2]),
+                                             ("shared_down", shared_down, scales[3])))
+    else:
+        _check(x, topk_idx, topk_w, gate_up, down)
+    (N, H), I = x.shape, down.shape[2]  # noqa: E741
+    need(tuple(shared_gate_up.shape) == (2 * I, H) and tuple(shared_down.shape) == (H, I)
+         and shared_gate_up.dtype == shared_down.dtype == gate_up.dtype,
+         f"moe_experts_shared: the shared expert {tuple(shared_gate_up.shape)} / {tuple(shared_down.shape)} "
+         f"{shared_gate_up.dtype} must be [2I,H] = {(2 * I, H)} / [H,I] = {(H, I)} in the experts' {gate_up.dtype}")
+    need(tuple(shared_logit.shape) == (N, 1) and shared_logit.dtype == x.dtype,
+         f"moe_experts_shared: shared_logit {tuple(shared_logit.shape)} {shared_logit.dtype} must be [{N},1] {x.dtype}")
+
+
+@moe_experts_shared.register_kernel("cpu")
+def _moe_experts_shared_cpu(x, topk_idx, topk_w, gate_up, down, shared_gate_up, shared_down, shared_logit, scales):
+    _check_shared(x, topk_idx, topk_w, gate_up, down, shared_gate_up, shared_down, shared_logit, scales)
+    return reference.moe_experts_shared(x, topk_idx, topk_w, gate_up, down, shared_gate_up, shared_down,
+                                        shared_logit, tuple(scales))
+
+
+@moe_experts_shared.register_kernel("cuda")
+def _moe_experts_shared_cuda(x, topk_idx, topk_w, gate_up, down, shared_gate_up, shared_down, shared_logit, scales):
+    """The decode path only (launch.takes_decode_path with shared=True): SparseMoE asks for it where it runs."""
+    _check_shared(x, topk_idx, topk_w, gate_up, down, shared_gate_up, shared_down, shared_logit, scales)
+    (N, H), k, E, I = x.shape, topk_idx.shape[1], gate_up.shape[0], down.shape[2]  # noqa: E741
+    spec.check_dims(N, k, E, H, I)
+    weights = (gate_up, down, shared_gate_up, shared_down, *scales)
+    if not all(t.is_contiguous() for t in weights):
+        raise KernelError("moe_experts_shared: expert weights and scales must be contiguous (a copy per call would "
+                          "defeat the kernel)")
+    x, topk_idx, topk_w = x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
+    x = x if x.data_ptr() % 16 == 0 else x.clone()  # the kernels read x in 16-byte words
+    out = torch.empty_like(x)
+    h = torch.empty(N * (k + 1), I, device=x.device, dtype=x.dtype)
+    shared = (shared_gate_up.data_ptr(), shared_down.data_ptr(), shared_logit.data_ptr(), shared_logit.stride(0),
+              *(s.data_ptr() for s in scales[2:]))
+    launch.moe_experts_decode(x.data_ptr(), topk_idx.data_ptr(), topk_w.data_ptr(), gate_up.data_ptr(),
+                              down.data_ptr(), out.data_ptr(), h.data_ptr(), scales=_ptrs(scales[:2] or None),
+                              shared=shared, **_launch_args(x, topk_idx, topk_w, E, I))
+    return out
+
+
+@moe_experts_shared.register_fake
+def _moe_experts_shared_fake(x, topk_idx, topk_w, gate_up, down, shared_gate_up, shared_down, shared_logit, scales):
     return torch.empty_like(x)
 
 
