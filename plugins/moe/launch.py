@@ -91,10 +91,11 @@ def moe_experts_decode(x, topk_idx, topk_w, gate_up, down, out, h, *, N, k, E, H
         spec.check_fp8(H, I, dtype_name(dtype))
     dt, wdt, idx64 = _codes(dtype, w_dtype, idx_dtype)
     sfx, block = ("fp8_" if scales is not None else "") + _SUFFIX[dtype], (gemv_spec.WARPS * 32, 1, 1)
-    w8 = scales is not None
     sgu, sdn, logit, stride, *sscales = shared if shared is not None else (0, 0, 0, 0, 0, 0)
-    gu_w, dn_w = [(gate_up, P)] + [(scales[0], P)] * w8, [(down, P)] + [(scales[1], P)] * w8
-    sgu_w, sdn_w = [(sgu, P)] + [(sscales[0], P)] * w8, [(sdn, P)] + [(sscales[1], P)] * w8
+    w8 = scales is not None  # FP8 entries take each weight's scale after it
+    gu_w, dn_w, sgu_w, sdn_w = ([(w, P)] + ([(s, P)] if w8 else []) for w, s in
+                                ((gate_up, scales and scales[0]), (down, scales and scales[1]),
+                                 (sgu, sscales and sscales[0]), (sdn, sscales and sscales[1])))
     pairs = N * (k + (shared is not None))
     launch(get_function("moe", f"moe_dec_gate_up_{sfx}"), (I // gemv_spec.WARPS, pairs, 1), block, 2 * H, stream,
            [*gu_w, (x, P), (topk_idx, P), (idx64, INT), (N, INT), (k, INT), (E, INT), (H, INT), (I, INT), (h, P),
