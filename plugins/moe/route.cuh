@@ -6,9 +6,9 @@
 // Softmax in fp32 -> the k largest probabilities (descending) -> renormalised when norm.
 // reference.route's math in one launch (torch's softmax + topk cost two sort kernels per layer). One CTA per token
 // row n (grid N, blockDim a multiple of 32, <= MOE_ROUTE_THREADS). Dynamic shared memory: p [E], sel [k] floats.
-// Selection by rank, not k rounds of a block-wide argmax (k barriers and serial merges, ~7 us at E = 256, k = 8 on
-// an H200): expert e's rank is the number of experts ahead of it (a larger probability, or an equal one and a lower
-// id), so rank < k puts e in slot `rank`; a thread stops counting once k are ahead. Each reduction uses its own
+// Selection by rank, not k rounds of a block-wide argmax (k barriers and serial merges; docs/PERF.md): expert e's
+// rank is the number of experts ahead of it (a larger probability, or an equal one and a lower id), so rank < k puts
+// e in slot `rank`; a thread stops counting once k are ahead. Each reduction uses its own
 // buffer. Equal probabilities go to the lowest expert id. A row with a NaN or infinite logit (its probabilities
 // all NaN) selects id E in every slot (outside [0, E): moe_experts drops such pairs), weight -inf (NaN when norm).
 template <bool MAX>
