@@ -83,27 +83,28 @@ def moe_experts_decode(x, topk_idx, topk_w, gate_up, down, out, h, *, N, k, E, H
     shared: (gate_up [2I, H], down [H, I], gate logit pointer in x's dtype, its row stride in elements) of a
     shared expert added as y += sigmoid(logit) * expert(x), plus (gate_up scale, down scale) with scales."""
     spec.check_dims(N, k, E, H, I)
-    kernel_need(takes_decode_path(N, k, I, dtype, shared is not None),
+    w8, sh = scales is not None, shared is not None
+    kernel_need(takes_decode_path(N, k, I, dtype, sh),
                 f"moe_experts decode path: at most {spec.DECODE_TOKENS} tokens of a 16-bit dtype and "
                 f"{DEC_SMEM} bytes of shared memory (got N={N}, {dtype}, k={k}, I={I}"
-                f"{', a shared expert' if shared is not None else ''}: {decode_smem(k + (shared is not None), I)})")
-    if scales is not None:
+                f"{', a shared expert' if sh else ''}: {decode_smem(k + sh, I)})")
+    if w8:
         spec.check_fp8(H, I, dtype_name(dtype))
     dt, wdt, idx64 = _codes(dtype, w_dtype, idx_dtype)
-    sfx, block = ("fp8_" if scales is not None else "") + _SUFFIX[dtype], (gemv_spec.WARPS * 32, 1, 1)
-    sgu, sdn, logit, stride, *sscales = shared if shared is not None else (0, 0, 0, 0, 0, 0)
-    w8 = scales is not None  # FP8 entries take each weight's scale after it
-    gu_w, dn_w, sgu_w, sdn_w = ([(w, P)] + ([(s, P)] if w8 else []) for w, s in
-                                ((gate_up, scales and scales[0]), (down, scales and scales[1]),
-                                 (sgu, sscales and sscales[0]), (sdn, sscales and sscales[1])))
-    pairs = N * (k + (shared is not None))
-    launch(get_function("moe", f"moe_dec_gate_up_{sfx}"), (I // gemv_spec.WARPS, pairs, 1), block, 2 * H, stream,
-           [*gu_w, (x, P), (topk_idx, P), (idx64, INT), (N, INT), (k, INT), (E, INT), (H, INT), (I, INT), (h, P),
-            *sgu_w])
-    launch(get_function("moe", f"moe_dec_down_{sfx}"), (-(-H // DEC_ROWS), N, 1), block,
-           decode_smem(k + (shared is not None), I), stream,
-           [*dn_w, (h, P), (topk_idx, P), (idx64, INT), (topk_w, P), (wdt, INT), (N, INT), (k, INT), (E, INT),
-            (H, INT), (I, INT), (out, P), (dt, INT), *sdn_w, (logit, P), (stride, INT)])
+    sfx, block = ("fp8_" if w8 else "") + _SUFFIX[dtype], (gemv_spec.WARPS * 32, 1, 1)
+    sgu, sdn, logit, stride, *sscales = shared if sh else (0, 0, 0, 0)
+    (gs, ds), (sgs, sds) = scales or (0, 0), sscales or (0, 0)
+
+    def weight(w, s):  # FP8 entries take each weight's scale after it
+        return [(w, P), (s, P)] if w8 else [(w, P)]
+
+    launch(get_function("moe", f"moe_dec_gate_up_{sfx}"), (I // gemv_spec.WARPS, N * (k + sh), 1), block, 2 * H,
+           stream, [*weight(gate_up, gs), (x, P), (topk_idx, P), (idx64, INT), (N, INT), (k, INT), (E, INT), (H, INT),
+                    (I, INT), (h, P), *weight(sgu, sgs)])
+    launch(get_function("moe", f"moe_dec_down_{sfx}"), (-(-H // DEC_ROWS), N, 1), block, decode_smem(k + sh, I),
+           stream, [*weight(down, ds), (h, P), (topk_idx, P), (idx64, INT), (topk_w, P), (wdt, INT), (N, INT),
+                    (k, INT), (E, INT), (H, INT), (I, INT), (out, P), (dt, INT), *weight(sdn, sds), (logit, P),
+                    (stride, INT)])
 
 
 def _combine(y_pair, topk_idx, idx64, topk_w, wdt, out, dt, *, N, k, E, H, stream):

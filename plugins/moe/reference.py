@@ -46,12 +46,16 @@ def moe_experts(x, topk_idx, topk_w, gate_up, down):
 def moe_experts_fp8(x, topk_idx, topk_w, gate_up, gate_up_scale, down, down_scale):
     """moe_experts on FP8 experts (e4m3 weights, fp32 scales of 128x128 blocks): W = fp8 * scale in fp32 (the W8A16
     reference), x and the routing weights in fp32, the result in x's dtype."""
+    gu, dn = _dequantized((gate_up, gate_up_scale), (down, down_scale))
+    return moe_experts(x.float(), topk_idx, topk_w.float(), gu, dn).to(x.dtype)
+
+
+def _dequantized(*pairs):
+    """W = fp8 * scale of its 128x128 block, fp32, for each (e4m3 weight, scale) pair."""
     from dflash_trt.plugins.gemv_fp8.reference import dequantize_blockwise
     from dflash_trt.plugins.moe.spec import FP8_BLOCK
 
-    block = (FP8_BLOCK, FP8_BLOCK)
-    gu, dn = (dequantize_blockwise(w, s, block) for w, s in ((gate_up, gate_up_scale), (down, down_scale)))
-    return moe_experts(x.float(), topk_idx, topk_w.float(), gu, dn).to(x.dtype)
+    return [dequantize_blockwise(w, s, (FP8_BLOCK, FP8_BLOCK)) for w, s in pairs]
 
 
 def shared_expert(x, gate_up, down, logit):
@@ -69,12 +73,7 @@ def moe_experts_shared(x, topk_idx, topk_w, gate_up, down, shared_gate_up, share
     if not scales:
         return moe_experts(x, topk_idx, topk_w, gate_up, down) + shared_expert(x, shared_gate_up, shared_down,
                                                                                 shared_logit)
-    from dflash_trt.plugins.gemv_fp8.reference import dequantize_blockwise
-    from dflash_trt.plugins.moe.spec import FP8_BLOCK
-
-    block = (FP8_BLOCK, FP8_BLOCK)
-    gu, dn, sgu, sdn = (dequantize_blockwise(w, s, block) for w, s in
-                        zip((gate_up, down, shared_gate_up, shared_down), scales))
+    gu, dn, sgu, sdn = _dequantized(*zip((gate_up, down, shared_gate_up, shared_down), scales))
     xf = x.float()
     y = moe_experts(xf, topk_idx, topk_w.float(), gu, dn) + shared_expert(xf, sgu, sdn, shared_logit)
     return y.to(x.dtype)
